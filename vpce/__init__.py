@@ -1,0 +1,12 @@
+"""vpce: exact vocab-parallel fused linear + cross-entropy that never materializes [tokens, vocab] logits.
+
+Layout: ``api`` (public function and module, argument checks), ``parallel`` (shard ranges, statistics
+exchange, autograd-aware collectives), ``torch_backend`` (pure-PyTorch chunked backend, the CPU path),
+``triton_backend`` (fused GPU kernels), ``bench`` (``python -m vpce.bench``).
+"""
+
+from .api import LinearCrossEntropy, linear_cross_entropy
+from .options import LossOptions
+
+__all__ = ["linear_cross_entropy", "LinearCrossEntropy", "LossOptions"]
+__version__ = "0.1.0"

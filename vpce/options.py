@@ -1,0 +1,39 @@
+"""The loss options every backend receives, validated once at the public boundary (``vpce.api``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+REDUCTIONS = ("mean", "sum", "none")
+BACKENDS = ("auto", "torch", "triton")
+BUDGET_NAMES = ("auto", "fast", "lean")
+
+#: Live chunk data the torch backend allows itself by default (GiB): logits, probabilities and their casts.
+DEFAULT_CHUNK_GIB = 0.25
+
+
+@dataclass(frozen=True, kw_only=True)
+class LossOptions:
+    """What is computed per token; see ``docs/api.md`` for the formulas."""
+
+    ignore_index: int = -100
+    """Target id whose token contributes nothing (loss 0, gradient 0, not counted by ``mean``)."""
+    reduction: str = "mean"
+    """``"mean"`` over non-ignored tokens, ``"sum"``, or ``"none"`` (shape of target, ignored tokens 0)."""
+    label_smoothing: float = 0.0
+    """torch's definition: ``(1 - eps) * CE + eps * mean_j(-log p_j)`` over the real global vocab."""
+    z_loss: float = 0.0
+    """Adds ``z_loss * lse**2`` per token."""
+    softcap: float | None = None
+    """Logits become ``softcap * tanh(logits / softcap)`` before everything else."""
+    memory_budget: str | float = "auto"
+    """``"fast"`` (gradients formed in forward, fp32 dW accumulator), ``"lean"`` (statistics in forward,
+    logits recomputed in backward), ``"auto"`` (the backend picks), or a number: GiB of live chunk data on the
+    fast route."""
+
+    @property
+    def lean(self) -> bool:
+        return self.memory_budget == "lean"
+
+    def chunk_gib(self) -> float:
+        return self.memory_budget if isinstance(self.memory_budget, float) else DEFAULT_CHUNK_GIB

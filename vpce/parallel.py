@@ -1,0 +1,187 @@
+"""Vocab-parallel plumbing: shard ranges, the statistics exchange, and autograd-aware collectives.
+
+Everything that talks to ``torch.distributed`` lives here, with an explicit ``group`` argument; the compute
+backends (``vpce.torch_backend`` and the Triton kernels) never import ``torch.distributed`` themselves.
+
+Vocab layout. The lm_head weight ``[V, D]`` is split by rows over the ranks of ``group``: rank ``r`` holds the
+contiguous global ids ``[start_r, start_r + rows_r)``. Shards may be uneven. Rows whose global id is
+``>= vocab_size`` are padding (Megatron's ``make_vocab_size_divisible_by``) and are excluded from the softmax.
+By default ``start_r`` is the sum of the rows of lower ranks; learning it takes one small all-gather of the shard
+sizes the first time a ``(group, rows)`` pair is seen, cached afterwards. Pass ``vocab_start`` and ``vocab_size``
+explicitly to skip it (the Megatron integration does).
+
+Statistics exchange. Per token chunk each rank has, over its valid rows, the local max ``m_r``, the local sum of
+``exp(z - m_r)`` ``s_r`` and a few additive sums (target logit, sum of logits). They are packed into one
+``[k, chunk]`` fp32 tensor and exchanged with a single ``all_gather_into_tensor``; every rank then combines
+them identically::
+
+    M = max_r m_r,   S = sum_r s_r * exp(m_r - M),   lse = M + log S,   extra = sum_r extra_r
+
+so every rank holds the same global ``lse`` and returns the same loss. One collective per chunk; O(chunk * k *
+world) bytes; no logits or weights are ever gathered.
+
+Gradient of the hidden states. Each rank's backend produces only its vocab shard's contribution to ``dX``. The
+hidden states enter the vocab-parallel region through ``enter_vocab_parallel``: identity in forward and an
+all-reduce of ``dX`` in backward (hidden replicated), or, with ``sequence_parallel=True``, an all-gather along
+dim 0 in forward and a reduce-scatter of ``dX`` in backward (Megatron's sequence parallelism).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "VocabShard",
+    "resolve_shard",
+    "combine_softmax_stats",
+    "enter_vocab_parallel",
+    "group_rank_and_size",
+]
+
+
+@dataclass(frozen=True)
+class VocabShard:
+    """Where this rank's weight rows sit in the global vocab."""
+
+    group: Any
+    """The process group the vocab is sharded over, or None when not sharded."""
+    rank: int
+    """This rank's index in ``group`` (0 when not sharded)."""
+    world: int
+    """Number of ranks in ``group`` (1 when not sharded)."""
+    start: int
+    """Global vocab id of this rank's first weight row."""
+    rows: int
+    """Rows of the local weight, padding included."""
+    vocab_size: int
+    """Real global vocab size; rows with global id >= vocab_size are padding."""
+
+    @property
+    def valid_rows(self) -> int:
+        """Local rows that are real vocab entries (the first ``valid_rows`` rows)."""
+        return max(0, min(self.rows, self.vocab_size - self.start))
+
+    @property
+    def sharded(self) -> bool:
+        return self.world > 1
+
+
+def group_rank_and_size(group) -> tuple[int, int]:
+    if group is None:
+        return 0, 1
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError("group: expected an initialized torch.distributed process group, got one while "
+                         "torch.distributed is not initialized")
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+_SHARD_ROWS: dict[tuple[int, int], tuple[int, ...]] = {}
+
+
+def _all_shard_rows(group, rows: int, device: torch.device) -> tuple[int, ...]:
+    """Rows of every rank's shard: one all-gather of a single int, cached per (group, rows)."""
+    key = (id(group), rows)
+    hit = _SHARD_ROWS.get(key)
+    if hit is None:
+        world = dist.get_world_size(group)
+        dev = device if dist.get_backend(group) != "gloo" else torch.device("cpu")
+        mine = torch.tensor([rows], dtype=torch.int64, device=dev)
+        every = torch.empty(world, dtype=torch.int64, device=dev)
+        dist.all_gather_into_tensor(every, mine, group=group)
+        hit = tuple(int(v) for v in every.tolist())
+        _SHARD_ROWS[key] = hit
+    return hit
+
+
+def resolve_shard(group, rows: int, vocab_start: int | None, vocab_size: int | None,
+                  device: torch.device) -> VocabShard:
+    """Build the ``VocabShard`` of this rank; validates ``vocab_start`` / ``vocab_size`` against the shards."""
+    rank, world = group_rank_and_size(group)
+    if world == 1 and vocab_start not in (None, 0):
+        raise ValueError(f"vocab_start: expected None or 0 when the vocab is not sharded (group of one rank), "
+                         f"got {vocab_start}")
+    if world == 1:
+        size = rows if vocab_size is None else vocab_size
+        if size > rows:
+            raise ValueError(f"vocab_size: expected at most the weight's {rows} rows, got {size}")
+        return VocabShard(group if world > 1 else None, 0, 1, 0, rows, size)
+    if vocab_start is None or vocab_size is None:
+        every = _all_shard_rows(group, rows, device)
+        total = sum(every)
+        start = sum(every[:rank]) if vocab_start is None else vocab_start
+        size = total if vocab_size is None else vocab_size
+        if size > total:
+            raise ValueError(f"vocab_size: expected at most the {total} rows of all shards together, got {size}")
+    else:
+        start, size = vocab_start, vocab_size
+    return VocabShard(group, rank, world, start, rows, size)
+
+
+def _exchange(packed: torch.Tensor, shard: VocabShard) -> torch.Tensor:
+    """All-gather a ``[k, c]`` tensor from every rank into ``[world, k, c]`` (one collective)."""
+    out = packed.new_empty((shard.world,) + tuple(packed.shape))
+    dist.all_gather_into_tensor(out, packed.contiguous(), group=shard.group)
+    return out
+
+
+def combine_softmax_stats(local_max: torch.Tensor, local_sumexp: torch.Tensor, sums: list[torch.Tensor],
+                          shard: VocabShard) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Global ``lse`` per token and the global value of each additive statistic in ``sums``.
+
+    ``local_max`` may be ``-inf`` (with ``local_sumexp == 0``) on a rank whose shard is all padding.
+    NaN or inf in any rank's statistics propagates into ``lse``.
+    """
+    if not shard.sharded:
+        return local_max + torch.log(local_sumexp), sums
+    every = _exchange(torch.stack([local_max, local_sumexp, *sums]), shard)
+    m_all, s_all = every[:, 0], every[:, 1]
+    m = m_all.amax(0)
+    # Ranks with m_r = -inf contribute exp(-inf) * 0 = 0; a rank with m_r = +inf or NaN makes lse NaN.
+    s = (s_all * torch.exp(m_all - m)).sum(0)
+    return m + torch.log(s), [every[:, 2 + i].sum(0) for i in range(len(sums))]
+
+
+class _CopyToVocabParallel(torch.autograd.Function):
+    """Identity in forward; all-reduce (sum) of the gradient over the group in backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _GatherSequenceParallel(torch.autograd.Function):
+    """All-gather along dim 0 in forward; reduce-scatter of the gradient along dim 0 in backward."""
+
+    @staticmethod
+    def forward(ctx, x, group, world):
+        ctx.group, ctx.world = group, world
+        out = x.new_empty((x.shape[0] * world,) + tuple(x.shape[1:]))
+        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        out = grad.new_empty((grad.shape[0] // ctx.world,) + tuple(grad.shape[1:]))
+        dist.reduce_scatter_tensor(out, grad, group=ctx.group)
+        return out, None, None
+
+
+def enter_vocab_parallel(hidden: torch.Tensor, shard: VocabShard, sequence_parallel: bool) -> torch.Tensor:
+    """Hidden states as every rank of the group needs them, with the matching gradient collective."""
+    if sequence_parallel and shard.sharded:
+        return _GatherSequenceParallel.apply(hidden, shard.group, shard.world)
+    if shard.sharded and torch.is_grad_enabled() and hidden.requires_grad:
+        return _CopyToVocabParallel.apply(hidden, shard.group)
+    return hidden
