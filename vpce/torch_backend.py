@@ -49,12 +49,56 @@ def chunk_tokens(budget_gib: float, shard: VocabShard, dtype: torch.dtype, softc
 
 def _logits(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, softcap: float | None,
             acc: torch.dtype) -> torch.Tensor:
-    z = F.linear(h, w).to(acc)
+    z = _logits_acc(h, w, acc)
     if b is not None:
         z += b.to(acc)
     if softcap is not None:
         z.div_(softcap).tanh_().mul_(softcap)
     return z
+
+
+_MIXED_GEMM: dict[str, bool] = {}
+_UPCAST_ROWS = 4096  # weight rows upcast at a time where the device has no mixed-dtype GEMM
+
+
+def _mixed_mm(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype) -> torch.Tensor | None:
+    """One GEMM of fp16/bf16 operands with an ``acc`` output (cuBLAS), or None where the device has none."""
+    dev = a.device.type
+    if not _MIXED_GEMM.get(dev, True):
+        return None
+    try:
+        out = torch.mm(a, b, out_dtype=acc)
+    except (RuntimeError, TypeError, NotImplementedError):
+        _MIXED_GEMM[dev] = False
+        return None
+    _MIXED_GEMM[dev] = True
+    return out
+
+
+def _logits_acc(h: torch.Tensor, w: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
+    """``h @ w.T`` in ``acc`` without rounding the logits to the inputs' dtype."""
+    if h.dtype == acc:
+        return h @ w.t()
+    out = _mixed_mm(h, w.t(), acc)
+    if out is None:
+        out = h.new_empty((h.shape[0], w.shape[0]), dtype=acc)
+        ha = h.to(acc)
+        for r0 in range(0, w.shape[0], _UPCAST_ROWS):
+            torch.mm(ha, w[r0:r0 + _UPCAST_ROWS].to(acc).t(), out=out[:, r0:r0 + _UPCAST_ROWS])
+    return out
+
+
+def _dx_acc(g: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``g [c, v] @ w [v, D]`` in ``g``'s dtype; ``g`` is cast to ``w``'s dtype first, as torch's backward does."""
+    if w.dtype == g.dtype:
+        return g @ w
+    out = _mixed_mm(g.to(w.dtype), w, g.dtype)
+    if out is None:
+        out = g.new_zeros(g.shape[0], w.shape[1])
+        gc = g.to(w.dtype).to(g.dtype)
+        for r0 in range(0, w.shape[0], _UPCAST_ROWS):
+            out.addmm_(gc[:, r0:r0 + _UPCAST_ROWS], w[r0:r0 + _UPCAST_ROWS].to(g.dtype))
+    return out
 
 
 def _logit_grad_(z: torch.Tensor, lse: torch.Tensor, row_scale: torch.Tensor, t_idx: torch.Tensor,
@@ -108,9 +152,10 @@ class TorchLinearCrossEntropy(torch.autograd.Function):
 
         eager = any(needs_grad) and opts.reduction != "none" and not opts.lean
         if eager:
-            per_tok = 1 / tg.count.clamp(min=1).to(acc) if opts.reduction == "mean" else hidden.new_ones((), dtype=acc)
-            row_scale_all = tg.row_scale(per_tok.expand(n))
-            dx = torch.zeros_like(hidden) if needs_grad[0] else None
+            # Rows at unit scale; 1/count (mean) and the upstream gradient are applied in backward, so the cast
+            # of the chunk gradient to fp16 keeps full precision (and loss scaling keeps working).
+            row_scale_all = tg.row_scale(hidden.new_ones((), dtype=acc).expand(n))
+            dx = torch.zeros(n, d, dtype=acc, device=hidden.device) if needs_grad[0] else None
             dw = torch.zeros(v, d, dtype=acc, device=hidden.device) if needs_grad[1] else None
             db = torch.zeros(v, dtype=acc, device=hidden.device) if needs_grad[2] else None
 
@@ -141,7 +186,7 @@ class TorchLinearCrossEntropy(torch.autograd.Function):
             if eager and v > 0:
                 g = _logit_grad_(z, lse, row_scale_all[sl], tg.idx[sl], tg.in_shard[sl], opts, shard.vocab_size)
                 if dx is not None:
-                    torch.mm(g.to(hidden.dtype), w, out=dx[sl])
+                    dx[sl] = _dx_acc(g, w)
                 if dw is not None:
                     dw.addmm_(g.t(), hidden[sl].to(acc))
                 if db is not None:
@@ -154,9 +199,10 @@ class TorchLinearCrossEntropy(torch.autograd.Function):
         else:
             out = loss_tok
 
-        ctx.eager, ctx.shard, ctx.opts, ctx.chunk = eager, shard, opts, chunk
+        ctx.eager, ctx.shard, ctx.opts, ctx.chunk, ctx.count = eager, shard, opts, chunk, tg.count.to(acc)
         if eager:
-            ctx.grads = [dx, _pad_rows(dw, weight), _pad_rows(db, bias)]
+            ctx.grads = [dx, dw, db]
+            ctx.like = (hidden.dtype, weight.shape[0], weight.dtype)
         elif any(needs_grad):
             ctx.save_for_backward(hidden, weight, bias, target, lse_all)
         return out
@@ -168,9 +214,11 @@ class TorchLinearCrossEntropy(torch.autograd.Function):
                 raise RuntimeError("vpce: this loss formed its gradients in forward and they were already "
                                    "used; for a second backward pass use memory_budget='lean'")
             grads, ctx.grads = ctx.grads, None
-            g = grad_out.detach()
-            out = [None if t is None else t.mul_(g.to(t.dtype)) for t in grads]
-            return out[0], out[1], out[2], None, None, None, None
+            g = grad_out.detach() / ctx.count.clamp(min=1) if ctx.opts.reduction == "mean" else grad_out.detach()
+            dx, dw, db = (None if t is None else t.mul_(g) for t in grads)
+            dtype, rows, _ = ctx.like
+            return (None if dx is None else dx.to(dtype), _pad_rows(dw, rows, dtype), _pad_rows(db, rows, dtype),
+                    None, None, None, None)
 
         hidden, weight, bias, target, lse_all = ctx.saved_tensors
         shard, opts, chunk = ctx.shard, ctx.opts, ctx.chunk
@@ -186,7 +234,7 @@ class TorchLinearCrossEntropy(torch.autograd.Function):
         row_scale_all = tg.row_scale(g.expand(n) if g.dim() == 0 else g.reshape(n))
 
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
-        dx = torch.zeros_like(hidden) if need_dx else None
+        dx = torch.zeros(n, d, dtype=acc, device=hidden.device) if need_dx else None
         dw = torch.zeros(v, d, dtype=acc, device=hidden.device) if need_dw else None
         db = torch.zeros(v, dtype=acc, device=hidden.device) if need_db and bias is not None else None
         if v > 0:
@@ -196,20 +244,22 @@ class TorchLinearCrossEntropy(torch.autograd.Function):
                 gz = _logit_grad_(z, lse_all[sl], row_scale_all[sl], tg.idx[sl], tg.in_shard[sl], opts,
                                   shard.vocab_size)
                 if dx is not None:
-                    torch.mm(gz.to(hidden.dtype), w, out=dx[sl])
+                    dx[sl] = _dx_acc(gz, w)
                 if dw is not None:
                     dw.addmm_(gz.t(), hidden[sl].to(acc))
                 if db is not None:
                     db += gz.sum(0)
-        return dx, _pad_rows(dw, weight), _pad_rows(db, bias), None, None, None, None
+        rows, dtype = weight.shape[0], hidden.dtype
+        return (None if dx is None else dx.to(dtype), _pad_rows(dw, rows, dtype), _pad_rows(db, rows, dtype),
+                None, None, None, None)
 
 
-def _pad_rows(g: torch.Tensor | None, like: torch.Tensor | None) -> torch.Tensor | None:
-    """fp32 gradient of the valid rows -> gradient of the whole parameter (padding rows 0), in its dtype."""
-    if g is None or like is None:
+def _pad_rows(g: torch.Tensor | None, rows: int, dtype: torch.dtype) -> torch.Tensor | None:
+    """Accumulated gradient of the valid rows -> gradient of all ``rows`` (padding rows 0), in ``dtype``."""
+    if g is None:
         return None
-    if g.shape[0] == like.shape[0]:
-        return g.to(like.dtype)
-    out = torch.zeros_like(like)
+    if g.shape[0] == rows:
+        return g.to(dtype)
+    out = g.new_zeros((rows,) + tuple(g.shape[1:]), dtype=dtype)
     out[: g.shape[0]] = g
     return out

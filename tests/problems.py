@@ -1,0 +1,52 @@
+"""Random test problems shared by the single-process and distributed tests."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# Option sets that every backend must get exactly right, alone and combined.
+VARIANTS = {
+    "plain": {},
+    "smooth": {"label_smoothing": 0.1},
+    "zloss": {"z_loss": 1e-3},
+    "softcap": {"softcap": 3.0},
+    "all": {"label_smoothing": 0.2, "z_loss": 1e-2, "softcap": 5.0},
+}
+
+
+@dataclass
+class Problem:
+    hidden: torch.Tensor
+    weight: torch.Tensor
+    target: torch.Tensor
+    bias: torch.Tensor | None
+    grad: torch.Tensor
+    vocab_size: int
+
+
+def make_problem(n: int | tuple, d: int, rows: int, *, dtype=torch.float32, vocab_size=None, bias=False,
+                 ignore_frac=0.0, scale=1.0, reduction="mean", seed=0, target_dtype=torch.int64) -> Problem:
+    """Hidden ``[*n, d]``, weight ``[rows, d]``, targets in ``[0, vocab_size)`` with a fraction ignored.
+
+    ``scale`` multiplies the logits' spread: 30 gives confident (peaked) softmaxes. ``grad`` is the
+    upstream gradient to apply: a random per-token tensor for ``none``, a random scalar otherwise.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    shape = (n,) if isinstance(n, int) else tuple(n)
+    v = rows if vocab_size is None else vocab_size
+    hidden = torch.randn(*shape, d, generator=gen, dtype=torch.float64)
+    weight = torch.randn(rows, d, generator=gen, dtype=torch.float64) * (scale / d**0.5)
+    b = torch.randn(rows, generator=gen, dtype=torch.float64) * scale if bias else None
+    target = torch.randint(0, v, shape, generator=gen)
+    drop = torch.rand(shape, generator=gen) < ignore_frac
+    target = torch.where(drop, torch.full_like(target, -100), target).to(target_dtype)
+    grad = (torch.randn(shape, generator=gen, dtype=torch.float64) if reduction == "none"
+            else torch.randn((), generator=gen, dtype=torch.float64) + 2.0)
+    cast = lambda x: None if x is None else x.to(dtype)  # noqa: E731
+    return Problem(cast(hidden), cast(weight), target, cast(b), grad, v)
+
+
+def leaf(x: torch.Tensor | None) -> torch.Tensor | None:
+    return None if x is None else x.detach().clone().requires_grad_()
