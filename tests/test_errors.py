@@ -1,0 +1,81 @@
+"""Bad input gets a ValueError/TypeError that names the argument, what was expected and what was given."""
+
+import pytest
+import torch
+
+import vpce
+
+
+def good(**over):
+    args = dict(hidden=torch.randn(6, 8), weight=torch.randn(20, 8), target=torch.randint(0, 20, (6,)))
+    args.update(over)
+    return args
+
+
+CASES = [
+    # (overrides, error type, substrings the message must hold)
+    ({"hidden": [[1.0]]}, TypeError, ["hidden", "torch.Tensor", "list"]),
+    ({"weight": torch.randn(20, 8, 1)}, ValueError, ["weight", "[V_local, D]", "(20, 8, 1)"]),
+    ({"weight": torch.randn(20, 7)}, ValueError, ["weight", "[V_local, 8]", "(20, 7)"]),
+    ({"weight": torch.randn(0, 8)}, ValueError, ["weight", "at least one row"]),
+    ({"weight": torch.randn(20, 8, dtype=torch.float64)}, TypeError, ["weight", "torch.float32", "float64"]),
+    ({"hidden": torch.randn(6, 8, dtype=torch.float64), "backend": "torch"}, TypeError, ["weight", "float64"]),
+    ({"hidden": torch.randint(0, 3, (6, 8))}, TypeError, ["hidden", "dtype", "torch.int64"]),
+    ({"hidden": torch.randn(())}, ValueError, ["hidden", "[..., D]", "0-d"]),
+    ({"target": torch.randint(0, 20, (5,))}, ValueError, ["target", "(6,)", "(5,)"]),
+    ({"target": torch.zeros(6)}, TypeError, ["target", "int64", "float32"]),
+    ({"target": torch.tensor([0, 1, 2, 3, 4, 20])}, ValueError, ["target", "[0, 20)", "got 20", "(5,)"]),
+    ({"target": torch.tensor([0, 1, -1, 3, 4, 5])}, ValueError, ["target", "ignore_index=-100", "got -1"]),
+    ({"bias": torch.randn(19)}, ValueError, ["bias", "(20,)", "(19,)"]),
+    ({"bias": torch.randn(20, dtype=torch.float64)}, TypeError, ["bias", "torch.float32", "float64"]),
+    ({"bias": [0.0]}, TypeError, ["bias", "Tensor", "list"]),
+    ({"weight": torch.randn(20, 8, device="meta")}, ValueError, ["weight", "device cpu", "meta"]),
+    ({"reduction": "avg"}, ValueError, ["reduction", "'mean'", "'avg'"]),
+    ({"label_smoothing": 1.0}, ValueError, ["label_smoothing", "< 1.0", "1.0"]),
+    ({"label_smoothing": -0.1}, ValueError, ["label_smoothing", ">= 0.0", "-0.1"]),
+    ({"label_smoothing": "0.1"}, TypeError, ["label_smoothing", "real number", "str"]),
+    ({"z_loss": -1e-4}, ValueError, ["z_loss", ">= 0.0", "-0.0001"]),
+    ({"z_loss": float("nan")}, ValueError, ["z_loss", "NaN"]),
+    ({"softcap": 0.0}, ValueError, ["softcap", "> 0.0", "0.0"]),
+    ({"softcap": -30.0}, ValueError, ["softcap", "> 0.0", "-30.0"]),
+    ({"vocab_size": 21}, ValueError, ["vocab_size", "at most", "20", "21"]),
+    ({"vocab_size": 0}, ValueError, ["vocab_size", ">= 1", "0"]),
+    ({"vocab_size": 10.0}, TypeError, ["vocab_size", "int", "float"]),
+    ({"vocab_start": 5}, ValueError, ["vocab_start", "not sharded", "5"]),
+    ({"vocab_start": -1}, ValueError, ["vocab_start", ">= 0", "-1"]),
+    ({"ignore_index": 1.5}, TypeError, ["ignore_index", "int", "float"]),
+    ({"sequence_parallel": True}, ValueError, ["sequence_parallel", "group=None"]),
+    ({"sequence_parallel": 1}, TypeError, ["sequence_parallel", "bool", "int"]),
+    ({"backend": "cuda"}, ValueError, ["backend", "'triton'", "'cuda'"]),
+    ({"memory_budget": "small"}, ValueError, ["memory_budget", "'lean'", "'small'"]),
+    ({"memory_budget": 0}, ValueError, ["memory_budget", "> 0.0", "0"]),
+    ({"validate": "yes"}, TypeError, ["validate", "bool", "str"]),
+    ({"group": object()}, ValueError, ["group", "not initialized"]),
+]
+
+
+@pytest.mark.parametrize("over,exc,words", CASES, ids=[f"{i}-{next(iter(c[0]))}" for i, c in enumerate(CASES)])
+def test_bad_input_is_named(over, exc, words):
+    args = good(**over)
+    with pytest.raises(exc) as info:
+        vpce.linear_cross_entropy(args.pop("hidden"), args.pop("weight"), args.pop("target"), **args)
+    msg = str(info.value)
+    for w in words:
+        assert w in msg, f"{w!r} not in {msg!r}"
+
+
+def test_module_validates_at_construction():
+    with pytest.raises(ValueError, match="reduction"):
+        vpce.LinearCrossEntropy(reduction="avg")
+    with pytest.raises(ValueError, match="softcap"):
+        vpce.LinearCrossEntropy(softcap=0)
+    with pytest.raises(ValueError, match="backend"):
+        vpce.LinearCrossEntropy(backend="cuda")
+
+
+def test_ignore_index_may_be_any_int_and_targets_must_fit_padded_vocab():
+    args = good(target=torch.tensor([0, 7, 7, 3, 18, 5]))
+    loss = vpce.linear_cross_entropy(args["hidden"], args["weight"], args["target"], ignore_index=7)
+    assert torch.isfinite(loss)
+    with pytest.raises(ValueError, match=r"target: expected ids in \[0, 15\)"):
+        vpce.linear_cross_entropy(args["hidden"], args["weight"], args["target"], vocab_size=15)
