@@ -12,7 +12,7 @@ explicitly to skip it (the Megatron integration does).
 
 Statistics exchange. Per token chunk each rank has, over its valid rows, the local max ``m_r``, the local sum of
 ``exp(z - m_r)`` ``s_r`` and a few additive sums (target logit, sum of logits). They are packed into one
-``[k, chunk]`` fp32 tensor and exchanged with a single ``all_gather_into_tensor``; every rank then combines
+``[k, chunk]`` fp32 tensor and exchanged with a single all-gather; every rank then combines
 them identically::
 
     M = max_r m_r,   S = sum_r s_r * exp(m_r - M),   lse = M + log S,   extra = sum_r extra_r
@@ -79,6 +79,11 @@ def group_rank_and_size(group) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
+# torch >= 2.13 names these *_single and deprecates the *_tensor spellings that older releases have.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 _SHARD_ROWS: dict[tuple[int, int], tuple[int, ...]] = {}
 
 
@@ -91,7 +96,7 @@ def _all_shard_rows(group, rows: int, device: torch.device) -> tuple[int, ...]:
         dev = device if dist.get_backend(group) != "gloo" else torch.device("cpu")
         mine = torch.tensor([rows], dtype=torch.int64, device=dev)
         every = torch.empty(world, dtype=torch.int64, device=dev)
-        dist.all_gather_into_tensor(every, mine, group=group)
+        _all_gather(every, mine, group=group)
         hit = tuple(int(v) for v in every.tolist())
         _SHARD_ROWS[key] = hit
     return hit
@@ -123,9 +128,9 @@ def resolve_shard(group, rows: int, vocab_start: int | None, vocab_size: int | N
 
 def _exchange(packed: torch.Tensor, shard: VocabShard) -> torch.Tensor:
     """All-gather a ``[k, c]`` tensor from every rank into ``[world, k, c]`` (one collective)."""
-    out = packed.new_empty((shard.world,) + tuple(packed.shape))
-    dist.all_gather_into_tensor(out, packed.contiguous(), group=shard.group)
-    return out
+    out = packed.new_empty((shard.world * packed.shape[0],) + tuple(packed.shape[1:]))
+    _all_gather(out, packed.contiguous(), group=shard.group)
+    return out.view((shard.world,) + tuple(packed.shape))
 
 
 def combine_softmax_stats(local_max: torch.Tensor, local_sumexp: torch.Tensor, sums: list[torch.Tensor],
@@ -167,14 +172,14 @@ class _GatherSequenceParallel(torch.autograd.Function):
     def forward(ctx, x, group, world):
         ctx.group, ctx.world = group, world
         out = x.new_empty((x.shape[0] * world,) + tuple(x.shape[1:]))
-        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+        _all_gather(out, x.contiguous(), group=group)
         return out
 
     @staticmethod
     def backward(ctx, grad):
         grad = grad.contiguous()
         out = grad.new_empty((grad.shape[0] // ctx.world,) + tuple(grad.shape[1:]))
-        dist.reduce_scatter_tensor(out, grad, group=ctx.group)
+        _reduce_scatter(out, grad, group=ctx.group)
         return out, None, None
 
 
