@@ -31,8 +31,8 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 
+from .gemm import mm_out
 from .options import LossOptions
 from .parallel import VocabShard, combine_softmax_stats
 
@@ -49,56 +49,12 @@ def chunk_tokens(budget_gib: float, shard: VocabShard, dtype: torch.dtype, softc
 
 def _logits(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, softcap: float | None,
             acc: torch.dtype) -> torch.Tensor:
-    z = _logits_acc(h, w, acc)
+    z = mm_out(h, w.t(), acc)
     if b is not None:
         z += b.to(acc)
     if softcap is not None:
         z.div_(softcap).tanh_().mul_(softcap)
     return z
-
-
-_MIXED_GEMM: dict[str, bool] = {}
-_UPCAST_ROWS = 4096  # weight rows upcast at a time where the device has no mixed-dtype GEMM
-
-
-def _mixed_mm(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype) -> torch.Tensor | None:
-    """One GEMM of fp16/bf16 operands with an ``acc`` output (cuBLAS), or None where the device has none."""
-    dev = a.device.type
-    if not _MIXED_GEMM.get(dev, True):
-        return None
-    try:
-        out = torch.mm(a, b, out_dtype=acc)
-    except (RuntimeError, TypeError, NotImplementedError):
-        _MIXED_GEMM[dev] = False
-        return None
-    _MIXED_GEMM[dev] = True
-    return out
-
-
-def _logits_acc(h: torch.Tensor, w: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
-    """``h @ w.T`` in ``acc`` without rounding the logits to the inputs' dtype."""
-    if h.dtype == acc:
-        return h @ w.t()
-    out = _mixed_mm(h, w.t(), acc)
-    if out is None:
-        out = h.new_empty((h.shape[0], w.shape[0]), dtype=acc)
-        ha = h.to(acc)
-        for r0 in range(0, w.shape[0], _UPCAST_ROWS):
-            torch.mm(ha, w[r0:r0 + _UPCAST_ROWS].to(acc).t(), out=out[:, r0:r0 + _UPCAST_ROWS])
-    return out
-
-
-def _dx_acc(g: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``g [c, v] @ w [v, D]`` in ``g``'s dtype; ``g`` is cast to ``w``'s dtype first, as torch's backward does."""
-    if w.dtype == g.dtype:
-        return g @ w
-    out = _mixed_mm(g.to(w.dtype), w, g.dtype)
-    if out is None:
-        out = g.new_zeros(g.shape[0], w.shape[1])
-        gc = g.to(w.dtype).to(g.dtype)
-        for r0 in range(0, w.shape[0], _UPCAST_ROWS):
-            out.addmm_(gc[:, r0:r0 + _UPCAST_ROWS], w[r0:r0 + _UPCAST_ROWS].to(g.dtype))
-    return out
 
 
 def _logit_grad_(z: torch.Tensor, lse: torch.Tensor, row_scale: torch.Tensor, t_idx: torch.Tensor,
@@ -186,7 +142,7 @@ class TorchLinearCrossEntropy(torch.autograd.Function):
             if eager and v > 0:
                 g = _logit_grad_(z, lse, row_scale_all[sl], tg.idx[sl], tg.in_shard[sl], opts, shard.vocab_size)
                 if dx is not None:
-                    dx[sl] = _dx_acc(g, w)
+                    dx[sl] = mm_out(g.to(w.dtype), w, acc)
                 if dw is not None:
                     dw.addmm_(g.t(), hidden[sl].to(acc))
                 if db is not None:
@@ -244,7 +200,7 @@ class TorchLinearCrossEntropy(torch.autograd.Function):
                 gz = _logit_grad_(z, lse_all[sl], row_scale_all[sl], tg.idx[sl], tg.in_shard[sl], opts,
                                   shard.vocab_size)
                 if dx is not None:
-                    dx[sl] = _dx_acc(gz, w)
+                    dx[sl] = mm_out(gz.to(w.dtype), w, acc)
                 if dw is not None:
                     dw.addmm_(gz.t(), hidden[sl].to(acc))
                 if db is not None:
