@@ -8,6 +8,7 @@ what was given), flattens ``[..., D]`` inputs to 2-D, resolves where this rank's
 from __future__ import annotations
 
 import numbers
+import os
 
 import torch
 
@@ -148,9 +149,13 @@ def _resolve_backend(backend, hidden: torch.Tensor) -> str:
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
         return "triton" if hidden.is_cuda and _triton_available() else "torch"
-    if backend == "triton" and not _triton_available():
-        raise ValueError("backend: 'triton' needs the Triton package and vpce's Triton kernels, which could not "
-                         "be imported here; use backend='torch' or 'auto'")
+    if backend == "triton":
+        if not _triton_available():
+            raise ValueError("backend: 'triton' needs the Triton package and vpce's Triton kernels, which could "
+                             "not be imported here; use backend='torch' or 'auto'")
+        if not hidden.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1":
+            raise ValueError(f"backend: 'triton' expects CUDA tensors (or TRITON_INTERPRET=1 for the CPU "
+                             f"interpreter), got hidden on {hidden.device}")
     return backend
 
 

@@ -35,6 +35,7 @@ import torch
 from .gemm import mm_out
 from .options import LossOptions
 from .parallel import VocabShard, combine_softmax_stats
+from .targets import TokenTargets
 
 __all__ = ["chunk_tokens", "TorchLinearCrossEntropy"]
 
@@ -74,23 +75,6 @@ def _logit_grad_(z: torch.Tensor, lse: torch.Tensor, row_scale: torch.Tensor, t_
     return p
 
 
-class _Targets:
-    """Per-token target bookkeeping shared by forward and backward."""
-
-    def __init__(self, target: torch.Tensor, shard: VocabShard, ignore_index: int):
-        self.keep = target != ignore_index
-        self.bad = self.keep & ((target < 0) | (target >= shard.vocab_size))
-        local = target - shard.start
-        self.in_shard = self.keep & (local >= 0) & (local < shard.valid_rows)
-        self.idx = torch.where(self.in_shard, local, 0)
-        self.count = self.keep.sum()
-
-    def row_scale(self, per_token: torch.Tensor) -> torch.Tensor:
-        """Upstream gradient per token: 0 on ignored tokens, NaN on out-of-range targets."""
-        s = torch.where(self.keep, per_token, 0)
-        return torch.where(self.bad, math.nan, s)
-
-
 class TorchLinearCrossEntropy(torch.autograd.Function):
     """Inputs are 2-D ``hidden [N, D]`` and 1-D ``target [N]``; returns fp32 (fp64) loss per ``reduction``."""
 
@@ -102,7 +86,7 @@ class TorchLinearCrossEntropy(torch.autograd.Function):
         v = shard.valid_rows
         w = weight[:v]
         b = None if bias is None else bias[:v]
-        tg = _Targets(target, shard, opts.ignore_index)
+        tg = TokenTargets(target, shard, opts.ignore_index)
         eps, zl = opts.label_smoothing, opts.z_loss
         chunk = chunk_tokens(opts.chunk_gib(), shard, hidden.dtype, opts.softcap is not None)
 
@@ -183,7 +167,7 @@ class TorchLinearCrossEntropy(torch.autograd.Function):
         v = shard.valid_rows
         w = weight[:v]
         b = None if bias is None else bias[:v]
-        tg = _Targets(target, shard, opts.ignore_index)
+        tg = TokenTargets(target, shard, opts.ignore_index)
         g = grad_out.detach().to(acc)
         if opts.reduction == "mean":
             g = g / tg.count.clamp(min=1).to(acc)

@@ -1,0 +1,161 @@
+"""The Triton backend against the float64 oracle.
+
+On a machine without CUDA the kernels run through Triton's CPU interpreter (fp32/fp16, small odd shapes: no bf16
+there); with CUDA the same tests run on the GPU, plus large-shape, int64-offset and determinism tests.
+"""
+
+import pytest
+import torch
+
+import vpce
+from distributed import run_ranks
+from oracle import describe, reference, rel_err, torch_eager
+from problems import VARIANTS, leaf, make_problem
+
+triton = pytest.importorskip("triton")
+CUDA = torch.cuda.is_available()
+DEV = "cuda" if CUDA else "cpu"
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if CUDA else [])
+gpu_only = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+
+
+def run(p, backend="triton", **opts):
+    h, w, b = (leaf(None if x is None else x.to(DEV)) for x in (p.hidden, p.weight, p.bias))
+    loss = vpce.linear_cross_entropy(h, w, p.target.to(DEV), b, backend=backend, vocab_size=p.vocab_size, **opts)
+    (loss * p.grad.to(DEV, loss.dtype)).sum().backward()
+    return [None if x is None else x.cpu() for x in (loss, h.grad, w.grad, None if b is None else b.grad)]
+
+
+def check(p, memory_budget="auto", **opts):
+    """fp32: rel err <= 2e-5 (loss 1e-5); 16-bit: loss <= 1e-5 and gradients no worse than torch eager's."""
+    got = run(p, memory_budget=memory_budget, **opts)
+    ref = reference(p.hidden, p.weight, p.target, p.bias, grad=p.grad, vocab_size=p.vocab_size, **opts)
+    eager = torch_eager(p.hidden, p.weight, p.target, p.bias, grad=p.grad, vocab_size=p.vocab_size, **opts)
+    want = (ref.loss, ref.dhidden, ref.dweight, ref.dbias)
+    base = (eager.loss, eager.dhidden, eager.dweight, eager.dbias)
+    for name, g, r, e in zip(("loss", "dX", "dW", "db"), got, want, base):
+        if r is None:
+            continue
+        err = rel_err(g, r)
+        if name == "loss":
+            tol = 1e-5
+        elif p.hidden.dtype == torch.float32:
+            tol = 2e-5
+        else:  # same slack as the torch backend's tests: rounding luck on small problems
+            tol = 1.25 * rel_err(e, r) + 1e-6
+        assert err <= tol, f"{name}: rel err {err:.3e} > {tol:.3e} ({describe(g, r)}) {p.hidden.dtype} {opts}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(37, 40, 75), (19, 123, 507), (1, 16, 3)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("budget", ["auto", "lean"])
+def test_matches_oracle(dtype, shape, reduction, budget):
+    n, d, v = shape
+    p = make_problem(n, d, v, dtype=dtype, bias=True, ignore_frac=0.3, reduction=reduction, seed=n * d + v)
+    check(p, reduction=reduction, memory_budget=budget)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("budget", ["auto", "lean"])
+def test_variants_confident_logits_padded_vocab(dtype, variant, budget):
+    # 128 tokens: enough that the 16-bit comparison with torch eager is not decided by rounding luck
+    p = make_problem(128, 32, 90, dtype=dtype, bias=variant != "plain", vocab_size=83, ignore_frac=0.2, scale=20.0,
+                     seed=5)
+    check(p, reduction="mean", memory_budget=budget, **VARIANTS[variant])
+
+
+def test_multiple_chunks_and_tiny_p_budget():
+    # a P budget of one tile row forces many fast-route chunks (statistics exchanged per chunk)
+    p = make_problem(300, 24, 130, dtype=torch.float32, bias=True, ignore_frac=0.1, seed=9)
+    check(p, reduction="mean", memory_budget=1e-7, label_smoothing=0.1)
+
+
+def test_ignored_empty_and_no_grad():
+    p = make_problem(13, 16, 40, ignore_frac=1.0)
+    loss, dx, dw, _ = run(p)
+    assert loss.item() == 0.0 and dx.abs().max() == 0 and dw.abs().max() == 0
+    q = make_problem(0, 16, 40)
+    loss, dx, dw, _ = run(q)
+    assert loss.item() == 0.0 and dx.shape == (0, 16) and dw.abs().max() == 0
+    r = make_problem(21, 16, 40, reduction="none")
+    with torch.no_grad():
+        a = vpce.linear_cross_entropy(r.hidden.to(DEV), r.weight.to(DEV), r.target.to(DEV), reduction="none",
+                                      backend="triton")
+    assert rel_err(a, reference(r.hidden, r.weight, r.target, reduction="none").loss) < 1e-6
+
+
+def test_nan_propagates_and_float64_is_refused():
+    p = make_problem(9, 16, 40)
+    h = p.hidden.clone()
+    h[2, 3] = float("nan")
+    loss = vpce.linear_cross_entropy(h.to(DEV), p.weight.to(DEV), p.target.to(DEV), reduction="none",
+                                     backend="triton")
+    assert torch.isnan(loss[2]) and torch.isfinite(loss[:2]).all()
+    with pytest.raises(TypeError, match="float64"):
+        vpce.linear_cross_entropy(p.hidden.double(), p.weight.double(), p.target, backend="triton")
+
+
+def _tp_main(rank, world, budget):
+    import torch.distributed as dist
+
+    sizes = [45, 20, 33][:world]
+    p = make_problem((4 * world, 3), 24, sum(sizes), dtype=torch.float32, vocab_size=sum(sizes) - 4, bias=True,
+                     ignore_frac=0.2, reduction="none", seed=2)
+    start = sum(sizes[:rank])
+    out = []
+    for sp in (False, True):
+        h = leaf(p.hidden[rank * 4:(rank + 1) * 4] if sp else p.hidden)
+        w, b = leaf(p.weight[start:start + sizes[rank]]), leaf(p.bias[start:start + sizes[rank]])
+        opts = dict(label_smoothing=0.1, z_loss=1e-3, softcap=8.0)
+        loss = vpce.linear_cross_entropy(h, w, p.target, b, group=dist.group.WORLD, sequence_parallel=sp,
+                                         vocab_size=p.vocab_size, backend="triton", memory_budget=budget,
+                                         reduction="none", **opts)
+        loss.backward(p.grad.float())
+        ref = reference(p.hidden, p.weight, p.target, p.bias, grad=p.grad, vocab_size=p.vocab_size,
+                        reduction="none", **opts)
+        want_dx = ref.dhidden[rank * 4:(rank + 1) * 4] if sp else ref.dhidden
+        out.append((sp, rel_err(loss, ref.loss), rel_err(h.grad, want_dx),
+                    rel_err(w.grad, ref.dweight[start:start + sizes[rank]]),
+                    rel_err(b.grad, ref.dbias[start:start + sizes[rank]])))
+    return out
+
+
+@pytest.mark.skipif(CUDA, reason="the gloo runs use the CPU interpreter; NCCL runs are in launch/")
+@pytest.mark.parametrize("world", [2, 3])
+def test_triton_backend_vocab_parallel_on_gloo(world):
+    for rank, res in enumerate(run_ranks(_tp_main, world, "auto")):
+        for sp, *errs in res:
+            assert max(errs) < 2e-5, f"rank {rank}/{world} sp={sp}: loss/dX/dW/db errs {errs}"
+
+
+# ---------------------------------------------------------------------------------------------------- GPU only
+
+
+@gpu_only
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("budget", ["auto", "lean"])
+def test_gpu_large_shape(dtype, budget):
+    p = make_problem(4096, 1024, 32003, dtype=dtype, ignore_frac=0.1, seed=1)
+    check(p, reduction="mean", memory_budget=budget)
+
+
+@gpu_only
+def test_gpu_int64_offsets():
+    # N * V_local > 2**31 elements in the fast route's P chunk and the lean route's block
+    n, d, v = 17000, 64, 131072
+    p = make_problem(n, d, v, dtype=torch.bfloat16, seed=4)
+    for budget in (8.0, "lean"):
+        got = run(p, memory_budget=budget)
+        ref = run(p, backend="torch", memory_budget="lean")
+        assert rel_err(got[0], ref[0]) < 1e-5 and rel_err(got[1], ref[1]) < 2e-2 and rel_err(got[2], ref[2]) < 2e-2
+
+
+@gpu_only
+@pytest.mark.parametrize("budget", ["auto", "lean"])
+def test_gpu_bitwise_deterministic(budget):
+    p = make_problem(3000, 512, 50000, dtype=torch.bfloat16, bias=True, ignore_frac=0.1, seed=8)
+    a, b = run(p, memory_budget=budget), run(p, memory_budget=budget)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)

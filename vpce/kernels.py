@@ -1,0 +1,255 @@
+"""Triton kernels: the lm_head GEMM with a softmax epilogue, and the in-place probabilities -> gradient pass.
+
+``logits_tiles`` computes ``z = X @ W.T (+ b)`` one ``[BLOCK_M, BLOCK_N]`` tile at a time (fp32 accumulation over
+D, int64 addressing) and never writes ``z``. The epilogue, per tile:
+
+1. bias, then the soft cap ``z = c * tanh(z / c)``; columns past the valid vocab become ``-inf``;
+2. stats mode: the tile's row max ``m_t`` and ``s_t = sum exp(z - m_t)`` go to ``[rows, n_tiles]`` buffers,
+   the target logit to ``ZT[row]`` (stored by the one tile that holds the target: no atomics), optionally the
+   row sum of ``z`` (label smoothing) and the tile of ``exp(z - m_t)`` in 16 bits (the fast route's ``P``);
+3. grad mode: with the global ``lse`` known (lean route's backward) it writes ``dL/dz`` directly:
+   ``scale * (p (1 + 2 zl lse) - (1 - eps) [j == t] - eps / V) * (1 - (z / c)**2)``, ``p = exp(z - lse)``.
+
+``probs_to_grad_`` turns the fast route's ``P`` into the same ``dL/dz`` in place once the global statistics are
+known: ``p = P * exp(m_t - lse)``; with a soft cap, ``z`` is recovered as ``m_t + log P``.
+
+Everything is deterministic (plain stores, no atomics) and runs under ``TRITON_INTERPRET=1`` on the CPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["logits_tiles", "probs_to_grad_", "tile_n", "INTERPRET"]
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def _softcap(x, softcap):
+    """``softcap * tanh(x / softcap)`` and its derivative ``sech^2``, both from ``e = exp(-2|u|)``: no
+    cancellation in the derivative where the cap saturates (``1 - tanh^2`` would lose it all)."""
+    u = x / softcap
+    e = tl.exp(-2.0 * tl.abs(u))
+    th = (1.0 - e) / (1.0 + e)
+    return softcap * tl.where(u >= 0, th, -th), 4.0 * e / ((1.0 + e) * (1.0 + e))
+
+
+@triton.jit
+def _dlogits(p, dcap, hit, col_ok, scale, lse, zl2, eps_v, keep_t,
+             SOFTCAP: tl.constexpr, HAS_EPS: tl.constexpr, HAS_ZLOSS: tl.constexpr):
+    """d(loss)/d(pre-cap logit) for a tile; ``p`` is the probability, ``dcap`` the cap's derivative."""
+    if HAS_ZLOSS:
+        g = p * (scale * (1.0 + zl2 * lse))[:, None]
+    else:
+        g = p * scale[:, None]
+    g = g - tl.where(hit, (scale * keep_t)[:, None], 0.0)
+    if HAS_EPS:
+        g = g - (scale * eps_v)[:, None]
+    if SOFTCAP:
+        g = g * dcap
+    return tl.where(col_ok, g, 0.0)
+
+
+@triton.heuristics({"EVEN_K": lambda a: a["D"] % a["BLOCK_K"] == 0})
+@triton.jit
+def _logits_tiles_kernel(
+    # pointers
+    X, W, B, TL, TILE_M, TILE_S, TILE_Z, ZT, P, LSE, SCALE,
+    # shapes
+    M, V, D, n_tiles,
+    # strides
+    stride_xm, stride_xk, stride_wv, stride_wk, stride_pm, stride_pn,
+    # options
+    softcap, zl2, eps_v, keep_t,
+    # meta
+    HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, HAS_EPS: tl.constexpr, HAS_ZLOSS: tl.constexpr,
+    GRAD: tl.constexpr, WRITE_P: tl.constexpr, SUM_Z: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):
+    # -- grouped tile order: GROUP_M row blocks share each W tile while it sits in L2 --
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(V, BLOCK_N)
+    width = GROUP_M * num_n
+    first_m = (pid // width) * GROUP_M
+    size_m = min(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % size_m
+    pid_n = (pid % width) // size_m
+
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    # rows past the end read a valid row (wrapped) and are never stored: no masks in the K loop
+    rm_load = (rm % M).to(tl.int64)
+    rn_load = (rn % V).to(tl.int64)
+    x_ptrs = X + rm_load[:, None] * stride_xm + rk[None, :] * stride_xk
+    w_ptrs = W + rn_load[None, :] * stride_wv + rk[:, None] * stride_wk
+
+    # -- logits tile: fp32 accumulation over D --
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(D, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(x_ptrs)
+            b = tl.load(w_ptrs)
+        else:
+            a = tl.load(x_ptrs, mask=rk[None, :] < D - k * BLOCK_K, other=0.0)
+            b = tl.load(w_ptrs, mask=rk[:, None] < D - k * BLOCK_K, other=0.0)
+        if IEEE:
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+        x_ptrs += BLOCK_K * stride_xk
+        w_ptrs += BLOCK_K * stride_wk
+
+    # -- epilogue: bias, soft cap, padding columns --
+    row_ok = rm < M
+    col_ok = (rn < V)[None, :]
+    if HAS_BIAS:
+        acc += tl.load(B + rn, mask=rn < V, other=0.0).to(tl.float32)[None, :]
+    dcap = acc
+    if SOFTCAP:
+        acc, dcap = _softcap(acc, softcap)
+    z = tl.where(col_ok, acc, float("-inf"))
+    t = tl.load(TL + rm, mask=row_ok, other=-1)
+    hit = rn[None, :] == t[:, None]
+    p_offs = rm.to(tl.int64)[:, None] * stride_pm + rn.to(tl.int64)[None, :] * stride_pn
+    p_mask = row_ok[:, None] & col_ok
+
+    if GRAD:
+        lse = tl.load(LSE + rm, mask=row_ok, other=0.0)
+        scale = tl.load(SCALE + rm, mask=row_ok, other=0.0)
+        p = tl.exp(z - lse[:, None])
+        g = _dlogits(p, dcap, hit, col_ok, scale, lse, zl2, eps_v, keep_t, SOFTCAP, HAS_EPS, HAS_ZLOSS)
+        tl.store(P + p_offs, g.to(P.dtype.element_ty), mask=p_mask)
+    else:
+        # -- online-softmax statistics of this tile --
+        m_t = tl.max(z, axis=1)
+        e = tl.exp(z - m_t[:, None])
+        s_t = tl.sum(e, axis=1)
+        stat = rm.to(tl.int64) * n_tiles + pid_n
+        tl.store(TILE_M + stat, m_t, mask=row_ok)
+        tl.store(TILE_S + stat, s_t, mask=row_ok)
+        if SUM_Z:
+            tl.store(TILE_Z + stat, tl.sum(tl.where(col_ok, acc, 0.0), axis=1), mask=row_ok)
+        zt = tl.sum(tl.where(hit, acc, 0.0), axis=1)
+        mine = row_ok & (t >= pid_n * BLOCK_N) & (t < pid_n * BLOCK_N + BLOCK_N)
+        tl.store(ZT + rm, zt, mask=mine)
+        if WRITE_P:
+            tl.store(P + p_offs, e.to(P.dtype.element_ty), mask=p_mask)
+
+
+@triton.jit
+def _probs_to_grad_kernel(
+    # pointers
+    P, G, TILE_M, LSE, SCALE, TL, ZT,
+    # shapes
+    M, V, n_tiles,
+    # strides
+    stride_pm, stride_pn,
+    # options
+    softcap, zl2, eps_v, keep_t,
+    # meta
+    SOFTCAP: tl.constexpr, HAS_EPS: tl.constexpr, HAS_ZLOSS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)  # one stats tile of the GEMM epilogue (same BLOCK_N)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rm < M
+    col_ok = (rn < V)[None, :]
+    offs = rm.to(tl.int64)[:, None] * stride_pm + rn.to(tl.int64)[None, :] * stride_pn
+    mask = row_ok[:, None] & col_ok
+    e = tl.load(P + offs, mask=mask, other=0.0).to(tl.float32)
+    m_t = tl.load(TILE_M + rm.to(tl.int64) * n_tiles + pid_n, mask=row_ok, other=0.0)
+    lse = tl.load(LSE + rm, mask=row_ok, other=0.0)
+    scale = tl.load(SCALE + rm, mask=row_ok, other=0.0)
+    t = tl.load(TL + rm, mask=row_ok, other=-1)
+    p = e * tl.exp(m_t - lse)[:, None]
+    hit = rn[None, :] == t[:, None]
+    dcap = e
+    if SOFTCAP:
+        # the cap's derivative 1 - (z/c)^2 from the capped logit: exact at the target column, elsewhere z is
+        # recovered from the stored exp(z - m_t) (where that underflowed p is 0 too; see triton_backend)
+        zt = tl.load(ZT + rm, mask=row_ok, other=0.0)
+        r = tl.where(hit, zt[:, None], m_t[:, None] + tl.log(tl.maximum(e, 1e-30))) / softcap
+        dcap = (1.0 - r) * (1.0 + r)
+    g = _dlogits(p, dcap, hit, col_ok, scale, lse, zl2, eps_v, keep_t, SOFTCAP, HAS_EPS, HAS_ZLOSS)
+    tl.store(G + offs, g.to(G.dtype.element_ty), mask=mask)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# launchers
+
+
+def _config(x: torch.Tensor) -> dict:
+    """Block shapes per device class; a fixed small config under the interpreter (no autotuning on CPU)."""
+    if INTERPRET or not x.is_cuda:
+        return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16, GROUP_M=4, num_warps=4, num_stages=1)
+    if x.dtype == torch.float32:
+        return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=32, GROUP_M=8, num_warps=8, num_stages=3)
+    return dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
+
+
+def tile_n(x: torch.Tensor) -> int:
+    """Columns per stats tile for inputs like ``x``."""
+    return _config(x)["BLOCK_N"]
+
+
+def _opts(opts, vocab_size: int) -> dict:
+    return dict(softcap=float(opts.softcap or 1.0), zl2=2.0 * opts.z_loss, eps_v=opts.label_smoothing / vocab_size,
+                keep_t=1.0 - opts.label_smoothing, SOFTCAP=opts.softcap is not None,
+                HAS_EPS=opts.label_smoothing > 0, HAS_ZLOSS=opts.z_loss > 0)
+
+
+def logits_tiles(x, w, b, t_local, opts, vocab_size: int, *, tile_m=None, tile_s=None, tile_z=None, zt=None,
+                 p=None, lse=None, scale=None):
+    """Launch the GEMM + epilogue over ``x [M, D]`` and ``w [V, D]``.
+
+    Stats mode (``lse is None``) fills ``tile_m``, ``tile_s`` (and ``tile_z``) ``[M, n_tiles]`` and ``zt [M]``
+    (callers zero it) and, if ``p`` is given, writes ``exp(z - m_t)`` into it. Grad mode (``lse`` and ``scale``
+    given) writes ``dL/dz`` into ``p``.
+    """
+    m, d = x.shape
+    v = w.shape[0]
+    if m == 0 or v == 0:
+        return
+    cfg = _config(x)
+    bn = cfg["BLOCK_N"]
+    n_tiles = triton.cdiv(v, bn)
+    grad = lse is not None
+    dummy = x.new_empty(0, dtype=torch.float32)
+    out = p if p is not None else x.new_empty(0)
+    grid = (triton.cdiv(m, cfg["BLOCK_M"]) * n_tiles,)
+    _logits_tiles_kernel[grid](
+        x, w, b if b is not None else dummy, t_local,
+        tile_m if tile_m is not None else dummy, tile_s if tile_s is not None else dummy,
+        tile_z if tile_z is not None else dummy, zt if zt is not None else dummy, out,
+        lse if grad else dummy, scale if grad else dummy,
+        m, v, d, n_tiles,
+        x.stride(0), x.stride(1), w.stride(0), w.stride(1),
+        out.stride(0) if p is not None else 0, out.stride(1) if p is not None else 0,
+        **_opts(opts, vocab_size),
+        HAS_BIAS=b is not None, GRAD=grad, WRITE_P=p is not None and not grad, SUM_Z=tile_z is not None,
+        IEEE=x.dtype == torch.float32, **cfg,
+    )
+
+
+def probs_to_grad_(p, g, tile_m, lse, zt, scale, t_local, opts, vocab_size: int, block_n: int):
+    """``g = dL/dz`` from the fast route's ``p = exp(z - m_t)``; ``g`` may alias ``p``. ``zt``: global target
+    logit per row (used with a soft cap)."""
+    m, v = p.shape
+    if m == 0 or v == 0:
+        return
+    block_m = 16 if INTERPRET or not p.is_cuda else 32
+    grid = (triton.cdiv(m, block_m), triton.cdiv(v, block_n))
+    _probs_to_grad_kernel[grid](
+        p, g, tile_m, lse, scale, t_local, zt, m, v, tile_m.shape[1], p.stride(0), p.stride(1),
+        **_opts(opts, vocab_size), BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4,
+    )
