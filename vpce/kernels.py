@@ -209,18 +209,18 @@ def _opts(opts, vocab_size: int) -> dict:
 
 
 def logits_tiles(x, w, b, t_local, opts, vocab_size: int, *, tile_m=None, tile_s=None, tile_z=None, zt=None,
-                 p=None, lse=None, scale=None):
+                 p=None, lse=None, scale=None, config=None):
     """Launch the GEMM + epilogue over ``x [M, D]`` and ``w [V, D]``.
 
     Stats mode (``lse is None``) fills ``tile_m``, ``tile_s`` (and ``tile_z``) ``[M, n_tiles]`` and ``zt [M]``
     (callers zero it) and, if ``p`` is given, writes ``exp(z - m_t)`` into it. Grad mode (``lse`` and ``scale``
-    given) writes ``dL/dz`` into ``p``.
+    given) writes ``dL/dz`` into ``p``. ``config`` overrides the block shapes (for ``launch/tune_kernels.py``).
     """
     m, d = x.shape
     v = w.shape[0]
     if m == 0 or v == 0:
         return
-    cfg = _config(x)
+    cfg = config or _config(x)
     bn = cfg["BLOCK_N"]
     n_tiles = triton.cdiv(v, bn)
     grad = lse is not None

@@ -1,0 +1,87 @@
+"""Where the fast route's time goes, phase by phase, and a block-shape sweep of the fused GEMM (one GPU).
+
+    python launch/tune_kernels.py [--shapes llama3-8b,gemma2-2b] [--chunk 4096]
+
+For one token chunk of each head it times, with CUDA events (median of repeated runs): the plain cuBLAS
+logits GEMM (the reference for the fused kernel), the fused kernel in stats-only mode and with the 16-bit ``P``
+written, the probabilities -> gradient pass, and the two cuBLAS gradient GEMMs (fp32 outputs). Then it times the
+fused kernel over a list of block shapes. It prints TFLOP/s next to each so that the gap to cuBLAS is visible.
+Notes for tuning, not a benchmark: the numbers that count come from ``python -m vpce.bench``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import torch
+import triton
+
+from vpce import kernels
+from vpce.gemm import addmm_out_, mm_out
+from vpce.options import LossOptions
+
+SHAPES = {"llama3-8b": (4096, 128256), "gemma2-2b": (2304, 256000)}
+CONFIGS = [  # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages)
+    (128, 256, 64, 8, 8, 3), (128, 256, 64, 8, 8, 4), (128, 128, 64, 8, 4, 4), (128, 128, 64, 8, 8, 4),
+    (256, 128, 64, 8, 8, 3), (128, 256, 32, 8, 8, 4), (64, 256, 64, 8, 4, 4), (128, 128, 128, 8, 8, 3),
+]
+
+
+def ms(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default="llama3-8b,gemma2-2b")
+    ap.add_argument("--chunk", type=int, default=4096)
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    opts = LossOptions()
+    print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)
+    for name in args.shapes.split(","):
+        d, v = SHAPES[name]
+        c = args.chunk
+        x = torch.randn(c, d, device="cuda", dtype=torch.bfloat16)
+        w = (torch.randn(v, d, device="cuda") / math.sqrt(d)).to(torch.bfloat16)
+        t = torch.randint(0, v, (c,), device="cuda", dtype=torch.int32)
+        bn = kernels.tile_n(x)
+        n_tiles = triton.cdiv(v, bn)
+        f32 = dict(device="cuda", dtype=torch.float32)
+        tm, ts, zt = torch.empty(c, n_tiles, **f32), torch.empty(c, n_tiles, **f32), torch.zeros(c, **f32)
+        p = torch.empty(c, v, device="cuda", dtype=torch.bfloat16)
+        lse, scale = torch.zeros(c, **f32), torch.ones(c, **f32)
+        dx, dw = torch.empty(c, d, **f32), torch.zeros(v, d, **f32)
+        flop = 2 * c * d * v
+
+        def stats(p_out=None, config=None):
+            kernels.logits_tiles(x, w, None, t, opts, v, tile_m=tm, tile_s=ts, zt=zt, p=p_out, config=config)
+
+        rows = [
+            ("cuBLAS logits GEMM (bf16 out)", lambda: x @ w.t(), flop),
+            ("fused GEMM, stats only", stats, flop),
+            ("fused GEMM, stats + P", lambda: stats(p), flop),
+            ("P -> dL/dz (in place)", lambda: kernels.probs_to_grad_(p, p, tm, lse, zt, scale, t, opts, v, bn), 0),
+            ("dX = dz @ W (fp32 out)", lambda: mm_out(p, w, torch.float32), flop),
+            ("dW += dz.T @ X (fp32 acc)", lambda: addmm_out_(dw, p.t(), x), flop),
+        ]
+        print(f"\n## {name}: chunk C={c}, D={d}, V={v}")
+        for label, fn, fl in rows:
+            t_ms = ms(fn)
+            rate = f"{fl / t_ms / 1e9:7.1f} TFLOP/s" if fl else f"{2 * p.numel() * 2 / t_ms / 1e6:7.1f} GB/s"
+            print(f"{label:34s} {t_ms:8.3f} ms  {rate}")
+        print("block-shape sweep of the fused GEMM (stats + P):")
+        for bm, bn_, bk, gm, nw, ns in CONFIGS:
+            cfg = dict(BLOCK_M=bm, BLOCK_N=bn_, BLOCK_K=bk, GROUP_M=gm, num_warps=nw, num_stages=ns)
+            nt = triton.cdiv(v, bn_)
+            tm, ts = torch.empty(c, nt, **f32), torch.empty(c, nt, **f32)
+            try:
+                t_ms = ms(lambda: stats(p, cfg))
+                print(f"  {cfg}  {t_ms:8.3f} ms  {flop / t_ms / 1e9:7.1f} TFLOP/s")
+            except Exception as e:  # noqa: BLE001 - report and go on (e.g. out of shared memory)
+                print(f"  {cfg}  failed: {type(e).__name__}: {str(e)[:120]}")
+
+
+if __name__ == "__main__":
+    main()

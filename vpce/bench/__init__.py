@@ -1,0 +1,63 @@
+"""``python -m vpce.bench``: vpce and its peers side by side, in one process, against the three-GEMM floor.
+
+What is measured, per shape (``N`` tokens, hidden size ``D``, vocab ``V``) and per row:
+
+* **Inputs.** Fresh per shape, drawn on the device from ``(seed, N, D, V)``: ``x ~ N(0, 1)`` ``[N, D]``,
+  ``w ~ N(0, s**2 / D)`` ``[V, D]`` so that the logits are about ``N(0, s**2)`` (``--logit-scale s``, default 1:
+  the distribution the anchors in MISSION.md were measured on), targets uniform over the vocab, none ignored.
+  Cast to ``--dtype`` (bf16 by default). Every fwd+bwd row differentiates its own clones of ``x`` and ``w``.
+* **Floor.** The three GEMMs that exact loss + gradients cannot avoid, through cuBLAS in the run's dtype:
+  logits ``X @ W.T``, ``dX = G @ W`` and ``dW = G.T @ X`` with a random ``G [N, V]``, each timed like the rows;
+  the floor is their sum, and "x floor" is a row's time over it. The no-grad forward rows are compared with the
+  logits GEMM alone ("x GEMM").
+* **Time.** One step is ``x.grad = w.grad = None; loss = f(x, w, y); loss.backward()``. The first call compiles
+  or autotunes and is the one checked for accuracy; ``--warmup`` more synchronized calls estimate the step's
+  cost; then enough steps to fill ``--rep-time`` seconds (at least ``--reps``, at most 200) run back to back, each
+  bracketed by CUDA events (``time.perf_counter`` on CPU), one synchronization at the end. The median is
+  reported (``ms_min`` too in the JSON).
+* **Memory.** One more step, inputs already allocated and the previous gradients dropped, under
+  ``vpce.memory.PeakMemory``: the peak of allocated bytes above what was live before the step, the gradients
+  ``dX`` and ``dW`` included (CUDA allocator counters; on CPU every storage created is tracked). Between rows
+  everything is released (``del``, ``gc.collect()``, ``torch.cuda.empty_cache()``).
+* **Accuracy.** ``|loss - ref| / |ref|`` and ``||g - ref|| / ||ref||`` for ``dX`` and ``dW`` against a float64
+  reference computed on the device in token chunks (``[C, V]`` float64 logits at a time, ``dW`` accumulated in
+  float64), so it never needs ``[N, V]`` float64 at once.
+* **Rows.** ``floor``; ``torch`` (eager ``F.cross_entropy(F.linear(x, w).float(), y)``); ``compile`` (the same
+  under ``torch.compile``); ``liger``; ``cce`` and ``cce-exact`` (``filter_eps=None``); ``megatron`` and
+  ``megatron-fused`` (tp=1, on a process group of this one process); ``vpce-triton`` (default memory budget),
+  ``vpce-triton-lean``; ``vpce-torch``; and no-grad forwards of ``torch``, ``vpce-triton``, ``vpce-torch``. A row
+  whose package is not installed, that needs CUDA on a CPU run, or that is not built yet is reported as
+  ``missing: <reason>``; one that raises (out of memory included) as ``failed: <reason>``, with its traceback in
+  the JSON.
+
+Output: progress lines on stderr, one Markdown table per shape on stdout, ``--out/bench.json`` (rewritten after
+every shape), and with ``--sweep`` ``--out/sweep-<N|D|V>.png`` (matplotlib; skipped with a note if missing).
+
+JSON (``schema: "vpce.bench/1"``)::
+
+    {schema, date, command, commit, device: {type, name, capability, memory_gib, ...}, versions: {torch,
+     triton, liger-kernel, cut-cross-entropy, megatron-core, numpy, matplotlib, vpce, cuda}, python, dtype, tp,
+     settings: {warmup, min_reps, max_reps, rep_time_s, logit_scale, seed, ref_chunk_gib, tf32, inputs},
+     methods: [...],
+     shapes: [{name, n, d, v, sweeps, flops_fwd_bwd, grads_gib, inputs_gib, ref_loss, ref_seconds,
+               floor: {logits_ms, dx_ms, dw_ms, total_ms} | null}],
+     rows: [{shape, n, d, v, tp, rank, method, label, mode: "floor" | "fwd+bwd" | "no-grad", status: "ok" |
+             "missing: ..." | "failed: ...", ms, ms_min, reps, floor_ms, x_floor, extra_gib, loss, loss_err,
+             dx_err, dw_err, [traceback]}]}
+
+Non-finite numbers are written as null. ``floor_ms`` of a no-grad row is the logits GEMM.
+
+Examples::
+
+    python -m vpce.bench                                   # llama3-8b and gemma2-2b heads, every row
+    python -m vpce.bench --sweep N --methods floor,torch,compile,vpce-triton
+    python -m vpce.bench --device cpu --quick --methods torch,vpce-torch,floor
+
+Peers on the GPU machine: ``vpce/bench/wheels.sh`` downloads their wheels into ``.whl/`` and prints the install
+line. Tensor parallelism (``--tp`` under torchrun) is not written yet: ``Env`` carries the group and rank, rows
+carry ``tp`` and ``rank``, and ``Method.tp`` marks the rows that have a vocab-parallel form.
+"""
+
+from .cli import main
+
+__all__ = ["main"]

@@ -1,0 +1,205 @@
+"""Command line of ``python -m vpce.bench``: shapes, sweeps, method selection, and the run itself."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import os
+import platform
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from . import methods as methods_mod
+from .harness import Env, Settings, Shape
+from .methods import method_names, package_versions
+from .plots import plot_sweeps
+from .report import Progress, format_shape, write_json
+from .runner import run_shape
+
+#: Named problem sizes (N tokens, D hidden, V vocab): the lm_heads of known models at 16k tokens.
+SHAPES = {
+    "llama3-8b": (16384, 4096, 128256),
+    "gemma2-2b": (8192, 2304, 256000),
+    "llama3-70b": (16384, 8192, 128256),
+    "qwen2.5-7b": (16384, 3584, 152064),
+    # --quick: seconds on a CPU
+    "tiny": (256, 64, 1024),
+    "tiny-odd": (200, 72, 2003),
+}
+DEFAULT_SHAPES = "llama3-8b,gemma2-2b"
+QUICK_SHAPES = "tiny,tiny-odd"
+
+#: Sweeps: the axis varies over these values, the other two stay at the centre shape's.
+SWEEPS = {"N": (2048, 4096, 8192, 16384, 32768), "D": (1024, 2048, 4096, 8192), "V": (32000, 64000, 128256, 256000)}
+SWEEP_CENTRE = "llama3-8b"
+QUICK_SWEEPS = {"N": (64, 128, 256, 512), "D": (32, 64, 128), "V": (256, 1024, 4096)}
+QUICK_SWEEP_CENTRE = "tiny"
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def _parse_shape(token: str) -> Shape:
+    if token in SHAPES:
+        n, d, v = SHAPES[token]
+        return Shape(name=token, n=n, d=d, v=v)
+    parts = token.lower().split("x")
+    if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(f"shape: expected one of {sorted(SHAPES)} or NxDxV with positive ints, "
+                                         f"got {token!r}")
+    n, d, v = map(int, parts)
+    return Shape(name=token, n=n, d=d, v=v)
+
+
+def _sweep_shapes(axes: list[str], quick: bool) -> list[Shape]:
+    centre_name = QUICK_SWEEP_CENTRE if quick else SWEEP_CENTRE
+    grids = QUICK_SWEEPS if quick else SWEEPS
+    centre = dict(zip("NDV", SHAPES[centre_name]))
+    points: dict[tuple[int, int, int], list[str]] = {}
+    for axis in axes:
+        for value in grids[axis]:
+            key = tuple(value if a == axis else centre[a] for a in "NDV")
+            points.setdefault(key, []).append(axis)
+    return [Shape(name=centre_name if key == SHAPES[centre_name] else "x".join(map(str, key)),
+                  n=key[0], d=key[1], v=key[2], sweeps=tuple(ax)) for key, ax in sorted(points.items())]
+
+
+def _csv(choices: list[str], what: str):
+    def parse(text: str) -> list[str]:
+        items = [t.strip() for t in text.split(",") if t.strip()]
+        if items == ["all"]:
+            return list(choices)
+        bad = [t for t in items if t not in choices]
+        if bad or not items:
+            raise argparse.ArgumentTypeError(f"{what}: expected a comma-separated list of {choices} (or 'all'), "
+                                             f"got {text!r}")
+        return [c for c in choices if c in items]  # table order
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m vpce.bench",
+        description="Side-by-side fwd+bwd time, peak extra memory and float64 error of fused linear + "
+                    "cross-entropy implementations against the three-GEMM floor.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--shapes", default=None,
+                   help=f"comma-separated names ({', '.join(SHAPES)}) or NxDxV; default {DEFAULT_SHAPES} "
+                        f"({QUICK_SHAPES} with --quick)")
+    p.add_argument("--sweep", type=_csv(list("NDV"), "sweep"), default=None,
+                   help=f"sweep one or more of N,D,V around {SWEEP_CENTRE}: " +
+                        "; ".join(f"{k} in {v}" for k, v in SWEEPS.items()) + " (replaces the default shapes)")
+    p.add_argument("--methods", type=_csv(method_names(), "methods"), default="all",
+                   help=f"rows to measure: {','.join(method_names())}")
+    p.add_argument("--dtype", choices=list(DTYPES), default="bf16")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--quick", action="store_true", help="tiny shapes and few repetitions (a smoke run; works on CPU)")
+    p.add_argument("--out", type=Path, default=Path("bench-out"), help="folder for bench.json and the plots")
+    p.add_argument("--skip-no-grad", action="store_true", help="leave out the no-grad forward rows")
+    p.add_argument("--logit-scale", type=float, default=1.0,
+                   help="standard deviation of the logits (x ~ N(0,1), w ~ N(0, scale^2/D))")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warmup", type=int, default=None, help="calls before timing (default 3, 1 with --quick)")
+    p.add_argument("--reps", type=int, default=None, help="fewest timed calls per row (default 10, 3 with --quick)")
+    p.add_argument("--rep-time", type=float, default=None,
+                   help="seconds of timed calls per row, within --reps..200 calls (default 1.5, 0.05 with --quick)")
+    p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    return p
+
+
+def _device_info(device: torch.device) -> dict:
+    if device.type == "cuda":
+        prop = torch.cuda.get_device_properties(device)
+        return dict(type="cuda", name=prop.name, capability=f"{prop.major}.{prop.minor}",
+                    memory_gib=prop.total_memory / 2**30, multiprocessors=prop.multi_processor_count)
+    return dict(type=device.type, name=_cpu_model(), cpus=os.cpu_count())
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent,
+                             capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if isinstance(args.methods, str):  # the default, not passed through `type`
+        args.methods = method_names()
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            parser.error(f"--device: expected an available device, got {args.device!r} (no CUDA here)")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        torch.cuda.set_device(device)
+
+    shapes = [] if args.sweep else None
+    if args.sweep:
+        shapes = _sweep_shapes(args.sweep, args.quick)
+    if args.shapes is not None or shapes is None:
+        try:
+            named = [_parse_shape(t) for t in (args.shapes or (QUICK_SHAPES if args.quick else DEFAULT_SHAPES))
+                     .split(",") if t]
+        except argparse.ArgumentTypeError as e:
+            parser.error(str(e))
+        shapes = (shapes or []) + named
+
+    settings = Settings(
+        warmup=args.warmup if args.warmup is not None else (1 if args.quick else 3),
+        min_reps=args.reps if args.reps is not None else (3 if args.quick else 10),
+        max_reps=20 if args.quick else 200,
+        rep_time_s=args.rep_time if args.rep_time is not None else (0.05 if args.quick else 1.5),
+        logit_scale=args.logit_scale, seed=args.seed)
+    env = Env(device=device, dtype=DTYPES[args.dtype])
+    progress = Progress(enabled=not args.quiet)
+
+    doc = dict(
+        schema="vpce.bench/1",
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        command=shlex.join(["python", "-m", "vpce.bench", *(sys.argv[1:] if argv is None else argv)]),
+        commit=_git_commit(),
+        device=_device_info(device),
+        versions=package_versions(),
+        python=platform.python_version(),
+        dtype=args.dtype,
+        tp=env.tp,
+        settings=dict(dataclasses.asdict(settings), tf32=torch.backends.cuda.matmul.allow_tf32,
+                      inputs="x ~ N(0,1), w ~ N(0, logit_scale^2/D), targets uniform over the vocab, none ignored"),
+        methods=args.methods,
+        shapes=[],
+        rows=[],
+    )
+    out_json = args.out / "bench.json"
+    for shape in shapes:
+        record, rows = run_shape(shape, env, args.methods, settings, progress, no_grad=not args.skip_no_grad)
+        doc["shapes"].append(record)
+        doc["rows"].extend(rows)
+        print(format_shape(record, rows, args.dtype, doc["device"]["name"]), flush=True)
+        write_json(out_json, doc)  # after every shape: a crash later keeps what was measured
+    methods_mod.shutdown()
+
+    files, note = plot_sweeps(doc, args.out)
+    for f in files:
+        progress.note(f"wrote {f}")
+    if note:
+        progress.note(note)
+    progress.note(f"wrote {out_json}")
+    return 0

@@ -1,0 +1,234 @@
+"""Measurement primitives: inputs, the float64 reference, timing, peak memory and relative error.
+
+Nothing here knows about any particular loss implementation; ``vpce.bench.runner`` combines these into rows.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from ..memory import PeakMemory
+
+__all__ = ["Env", "Shape", "Settings", "Problem", "Reference", "Timing", "make_problem", "float64_reference", "rel_err",
+           "measure", "peak_extra_bytes", "free_memory", "synchronize"]
+
+GiB = 2**30
+
+
+@dataclass(frozen=True, kw_only=True)
+class Env:
+    """Where and how the rows run. Under ``--tp`` (torchrun, not written yet) every rank has its own ``Env``."""
+
+    device: torch.device
+    """The device every tensor lives on."""
+    dtype: torch.dtype
+    """Dtype of the hidden states and the weight (the GEMMs of the floor run in it too)."""
+    group: Any = None
+    """Process group the vocab is sharded over; None: one GPU, the whole vocab."""
+    tp: int = 1
+    """Ranks in ``group``."""
+    rank: int = 0
+    """This rank's index in ``group``."""
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Shape:
+    """One problem size: ``N`` tokens, hidden size ``D``, vocab ``V``."""
+
+    name: str
+    n: int
+    d: int
+    v: int
+    sweeps: tuple[str, ...] = ()
+    """Sweep axes ("N", "D", "V") this point belongs to; empty for a named shape."""
+
+    def describe(self) -> str:
+        return f"{self.name} (N={self.n} D={self.d} V={self.v})"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Settings:
+    """How hard each row is measured."""
+
+    warmup: int = 3
+    """Calls after the first (which compiles/autotunes and is used for accuracy) before timing starts."""
+    min_reps: int = 10
+    """Fewest timed calls per row."""
+    max_reps: int = 200
+    """Most timed calls per row."""
+    rep_time_s: float = 1.5
+    """Timed calls per row are chosen so that they take about this long (within min_reps..max_reps)."""
+    logit_scale: float = 1.0
+    """Standard deviation of the logits: ``w ~ N(0, logit_scale**2 / D)`` against ``x ~ N(0, 1)``."""
+    seed: int = 0
+    """Seed of the inputs; each shape draws fresh inputs from ``(seed, N, D, V)``."""
+    ref_chunk_gib: float = 1.0
+    """Size of one chunk of float64 logits in the reference."""
+
+
+@dataclass
+class Problem:
+    """Inputs of one shape, allocated once and shared by every row (rows clone what they differentiate)."""
+
+    x: torch.Tensor
+    """Hidden states ``[N, D]``."""
+    w: torch.Tensor
+    """lm_head weight ``[V, D]``."""
+    y: torch.Tensor
+    """Targets ``[N]`` int64, uniform over the vocab, none ignored."""
+
+
+@dataclass
+class Reference:
+    """Float64 results, the gradients stored in fp32 (their rounding, ~6e-8, is far below any error measured)."""
+
+    loss: float
+    dx: torch.Tensor
+    dw: torch.Tensor
+    seconds: float = 0.0
+
+
+@dataclass
+class Timing:
+    """Times of the timed calls, in milliseconds."""
+
+    samples: list[float] = field(default_factory=list)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.samples)
+
+    @property
+    def min(self) -> float:
+        return min(self.samples)
+
+
+def synchronize(device: torch.device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def free_memory(device: torch.device):
+    """Return everything unreferenced to the system, so that one row's leftovers don't show in the next."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+
+
+def make_problem(shape: Shape, env: Env, settings: Settings) -> Problem:
+    """Fresh random inputs for ``shape``: ``x ~ N(0, 1)``, ``w ~ N(0, s**2 / D)``, so logits ~ N(0, s**2).
+
+    ``s = settings.logit_scale`` (default 1, the distribution of the anchors in MISSION.md). Not zeros: GEMM
+    speed depends on the data, and flat or constant logits would hide softmax numerics.
+    """
+    seed = hash((settings.seed, shape.n, shape.d, shape.v)) % 2**63  # int tuples hash the same in every process
+    gen = torch.Generator(device=env.device).manual_seed(seed)
+    x = torch.randn(shape.n, shape.d, device=env.device, generator=gen).to(env.dtype)
+    w = torch.randn(shape.v, shape.d, device=env.device, generator=gen)
+    w = w.mul_(settings.logit_scale / math.sqrt(shape.d)).to(env.dtype)
+    y = torch.randint(0, shape.v, (shape.n,), device=env.device, generator=gen)
+    return Problem(x=x, w=w, y=y)
+
+
+def float64_reference(prob: Problem, chunk_gib: float = 1.0) -> Reference:
+    """Mean cross-entropy of ``x @ w.T`` and its gradients in float64, on the inputs' device, in token chunks.
+
+    Per chunk of ``C`` tokens the ``[C, V]`` float64 logits are formed, turned into ``softmax - onehot``, and
+    ``dX`` rows are written while ``dW`` accumulates in float64: never ``[N, V]`` at once. Peak: the float64
+    weight and ``dW`` (``[V, D]`` each) plus about two ``[C, V]`` float64 chunks.
+    """
+    t0 = time.perf_counter()
+    x, w, y = prob.x, prob.w, prob.y
+    n, d = x.shape
+    v = w.shape[0]
+    chunk = max(1, int(chunk_gib * GiB) // (8 * v))
+    wd = w.double()
+    dw = torch.zeros_like(wd)
+    dx = torch.empty(n, d, dtype=torch.float32, device=x.device)
+    loss = torch.zeros((), dtype=torch.float64, device=x.device)
+    for c0 in range(0, n, chunk):
+        sl = slice(c0, min(n, c0 + chunk))
+        xd = x[sl].double()
+        z = xd @ wd.t()
+        lse = torch.logsumexp(z, 1)
+        loss += (lse - z.gather(1, y[sl, None]).squeeze(1)).sum()
+        g = z.sub_(lse[:, None]).exp_()
+        g.scatter_add_(1, y[sl, None], torch.full_like(lse[:, None], -1.0))
+        g.div_(n)
+        dx[sl] = (g @ wd).float()
+        dw.addmm_(g.t(), xd)
+        del z, g, xd
+    ref = Reference(loss=loss.item() / n, dx=dx, dw=dw.float())
+    del wd, dw
+    synchronize(x.device)
+    ref.seconds = time.perf_counter() - t0
+    return ref
+
+
+def rel_err(a: torch.Tensor | None, b: torch.Tensor, rows: int = 4096) -> float | None:
+    """``||a - b|| / ||b||`` in float64, a block of rows at a time (no float64 copy of a whole ``[V, D]``)."""
+    if a is None:
+        return None
+    if a.shape != b.shape:
+        raise ValueError(f"gradient: expected shape {tuple(b.shape)}, got {tuple(a.shape)}")
+    num = torch.zeros((), dtype=torch.float64, device=b.device)
+    den = torch.zeros((), dtype=torch.float64, device=b.device)
+    for r0 in range(0, b.shape[0], rows):
+        bb = b[r0:r0 + rows].double()
+        num += (a[r0:r0 + rows].double() - bb).square().sum()
+        den += bb.square().sum()
+    return math.sqrt(num.item() / den.item()) if den.item() > 0 else math.inf
+
+
+def measure(fn: Callable[[], Any], device: torch.device, settings: Settings) -> Timing:
+    """Median-of-many timing of ``fn`` (already called once by the caller).
+
+    ``settings.warmup`` synchronized calls estimate the cost of one call; then ``reps`` calls run back to back,
+    each bracketed by CUDA events (``time.perf_counter`` on CPU), with a single synchronization at the end, as
+    ``triton.testing.do_bench`` does (without its L2 flush: every operand here is far larger than L2).
+    """
+    est = math.inf
+    for _ in range(max(1, settings.warmup)):
+        t0 = time.perf_counter()
+        fn()
+        synchronize(device)
+        est = min(est, time.perf_counter() - t0)
+    reps = int(min(settings.max_reps, max(settings.min_reps, settings.rep_time_s / max(est, 1e-6))))
+    if device.type == "cuda":
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+        for start, end in events:
+            start.record()
+            fn()
+            end.record()
+        torch.cuda.synchronize(device)
+        return Timing([s.elapsed_time(e) for s, e in events])
+    samples = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - t0) * 1e3)
+    return Timing(samples)
+
+
+def peak_extra_bytes(fn: Callable[[], Any], device: torch.device) -> int:
+    """Peak bytes allocated by one call of ``fn`` above what was live before it (``vpce.memory.PeakMemory``).
+
+    The caller allocates the inputs and drops the previous gradients first, so the peak covers everything the
+    call creates, the gradients it leaves behind included.
+    """
+    gc.collect()
+    with PeakMemory(device) as pm:
+        fn()
+    return pm.peak

@@ -1,0 +1,118 @@
+"""What the benchmark shows: progress lines on stderr, one table per shape on stdout, and the JSON file."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+__all__ = ["Progress", "format_shape", "write_json"]
+
+#: (header, row key, number format or None for text) of the fwd+bwd table and of the no-grad table.
+GRAD_COLUMNS = (("method", "label", None), ("ms", "ms", "ms"), ("x floor", "x_floor", ".2f"),
+                ("extra GiB", "extra_gib", "gib"), ("loss err", "loss_err", ".1e"), ("dX err", "dx_err", ".1e"),
+                ("dW err", "dw_err", ".1e"), ("status", "status", None))
+NO_GRAD_COLUMNS = (("method", "label", None), ("ms", "ms", "ms"), ("x GEMM", "x_floor", ".2f"),
+                   ("extra GiB", "extra_gib", "gib"), ("loss err", "loss_err", ".1e"), ("status", "status", None))
+
+
+class Progress:
+    """One line on stderr when a shape starts, when a row starts, and when it finishes."""
+
+    def __init__(self, stream=None, enabled: bool = True):
+        self.stream = stream or sys.stderr
+        self.enabled = enabled
+        self.t0 = time.perf_counter()
+        self.i = self.total = 0
+        self.shape_name = ""
+
+    def _print(self, text: str):
+        if self.enabled:
+            print(f"[{time.perf_counter() - self.t0:7.1f}s] {text}", file=self.stream, flush=True)
+
+    def shape(self, shape, env, total: int):
+        self.i, self.total, self.shape_name = 0, total, shape.name
+        self._print(f"== {shape.describe()} {str(env.dtype).removeprefix('torch.')} on {env.device}")
+
+    def note(self, text: str):
+        self._print(f"   {text}")
+
+    def start(self, row: dict):
+        self.i += 1
+        self._print(f"{self.shape_name} [{self.i}/{self.total}] {row['label']} ...")
+
+    def finish(self, row: dict):
+        if row["status"] != "ok":
+            what = row["status"]
+        else:
+            what = f"{row['ms']:.3f} ms"
+            if row["x_floor"] is not None:
+                what += f" ({row['x_floor']:.2f}x {'floor' if row['mode'] != 'no-grad' else 'logits GEMM'})"
+            if row["extra_gib"] is not None:
+                what += f", +{_num(row['extra_gib'], 'gib')} GiB"
+        self._print(f"{self.shape_name} [{self.i}/{self.total}] {row['label']}: {what}")
+
+
+def _num(v, fmt: str) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)
+    if fmt == "ms":  # two decimals; three below 1 ms (tiny --quick shapes)
+        fmt = ".3f" if v < 1 else ".2f"
+    elif fmt == "gib":  # two decimals; three significant digits below 0.1 GiB
+        fmt = ".3g" if abs(v) < 0.1 else ".2f"
+    return format(v, fmt)
+
+
+def _table(rows: list[dict], columns) -> list[str]:
+    """A Markdown table: text left-aligned, numbers right-aligned."""
+    cells = [[h for h, _, _ in columns]] + [[r[k] if f is None else _num(r[k], f) for _, k, f in columns]
+                                            for r in rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(columns))]
+    out = []
+    for k, c in enumerate(cells):
+        out.append("| " + " | ".join(s.ljust(wd) if f is None else s.rjust(wd)
+                                     for s, wd, (_, _, f) in zip(c, widths, columns)) + " |")
+        if k == 0:
+            out.append("|" + "|".join("-" * (wd + 2) for wd in widths) + "|")
+    return out
+
+
+def format_shape(record: dict, rows: list[dict], dtype: str, device: str) -> str:
+    """The shape's header line and its tables (fwd+bwd against the floor; no-grad against the logits GEMM)."""
+    lines = [f"## {record['name']}: N={record['n']} D={record['d']} V={record['v']}, {dtype}, {device}"]
+    floor = record["floor"]
+    if floor:
+        tflops = record["flops_fwd_bwd"] / (floor["total_ms"] * 1e-3) / 1e12
+        lines.append(f"floor {floor['total_ms']:.2f} ms = logits {floor['logits_ms']:.2f} + dX {floor['dx_ms']:.2f}"
+                     f" + dW {floor['dw_ms']:.2f} ms ({tflops:.3g} TFLOP/s); dX+dW themselves "
+                     f"{_num(record['grads_gib'], 'gib')} GiB; float64 loss {record['ref_loss']:.6f}")
+    else:
+        lines.append(f"floor not measured; dX+dW themselves {_num(record['grads_gib'], 'gib')} GiB; "
+                     f"float64 loss {record['ref_loss']:.6f}")
+    grad = [r for r in rows if r["mode"] != "no-grad"]
+    nograd = [r for r in rows if r["mode"] == "no-grad"]
+    lines += [""] + _table(grad, GRAD_COLUMNS)
+    if nograd:
+        lines += ["", "no-grad forward, against the logits GEMM alone:"]
+        lines += _table(nograd, NO_GRAD_COLUMNS)
+    return "\n".join(lines) + "\n"
+
+
+def _finite(obj):
+    """JSON has no NaN/inf: they become null."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+def write_json(path: Path, doc: dict):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(_finite(doc), indent=1) + "\n")

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Download the peer libraries that `python -m vpce.bench` compares against, as wheels for the GPU machine
+# (CPython 3.12, manylinux x86_64), into .whl/ at the repository root (git-ignored):
+#
+#   bash vpce/bench/wheels.sh            # here, where PyPI is reachable
+#
+# and on the GPU machine, which has no network, install them without resolving dependencies:
+#
+#   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+#       .whl/*.whl && export PYTHONPATH=/tmp/site
+#
+# Their Requires-Dist (`unzip -p .whl/NAME-*.whl '*/METADATA' | grep ^Requires-Dist`, extras left out):
+#   liger-kernel 0.8.5       torch>=2.1.2, triton>=2.3.1
+#   cut-cross-entropy 25.1.1 torch, triton (Linux)
+#   megatron-core 0.16.1     torch>=2.6.0, numpy, packaging>=24.2
+# all already in the GPU image (torch 2.11, triton 3.6, numpy, packaging), so --no-deps needs nothing else.
+# megatron-core warns at import that Transformer Engine and Apex are missing; neither is used by the rows.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+dest=.whl
+platforms=(manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x86_64 manylinux_2_17_x86_64
+           manylinux2014_x86_64 manylinux1_x86_64)
+python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    "${platforms[@]/#/--platform=}" -d "$dest" \
+    liger-kernel==0.8.5 cut-cross-entropy==25.1.1 megatron-core==0.16.1
+ls -l "$dest"
