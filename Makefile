@@ -16,9 +16,12 @@ setup-test: setup
 test: setup-test
 	$(PYTHON) -m pytest -q tests
 
-# The main job: 2-rank vocab-sharded training of a tiny causal LM vs a 1-process unsharded baseline.
+# The main job (launch/demo.py): a tiny causal LM trained with its lm_head vocab-sharded over $(NPROC) torchrun
+# ranks, its loss checked at every step against a 1-process unsharded baseline; fails if they disagree.
+demo: TORCHRUN = OMP_NUM_THREADS=1 $(PYTHON) -m torch.distributed.run --standalone
 demo: setup
-	$(PYTHON) launch/demo.py --nproc $(NPROC)
+	$(TORCHRUN) --nproc-per-node 1 launch/demo.py --baseline-out demo-out/baseline.json
+	$(TORCHRUN) --nproc-per-node $(NPROC) launch/demo.py --compare demo-out/baseline.json --report demo-out/report.json
 
 bench: setup
 	@$(PIP) -e ".[bench]"

@@ -41,6 +41,8 @@ def check(p, memory_budget="auto", **opts):
             tol = 1e-5
         elif p.hidden.dtype == torch.float32:
             tol = 2e-5
+        elif p.hidden.shape[0] < 16:  # a handful of values: "no worse than torch" is a coin toss; one rounding
+            tol = torch.finfo(p.hidden.dtype).eps / 2
         else:  # same slack as the torch backend's tests: rounding luck on small problems
             tol = 1.25 * rel_err(e, r) + 1e-6
         assert err <= tol, f"{name}: rel err {err:.3e} > {tol:.3e} ({describe(g, r)}) {p.hidden.dtype} {opts}"
