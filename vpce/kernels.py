@@ -24,7 +24,12 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["logits_tiles", "probs_to_grad_", "tile_n", "INTERPRET"]
+try:  # host-side TMA descriptors (Triton >= 3.3)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - older Triton: pointer loads only
+    TensorDescriptor = None
+
+__all__ = ["logits_tiles", "probs_to_grad_", "scale_cast", "tile_n", "INTERPRET"]
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -68,7 +73,7 @@ def _logits_tiles_kernel(
     softcap, zl2, eps_v, keep_t,
     # meta
     HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, HAS_EPS: tl.constexpr, HAS_ZLOSS: tl.constexpr,
-    GRAD: tl.constexpr, WRITE_P: tl.constexpr, SUM_Z: tl.constexpr, IEEE: tl.constexpr,
+    GRAD: tl.constexpr, WRITE_P: tl.constexpr, SUM_Z: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr,
 ):
@@ -84,28 +89,35 @@ def _logits_tiles_kernel(
 
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
-    # rows past the end read a valid row (wrapped) and are never stored: no masks in the K loop
-    rm_load = (rm % M).to(tl.int64)
-    rn_load = (rn % V).to(tl.int64)
-    x_ptrs = X + rm_load[:, None] * stride_xm + rk[None, :] * stride_xk
-    w_ptrs = W + rn_load[None, :] * stride_wv + rk[:, None] * stride_wk
 
     # -- logits tile: fp32 accumulation over D --
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, tl.cdiv(D, BLOCK_K)):
-        if EVEN_K:
-            a = tl.load(x_ptrs)
-            b = tl.load(w_ptrs)
-        else:
-            a = tl.load(x_ptrs, mask=rk[None, :] < D - k * BLOCK_K, other=0.0)
-            b = tl.load(w_ptrs, mask=rk[:, None] < D - k * BLOCK_K, other=0.0)
-        if IEEE:
-            acc = tl.dot(a, b, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, b, acc)
-        x_ptrs += BLOCK_K * stride_xk
-        w_ptrs += BLOCK_K * stride_wk
+    if TMA:
+        # X and W are tensor descriptors (Hopper's bulk copy engine); out-of-bounds reads come back as 0
+        for k in range(0, tl.cdiv(D, BLOCK_K)):
+            a = X.load([pid_m * BLOCK_M, k * BLOCK_K])
+            b = W.load([pid_n * BLOCK_N, k * BLOCK_K])
+            acc = tl.dot(a, b.T, acc)
+    else:
+        rk = tl.arange(0, BLOCK_K)
+        # rows past the end read a valid row (wrapped) and are never stored: no masks in the K loop
+        rm_load = (rm % M).to(tl.int64)
+        rn_load = (rn % V).to(tl.int64)
+        x_ptrs = X + rm_load[:, None] * stride_xm + rk[None, :] * stride_xk
+        w_ptrs = W + rn_load[None, :] * stride_wv + rk[:, None] * stride_wk
+        for k in range(0, tl.cdiv(D, BLOCK_K)):
+            if EVEN_K:
+                a = tl.load(x_ptrs)
+                b = tl.load(w_ptrs)
+            else:
+                a = tl.load(x_ptrs, mask=rk[None, :] < D - k * BLOCK_K, other=0.0)
+                b = tl.load(w_ptrs, mask=rk[:, None] < D - k * BLOCK_K, other=0.0)
+            if IEEE:
+                acc = tl.dot(a, b, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b, acc)
+            x_ptrs += BLOCK_K * stride_xk
+            w_ptrs += BLOCK_K * stride_wk
 
     # -- epilogue: bias, soft cap, padding columns --
     row_ok = rm < M
@@ -184,6 +196,16 @@ def _probs_to_grad_kernel(
     tl.store(G + offs, g.to(G.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _scale_cast_kernel(SRC, DST, G, numel, BLOCK: tl.constexpr):
+    """``DST = (SRC * G[0]).to(DST.dtype)``: one pass over an fp32 accumulator."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    g = tl.load(G)
+    x = tl.load(SRC + offs, mask=mask, other=0.0)
+    tl.store(DST + offs, (x * g).to(DST.dtype.element_ty), mask=mask)
+
+
 # ------------------------------------------------------------------------------------------------------------
 # launchers
 
@@ -195,6 +217,16 @@ def _config(x: torch.Tensor) -> dict:
     if x.dtype == torch.float32:
         return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=32, GROUP_M=8, num_warps=8, num_stages=3)
     return dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
+
+
+def _use_tma(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Tensor descriptors need Hopper or newer, 16-bit operands, and 16-byte aligned rows and bases."""
+    if INTERPRET or not x.is_cuda or TensorDescriptor is None or x.dtype == torch.float32:
+        return False
+    if torch.cuda.get_device_capability(x.device)[0] < 9:
+        return False
+    ok = lambda t: t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0  # noqa: E731
+    return ok(x) and ok(w)
 
 
 def tile_n(x: torch.Tensor) -> int:
@@ -220,15 +252,20 @@ def logits_tiles(x, w, b, t_local, opts, vocab_size: int, *, tile_m=None, tile_s
     v = w.shape[0]
     if m == 0 or v == 0:
         return
-    cfg = config or _config(x)
+    cfg = dict(config or _config(x))
+    tma = cfg.pop("TMA", _use_tma(x, w))
     bn = cfg["BLOCK_N"]
     n_tiles = triton.cdiv(v, bn)
     grad = lse is not None
     dummy = x.new_empty(0, dtype=torch.float32)
     out = p if p is not None else x.new_empty(0)
     grid = (triton.cdiv(m, cfg["BLOCK_M"]) * n_tiles,)
+    xa, wa = x, w
+    if tma:
+        xa = TensorDescriptor.from_tensor(x, [cfg["BLOCK_M"], cfg["BLOCK_K"]])
+        wa = TensorDescriptor.from_tensor(w, [bn, cfg["BLOCK_K"]])
     _logits_tiles_kernel[grid](
-        x, w, b if b is not None else dummy, t_local,
+        xa, wa, b if b is not None else dummy, t_local,
         tile_m if tile_m is not None else dummy, tile_s if tile_s is not None else dummy,
         tile_z if tile_z is not None else dummy, zt if zt is not None else dummy, out,
         lse if grad else dummy, scale if grad else dummy,
@@ -237,7 +274,7 @@ def logits_tiles(x, w, b, t_local, opts, vocab_size: int, *, tile_m=None, tile_s
         out.stride(0) if p is not None else 0, out.stride(1) if p is not None else 0,
         **_opts(opts, vocab_size),
         HAS_BIAS=b is not None, GRAD=grad, WRITE_P=p is not None and not grad, SUM_Z=tile_z is not None,
-        IEEE=x.dtype == torch.float32, **cfg,
+        IEEE=x.dtype == torch.float32, TMA=tma, **cfg,
     )
 
 
@@ -253,3 +290,13 @@ def probs_to_grad_(p, g, tile_m, lse, zt, scale, t_local, opts, vocab_size: int,
         p, g, tile_m, lse, scale, t_local, zt, m, v, tile_m.shape[1], p.stride(0), p.stride(1),
         **_opts(opts, vocab_size), BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4,
     )
+
+
+def scale_cast(src: torch.Tensor, g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``(src * g).to(dtype)`` for a contiguous fp32 ``src`` and a one-element fp32 ``g``, in one pass."""
+    out = torch.empty(src.shape, dtype=dtype, device=src.device)
+    n = src.numel()
+    if n:
+        block = 4096 if src.is_cuda and not INTERPRET else 1024
+        _scale_cast_kernel[(triton.cdiv(n, block),)](src, out, g.reshape(1), n, BLOCK=block, num_warps=4)
+    return out

@@ -145,8 +145,8 @@ class TritonLinearCrossEntropy(torch.autograd.Function):
             stats = _Stats(chunk, n_tiles, smooth, dev)
             p = torch.empty(chunk, v, dtype=hidden.dtype, device=dev) if v > 0 else None
             unit = tg.row_scale(torch.ones((), device=dev).expand(n)).contiguous()
-            dx = torch.zeros(n, d, dtype=torch.float32, device=dev) if needs_grad[0] else None
-            dw = torch.zeros(v, d, dtype=torch.float32, device=dev) if needs_grad[1] else None
+            dx = torch.empty(n, d, dtype=torch.float32, device=dev) if needs_grad[0] else None
+            dw = None  # fp32 accumulator, allocated by the first chunk's GEMM (no zero fill)
             db = torch.zeros(v, dtype=torch.float32, device=dev) if needs_grad[2] else None
             for c0 in range(0, n, chunk):
                 sl = slice(c0, min(n, c0 + chunk))
@@ -160,10 +160,14 @@ class TritonLinearCrossEntropy(torch.autograd.Function):
                                        shard.vocab_size, bn)
                 if dx is not None:
                     dx[sl] = mm_out(gz, w, torch.float32)
-                if dw is not None:
-                    addmm_out_(dw, gz.t(), hidden[sl])
+                if needs_grad[1]:
+                    dw = mm_out(gz.t(), hidden[sl], torch.float32) if dw is None else addmm_out_(dw, gz.t(), hidden[sl])
                 if db is not None:
                     db += gz.sum(0, dtype=torch.float32)
+            if needs_grad[1] and dw is None:  # no chunk ran (no tokens, or all-padding shard)
+                dw = torch.zeros(v, d, dtype=torch.float32, device=dev)
+            if dx is not None and n and v == 0:
+                dx.zero_()
             ctx.grads = [dx, dw, db]
         else:
             lse_all = torch.empty(n, dtype=torch.float32, device=dev)
@@ -189,9 +193,8 @@ class TritonLinearCrossEntropy(torch.autograd.Function):
             g = grad_out.detach().float()
             if ctx.opts.reduction == "mean":
                 g = g / ctx.count.clamp(min=1)
-            dx, dw, db = (None if t is None else t.mul_(g) for t in grads)
-            return (None if dx is None else dx.to(dtype), _pad_rows(dw, rows, dtype), _pad_rows(db, rows, dtype),
-                    None, None, None, None)
+            dx, dw, db = (None if t is None else kernels.scale_cast(t, g, dtype) for t in grads)
+            return dx, _pad_rows(dw, rows, dtype), _pad_rows(db, rows, dtype), None, None, None, None
         return _lean_backward(ctx, grad_out)
 
 
