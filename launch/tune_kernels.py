@@ -33,11 +33,40 @@ def ms(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
 
 
+def profile_step(d: int, v: int, n: int, **kw):
+    """One vpce fwd+bwd under torch.profiler: GPU time per kernel against the step's wall time."""
+    import vpce
+
+    x = torch.randn(n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(v, d, device="cuda") / math.sqrt(d)).to(torch.bfloat16).requires_grad_()
+    t = torch.randint(0, v, (n,), device="cuda")
+
+    def step():
+        x.grad = w.grad = None
+        vpce.linear_cross_entropy(x, w, t, **kw).backward()
+
+    step_ms = ms(step)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    total = sum(e.self_device_time_total for e in events) / 1e3
+    print(f"\n## profile {kw or ''} N={n} D={d} V={v}: step {step_ms:.2f} ms, GPU busy {total:.2f} ms")
+    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:14]:
+        print(f"  {e.self_device_time_total / 1e3:8.3f} ms  x{e.count:<4d} {e.key[:90]}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="llama3-8b,gemma2-2b")
     ap.add_argument("--chunk", type=int, default=4096)
+    ap.add_argument("--profile-only", action="store_true", help="only the per-kernel profile of a full step")
     args = ap.parse_args()
+    if args.profile_only:
+        for name in args.shapes.split(","):
+            d, v = SHAPES[name]
+            profile_step(d, v, 16384 if name == "llama3-8b" else 8192)
+        return
     torch.manual_seed(0)
     opts = LossOptions()
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)

@@ -96,7 +96,8 @@ def test_nan_propagates_and_float64_is_refused():
                                      backend="triton")
     assert torch.isnan(loss[2]) and torch.isfinite(loss[:2]).all()
     with pytest.raises(TypeError, match="float64"):
-        vpce.linear_cross_entropy(p.hidden.double(), p.weight.double(), p.target, backend="triton")
+        vpce.linear_cross_entropy(p.hidden.double().to(DEV), p.weight.double().to(DEV), p.target.to(DEV),
+                                  backend="triton")
 
 
 def _tp_main(rank, world, budget):

@@ -188,9 +188,11 @@ def _probs_to_grad_kernel(
     dcap = e
     if SOFTCAP:
         # the cap's derivative 1 - (z/c)^2 from the capped logit: exact at the target column, elsewhere z is
-        # recovered from the stored exp(z - m_t) (where that underflowed p is 0 too; see triton_backend)
+        # recovered from the stored exp(z - m_t). Where that underflowed to 0, p is 0 too and only the label
+        # smoothing term would need z: triton_backend keeps that case off this route (r = 0 here is unused).
         zt = tl.load(ZT + rm, mask=row_ok, other=0.0)
-        r = tl.where(hit, zt[:, None], m_t[:, None] + tl.log(tl.maximum(e, 1e-30))) / softcap
+        z_rec = tl.where(e > 0, m_t[:, None] + tl.log(tl.where(e > 0, e, 1.0)), 0.0)
+        r = tl.where(hit, zt[:, None], z_rec) / softcap
         dcap = (1.0 - r) * (1.0 + r)
     g = _dlogits(p, dcap, hit, col_ok, scale, lse, zl2, eps_v, keep_t, SOFTCAP, HAS_EPS, HAS_ZLOSS)
     tl.store(G + offs, g.to(G.dtype.element_ty), mask=mask)

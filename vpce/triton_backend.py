@@ -24,7 +24,8 @@ No-grad: the stats-mode GEMM over token chunks; O(N) memory beyond the small per
 ``P`` has the inputs' dtype. With a soft cap the fast route recovers each capped logit from ``P`` for the cap's
 derivative (exactly at the target column, from the target logit); where ``P`` underflowed the probability is 0
 and only the label-smoothing term would still need that logit, so soft cap + label smoothing takes the lean route
-when ``P`` can underflow inside the cap's range: fp16 (below ``exp(-17)``), or a cap above 40 (``exp(-80)``).
+when ``P`` can underflow inside the cap's range ``z - m_t >= -2 * cap``: fp16 (``P`` flushes to 0 below
+``exp(-17)``) or a cap above 40 (bf16/fp32 flush below ``exp(-87)``).
 """
 
 from __future__ import annotations
@@ -41,8 +42,8 @@ from .targets import TokenTargets
 
 __all__ = ["TritonLinearCrossEntropy", "FAST_P_GIB", "LEAN_BLOCK_GIB"]
 
-FAST_P_GIB = 1.0     # default size of the fast route's 16-bit P chunk
-LEAN_BLOCK_GIB = 0.25  # default size of the lean route's [N, Vb] block
+FAST_P_GIB = 1.5     # default size of the fast route's 16-bit P chunk (freed before backward's peak)
+LEAN_BLOCK_GIB = 0.2  # default size of the lean route's [N, Vb] block
 STATS_TOKENS = 8192  # tokens per stats-only launch (bounds the per-tile statistics buffers)
 
 
