@@ -46,9 +46,30 @@ def profile_step(d: int, v: int, n: int, **kw):
         vpce.linear_cross_entropy(x, w, t, **kw).backward()
 
     step_ms = ms(step)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+    # host side: enqueue time of a step, and any operation that synchronizes with the device
+    import time
+    import warnings
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(5):
+        step()
+    enqueue = (time.perf_counter() - t0) / 5 * 1e3
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step()
+    torch.cuda.set_sync_debug_mode(0)
+    syncs = [str(c.message)[:100] for c in caught if "synchron" in str(c.message).lower()]
+    print(f"host enqueue per step {enqueue:.2f} ms; synchronizing ops in a step: {len(syncs)} {syncs[:3]}")
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
         step()
         torch.cuda.synchronize()
+    cpu = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CPU]
+    for e in sorted(cpu, key=lambda e: -e.self_cpu_time_total)[:10]:
+        print(f"  cpu {e.self_cpu_time_total / 1e3:8.3f} ms  x{e.count:<4d} {e.key[:80]}")
     events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
     total = sum(e.self_device_time_total for e in events) / 1e3
     print(f"\n## profile {kw or ''} N={n} D={d} V={v}: step {step_ms:.2f} ms, GPU busy {total:.2f} ms")
