@@ -23,10 +23,10 @@ from vpce.gemm import addmm_out_, mm_out
 from vpce.options import LossOptions
 
 SHAPES = {"llama3-8b": (4096, 128256), "gemma2-2b": (2304, 256000)}
-CONFIGS = [  # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages), each with and without TMA
-    (128, 256, 64, 8, 8, 3), (128, 256, 64, 8, 8, 4), (128, 256, 64, 16, 8, 4), (256, 128, 64, 8, 8, 3),
-    (128, 256, 32, 8, 8, 5), (128, 128, 64, 8, 4, 5), (256, 256, 64, 8, 16, 3),
+CONFIGS = [  # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages)
+    (128, 256, 64, 8, 8, 3), (128, 256, 64, 8, 8, 4), (128, 256, 64, 16, 8, 4), (128, 128, 64, 8, 8, 4),
 ]
+SCHEDULES = [(True, False), (True, True), (False, True)]  # (TMA, PERSISTENT)
 
 
 def ms(fn) -> float:
@@ -123,8 +123,9 @@ def main():
             rate = f"{fl / t_ms / 1e9:7.1f} TFLOP/s" if fl else f"{2 * p.numel() * 2 / t_ms / 1e6:7.1f} GB/s"
             print(f"{label:34s} {t_ms:8.3f} ms  {rate}")
         print("block-shape sweep of the fused GEMM (stats + P):")
-        for (bm, bn_, bk, gm, nw, ns), tma in itertools.product(CONFIGS, (False, True)):
-            cfg = dict(BLOCK_M=bm, BLOCK_N=bn_, BLOCK_K=bk, GROUP_M=gm, num_warps=nw, num_stages=ns, TMA=tma)
+        for (bm, bn_, bk, gm, nw, ns), (tma, pers) in itertools.product(CONFIGS, SCHEDULES):
+            cfg = dict(BLOCK_M=bm, BLOCK_N=bn_, BLOCK_K=bk, GROUP_M=gm, num_warps=nw, num_stages=ns, TMA=tma,
+                       PERSISTENT=pers)
             nt = triton.cdiv(v, bn_)
             tm, ts = torch.empty(c, nt, **f32), torch.empty(c, nt, **f32)
             try:

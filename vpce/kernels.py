@@ -60,9 +60,9 @@ def _dlogits(p, dcap, hit, col_ok, scale, lse, zl2, eps_v, keep_t,
     return tl.where(col_ok, g, 0.0)
 
 
-@triton.heuristics({"EVEN_K": lambda a: a["D"] % a["BLOCK_K"] == 0})
 @triton.jit
-def _logits_tiles_kernel(
+def _logits_tile(
+    pid_m, pid_n,
     # pointers
     X, W, B, TL, TILE_M, TILE_S, TILE_Z, ZT, P, LSE, SCALE,
     # shapes
@@ -77,16 +77,7 @@ def _logits_tiles_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr,
 ):
-    # -- grouped tile order: GROUP_M row blocks share each W tile while it sits in L2 --
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(V, BLOCK_N)
-    width = GROUP_M * num_n
-    first_m = (pid // width) * GROUP_M
-    size_m = min(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % size_m
-    pid_n = (pid % width) // size_m
-
+    """One [BLOCK_M, BLOCK_N] tile: the GEMM over D, then the epilogue."""
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
 
@@ -154,6 +145,49 @@ def _logits_tiles_kernel(
         tl.store(ZT + rm, zt, mask=mine)
         if WRITE_P:
             tl.store(P + p_offs, e.to(P.dtype.element_ty), mask=p_mask)
+
+
+@triton.heuristics({"EVEN_K": lambda a: a["D"] % a["BLOCK_K"] == 0})
+@triton.jit
+def _logits_tiles_kernel(
+    # pointers
+    X, W, B, TL, TILE_M, TILE_S, TILE_Z, ZT, P, LSE, SCALE,
+    # shapes
+    M, V, D, n_tiles,
+    # strides
+    stride_xm, stride_xk, stride_wv, stride_wk, stride_pm, stride_pn,
+    # options
+    softcap, zl2, eps_v, keep_t,
+    # meta
+    HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, HAS_EPS: tl.constexpr, HAS_ZLOSS: tl.constexpr,
+    GRAD: tl.constexpr, WRITE_P: tl.constexpr, SUM_Z: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    PERSISTENT: tl.constexpr = False,
+):
+    # -- grouped tile order: GROUP_M row blocks share each W tile while it sits in L2 --
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(V, BLOCK_N)
+    width = GROUP_M * num_n
+    if PERSISTENT:
+        # one program per SM walks the tiles; flattening lets the next tile's loads overlap this epilogue
+        for tile in tl.range(tl.program_id(0), num_m * num_n, tl.num_programs(0), flatten=True):
+            first_m = (tile // width) * GROUP_M
+            size_m = min(num_m - first_m, GROUP_M)
+            _logits_tile(first_m + (tile % width) % size_m, (tile % width) // size_m,
+                         X, W, B, TL, TILE_M, TILE_S, TILE_Z, ZT, P, LSE, SCALE, M, V, D, n_tiles,
+                         stride_xm, stride_xk, stride_wv, stride_wk, stride_pm, stride_pn, softcap,
+                         zl2, eps_v, keep_t, HAS_BIAS, SOFTCAP, HAS_EPS, HAS_ZLOSS, GRAD, WRITE_P,
+                         SUM_Z, IEEE, TMA, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K)
+    else:
+        pid = tl.program_id(0)
+        first_m = (pid // width) * GROUP_M
+        size_m = min(num_m - first_m, GROUP_M)
+        _logits_tile(first_m + (pid % width) % size_m, (pid % width) // size_m,
+                     X, W, B, TL, TILE_M, TILE_S, TILE_Z, ZT, P, LSE, SCALE, M, V, D, n_tiles,
+                     stride_xm, stride_xk, stride_wv, stride_wk, stride_pm, stride_pn, softcap,
+                     zl2, eps_v, keep_t, HAS_BIAS, SOFTCAP, HAS_EPS, HAS_ZLOSS, GRAD, WRITE_P,
+                     SUM_Z, IEEE, TMA, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K)
 
 
 @triton.jit
@@ -261,7 +295,9 @@ def logits_tiles(x, w, b, t_local, opts, vocab_size: int, *, tile_m=None, tile_s
     grad = lse is not None
     dummy = x.new_empty(0, dtype=torch.float32)
     out = p if p is not None else x.new_empty(0)
-    grid = (triton.cdiv(m, cfg["BLOCK_M"]) * n_tiles,)
+    tiles = triton.cdiv(m, cfg["BLOCK_M"]) * n_tiles
+    persistent = cfg.get("PERSISTENT", False)
+    grid = (min(tiles, torch.cuda.get_device_properties(x.device).multi_processor_count) if persistent else tiles,)
     xa, wa = x, w
     if tma:
         xa = TensorDescriptor.from_tensor(x, [cfg["BLOCK_M"], cfg["BLOCK_K"]])
