@@ -163,31 +163,19 @@ def _logits_tiles_kernel(
     GRAD: tl.constexpr, WRITE_P: tl.constexpr, SUM_Z: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr,
-    PERSISTENT: tl.constexpr = False,
 ):
     # -- grouped tile order: GROUP_M row blocks share each W tile while it sits in L2 --
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(V, BLOCK_N)
     width = GROUP_M * num_n
-    if PERSISTENT:
-        # one program per SM walks the tiles; flattening lets the next tile's loads overlap this epilogue
-        for tile in tl.range(tl.program_id(0), num_m * num_n, tl.num_programs(0), flatten=True):
-            first_m = (tile // width) * GROUP_M
-            size_m = min(num_m - first_m, GROUP_M)
-            _logits_tile(first_m + (tile % width) % size_m, (tile % width) // size_m,
-                         X, W, B, TL, TILE_M, TILE_S, TILE_Z, ZT, P, LSE, SCALE, M, V, D, n_tiles,
-                         stride_xm, stride_xk, stride_wv, stride_wk, stride_pm, stride_pn, softcap,
-                         zl2, eps_v, keep_t, HAS_BIAS, SOFTCAP, HAS_EPS, HAS_ZLOSS, GRAD, WRITE_P,
-                         SUM_Z, IEEE, TMA, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K)
-    else:
-        pid = tl.program_id(0)
-        first_m = (pid // width) * GROUP_M
-        size_m = min(num_m - first_m, GROUP_M)
-        _logits_tile(first_m + (pid % width) % size_m, (pid % width) // size_m,
-                     X, W, B, TL, TILE_M, TILE_S, TILE_Z, ZT, P, LSE, SCALE, M, V, D, n_tiles,
-                     stride_xm, stride_xk, stride_wv, stride_wk, stride_pm, stride_pn, softcap,
-                     zl2, eps_v, keep_t, HAS_BIAS, SOFTCAP, HAS_EPS, HAS_ZLOSS, GRAD, WRITE_P,
-                     SUM_Z, IEEE, TMA, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K)
+    pid = tl.program_id(0)
+    first_m = (pid // width) * GROUP_M
+    size_m = min(num_m - first_m, GROUP_M)
+    _logits_tile(first_m + (pid % width) % size_m, (pid % width) // size_m,
+                 X, W, B, TL, TILE_M, TILE_S, TILE_Z, ZT, P, LSE, SCALE, M, V, D, n_tiles,
+                 stride_xm, stride_xk, stride_wv, stride_wk, stride_pm, stride_pn, softcap,
+                 zl2, eps_v, keep_t, HAS_BIAS, SOFTCAP, HAS_EPS, HAS_ZLOSS, GRAD, WRITE_P,
+                 SUM_Z, IEEE, TMA, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K)
 
 
 @triton.jit
@@ -295,9 +283,7 @@ def logits_tiles(x, w, b, t_local, opts, vocab_size: int, *, tile_m=None, tile_s
     grad = lse is not None
     dummy = x.new_empty(0, dtype=torch.float32)
     out = p if p is not None else x.new_empty(0)
-    tiles = triton.cdiv(m, cfg["BLOCK_M"]) * n_tiles
-    persistent = cfg.get("PERSISTENT", False)
-    grid = (min(tiles, torch.cuda.get_device_properties(x.device).multi_processor_count) if persistent else tiles,)
+    grid = (triton.cdiv(m, cfg["BLOCK_M"]) * n_tiles,)
     xa, wa = x, w
     if tma:
         xa = TensorDescriptor.from_tensor(x, [cfg["BLOCK_M"], cfg["BLOCK_K"]])
