@@ -21,7 +21,7 @@ class Result:
 
 
 def reference(hidden, weight, target, bias=None, *, grad=None, ignore_index=-100, reduction="mean",
-              label_smoothing=0.0, z_loss=0.0, softcap=None, vocab_size=None) -> Result:
+              label_smoothing=0.0, z_loss=0.0, softcap=None, vocab_size=None, token_weight=None) -> Result:
     """Loss and gradients in float64. ``weight`` is the whole vocab (padding rows allowed past vocab_size).
 
     ``grad`` is the upstream gradient of the returned loss (scalar or per-token); None means 1.
@@ -40,9 +40,11 @@ def reference(hidden, weight, target, bias=None, *, grad=None, ignore_index=-100
     lse = torch.logsumexp(z, dim=-1)
     zt = z.gather(1, safe[:, None]).squeeze(1)
     per = lse - (1 - label_smoothing) * zt - label_smoothing * z.mean(-1) + z_loss * lse**2
-    per = torch.where(keep, per, torch.zeros_like(per))
+    tw = torch.ones_like(per) if token_weight is None else token_weight.reshape(-1).double()
+    per = torch.where(keep, per * tw, torch.zeros_like(per))
     if reduction == "mean":
-        loss = per.sum() / keep.sum().clamp(min=1)
+        den = torch.where(keep, tw, 0).sum()
+        loss = per.sum() / (den if den != 0 else 1)
     elif reduction == "sum":
         loss = per.sum()
     else:

@@ -13,6 +13,7 @@ import os
 import torch
 
 from . import parallel
+from .grads import check_main_grad
 from .options import BACKENDS, BUDGET_NAMES, REDUCTIONS, LossOptions
 from .torch_backend import TorchLinearCrossEntropy
 
@@ -125,9 +126,9 @@ def _check_target_values(target: torch.Tensor, opts: LossOptions, vocab_size: in
 
 
 def linear_cross_entropy(hidden, weight, target, bias=None, *, ignore_index=-100, reduction="mean",
-                         label_smoothing=0.0, z_loss=0.0, softcap=None, group=None, vocab_start=None,
-                         vocab_size=None, sequence_parallel=False, backend="auto", memory_budget="auto",
-                         validate=False):
+                         label_smoothing=0.0, z_loss=0.0, softcap=None, token_weight=None, group=None,
+                         vocab_start=None, vocab_size=None, sequence_parallel=False, backend="auto",
+                         memory_budget="auto", validate=False, accumulate_main_grad=False):
     """Cross-entropy of ``hidden @ weight.T (+ bias)`` against ``target`` without materializing the logits.
 
     ``weight`` is the whole lm_head ``[V, D]`` or, under ``group``, this rank's contiguous shard of rows; the
@@ -135,13 +136,16 @@ def linear_cross_entropy(hidden, weight, target, bias=None, *, ignore_index=-100
     is already summed over the group. See ``docs/api.md`` for every option.
 
     ``validate=True`` checks target ids eagerly on GPU too (a host sync); on CPU the check always runs. Without
-    it, an out-of-range target on GPU gives NaN for that token.
+    it, an out-of-range target on GPU gives NaN for that token. ``token_weight`` (shape of ``target``) scales each
+    token's loss; ``mean`` then divides by the weights' sum over non-ignored tokens. ``accumulate_main_grad``
+    adds the weight gradient in fp32 into ``weight.main_grad`` (Megatron's gradient-accumulation fusion).
     """
     opts = make_options(ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
                         z_loss=z_loss, softcap=softcap, memory_budget=memory_budget)
-    return _linear_cross_entropy(hidden, weight, target, bias, opts, group=group, vocab_start=vocab_start,
-                                 vocab_size=vocab_size, sequence_parallel=sequence_parallel, backend=backend,
-                                 validate=validate)
+    return _linear_cross_entropy(hidden, weight, target, bias, opts, token_weight=token_weight, group=group,
+                                 vocab_start=vocab_start, vocab_size=vocab_size,
+                                 sequence_parallel=sequence_parallel, backend=backend, validate=validate,
+                                 accumulate_main_grad=accumulate_main_grad)
 
 
 def _resolve_backend(backend, hidden: torch.Tensor) -> str:
@@ -159,15 +163,34 @@ def _resolve_backend(backend, hidden: torch.Tensor) -> str:
     return backend
 
 
-def _linear_cross_entropy(hidden, weight, target, bias, opts: LossOptions, *, group, vocab_start, vocab_size,
-                          sequence_parallel, backend, validate):
+def _check_token_weight(token_weight, target: torch.Tensor):
+    if token_weight is None:
+        return
+    if not isinstance(token_weight, torch.Tensor):
+        raise TypeError(f"token_weight: expected a torch.Tensor or None, got {type(token_weight).__name__}")
+    if not token_weight.is_floating_point():
+        raise TypeError(f"token_weight: expected a floating dtype, got {token_weight.dtype}")
+    if token_weight.shape != target.shape:
+        raise ValueError(f"token_weight: expected shape {tuple(target.shape)} (target's), "
+                         f"got {tuple(token_weight.shape)}")
+    if token_weight.device != target.device:
+        raise ValueError(f"token_weight: expected device {target.device} (target's), got {token_weight.device}")
+    if token_weight.requires_grad:
+        raise ValueError("token_weight: expected a tensor that does not require grad (no gradient flows to the "
+                         "weights), got requires_grad=True; pass token_weight.detach()")
+
+
+def _linear_cross_entropy(hidden, weight, target, bias, opts: LossOptions, *, token_weight=None, group,
+                          vocab_start, vocab_size, sequence_parallel, backend, validate,
+                          accumulate_main_grad=False):
     if not isinstance(hidden, torch.Tensor):
         raise TypeError(f"hidden: expected a torch.Tensor, got {type(hidden).__name__}")
     backend = _resolve_backend(backend, hidden)
     if not isinstance(sequence_parallel, bool):
         raise TypeError(f"sequence_parallel: expected a bool, got {type(sequence_parallel).__name__}")
-    if not isinstance(validate, bool):
-        raise TypeError(f"validate: expected a bool, got {type(validate).__name__}")
+    for name, flag in (("validate", validate), ("accumulate_main_grad", accumulate_main_grad)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name}: expected a bool, got {type(flag).__name__}")
     _check_int("vocab_start", vocab_start, low=0)
     _check_int("vocab_size", vocab_size, low=1)
     if sequence_parallel and group is None:
@@ -175,6 +198,9 @@ def _linear_cross_entropy(hidden, weight, target, bias, opts: LossOptions, *, gr
                          "got group=None")
     _, world = parallel.group_rank_and_size(group)
     _check_tensors(hidden, weight, target, bias, world, sequence_parallel, backend)
+    _check_token_weight(token_weight, target)
+    if accumulate_main_grad:
+        check_main_grad(weight)
 
     shard = parallel.resolve_shard(group, weight.shape[0], vocab_start, vocab_size, hidden.device)
     if validate or not target.is_cuda:
@@ -183,26 +209,28 @@ def _linear_cross_entropy(hidden, weight, target, bias, opts: LossOptions, *, gr
     d = hidden.shape[-1]
     h2 = parallel.enter_vocab_parallel(hidden, shard, sequence_parallel).reshape(-1, d)
     t1 = target.reshape(-1)
+    acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    tw1 = None if token_weight is None else token_weight.reshape(-1).to(acc)
     needs_grad = tuple(torch.is_grad_enabled() and t is not None and t.requires_grad
                        for t in (hidden, weight, bias))
     if backend == "triton":
         from .triton_backend import TritonLinearCrossEntropy as Fn
     else:
         Fn = TorchLinearCrossEntropy
-    loss = Fn.apply(h2, weight, bias, t1, shard, opts, needs_grad)
+    loss = Fn.apply(h2, weight, bias, t1, tw1, shard, opts, needs_grad, accumulate_main_grad)
     return loss.reshape(target.shape) if opts.reduction == "none" else loss
 
 
 class LinearCrossEntropy(torch.nn.Module):
     """Module form of ``linear_cross_entropy``; options are validated once, at construction.
 
-    ``forward(hidden, weight, target, bias=None)``; the weight is passed in (not owned) so that a tied or
+    ``forward(hidden, weight, target, bias=None, token_weight=None)``; the weight is passed in (not owned) so that a tied or
     Megatron-owned lm_head weight can be used as is.
     """
 
     def __init__(self, *, ignore_index=-100, reduction="mean", label_smoothing=0.0, z_loss=0.0, softcap=None,
                  group=None, vocab_start=None, vocab_size=None, sequence_parallel=False, backend="auto",
-                 memory_budget="auto", validate=False):
+                 memory_budget="auto", validate=False, accumulate_main_grad=False):
         super().__init__()
         self.options = make_options(ignore_index=ignore_index, reduction=reduction,
                                     label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
@@ -213,12 +241,13 @@ class LinearCrossEntropy(torch.nn.Module):
         _check_int("vocab_size", vocab_size, low=1)
         self.group, self.vocab_start, self.vocab_size = group, vocab_start, vocab_size
         self.sequence_parallel, self.backend, self.validate = sequence_parallel, backend, validate
+        self.accumulate_main_grad = accumulate_main_grad
 
-    def forward(self, hidden, weight, target, bias=None):
-        return _linear_cross_entropy(hidden, weight, target, bias, self.options, group=self.group,
-                                     vocab_start=self.vocab_start, vocab_size=self.vocab_size,
+    def forward(self, hidden, weight, target, bias=None, token_weight=None):
+        return _linear_cross_entropy(hidden, weight, target, bias, self.options, token_weight=token_weight,
+                                     group=self.group, vocab_start=self.vocab_start, vocab_size=self.vocab_size,
                                      sequence_parallel=self.sequence_parallel, backend=self.backend,
-                                     validate=self.validate)
+                                     validate=self.validate, accumulate_main_grad=self.accumulate_main_grad)
 
     def extra_repr(self) -> str:
         o = self.options

@@ -1,4 +1,4 @@
-"""Per-token target bookkeeping: ignored tokens, out-of-range ids, and the local column of each target."""
+"""Per-token bookkeeping: ignored tokens, out-of-range ids, per-token loss weights, and each target's local column."""
 
 from __future__ import annotations
 
@@ -12,17 +12,42 @@ __all__ = ["TokenTargets"]
 
 
 class TokenTargets:
-    """Where each token's target sits relative to this rank's shard; shared by both backends."""
+    """Where each token's target sits relative to this rank's shard; shared by both backends.
 
-    def __init__(self, target: torch.Tensor, shard: VocabShard, ignore_index: int):
+    ``weight`` (optional, float ``[N]``) multiplies each token's loss and gradient; ``mean`` divides by the sum of
+    the weights of non-ignored tokens (by their count without weights).
+    """
+
+    def __init__(self, target: torch.Tensor, shard: VocabShard, ignore_index: int,
+                 weight: torch.Tensor | None = None):
         self.keep = target != ignore_index
         self.bad = self.keep & ((target < 0) | (target >= shard.vocab_size))
         local = target - shard.start
         self.in_shard = self.keep & (local >= 0) & (local < shard.valid_rows)
         self.idx = torch.where(self.in_shard, local, 0)
-        self.count = self.keep.sum()
+        self.weight = weight
+        self.count = self.keep.sum() if weight is None else torch.where(self.keep, weight, 0).sum()
+
+    def denominator(self, dtype: torch.dtype) -> torch.Tensor:
+        """What ``mean`` divides by: the (weighted) count of non-ignored tokens, 1 where that is 0."""
+        c = self.count.to(dtype)
+        return torch.where(c == 0, torch.ones_like(c), c)
 
     def row_scale(self, per_token: torch.Tensor) -> torch.Tensor:
-        """Upstream gradient per token: 0 on ignored tokens, NaN on out-of-range targets."""
+        """Upstream gradient per token times its weight: 0 on ignored tokens, NaN on out-of-range targets."""
+        if self.weight is not None:
+            per_token = per_token * self.weight
         s = torch.where(self.keep, per_token, 0)
         return torch.where(self.bad, math.nan, s)
+
+    def token_loss(self, loss: torch.Tensor, sl: slice) -> torch.Tensor:
+        """Per-token loss of rows ``sl``: weighted, 0 on ignored tokens, NaN on out-of-range targets."""
+        loss = torch.where(self.bad[sl], math.nan, loss)
+        if self.weight is not None:
+            loss = loss * self.weight[sl]
+        return torch.where(self.keep[sl], loss, 0)
+
+    def reduce(self, loss_tok: torch.Tensor, reduction: str) -> torch.Tensor:
+        if reduction == "mean":
+            return loss_tok.sum() / self.denominator(loss_tok.dtype)
+        return loss_tok.sum() if reduction == "sum" else loss_tok

@@ -33,6 +33,7 @@ import math
 import torch
 
 from .gemm import mm_out
+from .grads import pad_rows, weight_grad
 from .options import LossOptions
 from .parallel import VocabShard, combine_softmax_stats
 from .targets import TokenTargets
@@ -76,17 +77,18 @@ def _logit_grad_(z: torch.Tensor, lse: torch.Tensor, row_scale: torch.Tensor, t_
 
 
 class TorchLinearCrossEntropy(torch.autograd.Function):
-    """Inputs are 2-D ``hidden [N, D]`` and 1-D ``target [N]``; returns fp32 (fp64) loss per ``reduction``."""
+    """Inputs are 2-D ``hidden [N, D]``, 1-D ``target [N]`` and optional ``token_weight [N]``; returns the fp32
+    (fp64) loss per ``reduction``. ``main_grad``: add the weight gradient into ``weight.main_grad`` instead."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, target, shard: VocabShard, opts: LossOptions,
-                needs_grad: tuple[bool, bool, bool]):
+    def forward(ctx, hidden, weight, bias, target, token_weight, shard: VocabShard, opts: LossOptions,
+                needs_grad: tuple[bool, bool, bool], main_grad: bool):
         n, d = hidden.shape
         acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
         v = shard.valid_rows
         w = weight[:v]
         b = None if bias is None else bias[:v]
-        tg = TokenTargets(target, shard, opts.ignore_index)
+        tg = TokenTargets(target, shard, opts.ignore_index, token_weight)
         eps, zl = opts.label_smoothing, opts.z_loss
         chunk = chunk_tokens(opts.chunk_gib(), shard, hidden.dtype, opts.softcap is not None)
 
@@ -120,8 +122,7 @@ class TorchLinearCrossEntropy(torch.autograd.Function):
                 loss = loss - (eps / shard.vocab_size) * sums[1]
             if zl:
                 loss = loss + zl * lse * lse
-            loss = torch.where(tg.bad[sl], math.nan, loss)
-            loss_tok[sl] = torch.where(tg.keep[sl], loss, 0)
+            loss_tok[sl] = tg.token_loss(loss, sl)
             lse_all[sl] = lse
             if eager and v > 0:
                 g = _logit_grad_(z, lse, row_scale_all[sl], tg.idx[sl], tg.in_shard[sl], opts, shard.vocab_size)
@@ -132,45 +133,40 @@ class TorchLinearCrossEntropy(torch.autograd.Function):
                 if db is not None:
                     db += g.sum(0)
 
-        if opts.reduction == "mean":
-            out = loss_tok.sum() / tg.count.clamp(min=1).to(acc)
-        elif opts.reduction == "sum":
-            out = loss_tok.sum()
-        else:
-            out = loss_tok
-
-        ctx.eager, ctx.shard, ctx.opts, ctx.chunk, ctx.count = eager, shard, opts, chunk, tg.count.to(acc)
+        ctx.eager, ctx.shard, ctx.opts, ctx.chunk = eager, shard, opts, chunk
+        ctx.denominator = tg.denominator(acc)
+        ctx.like = (hidden.dtype, weight if main_grad else weight.shape[0])
         if eager:
             ctx.grads = [dx, dw, db]
-            ctx.like = (hidden.dtype, weight.shape[0], weight.dtype)
         elif any(needs_grad):
-            ctx.save_for_backward(hidden, weight, bias, target, lse_all)
-        return out
+            ctx.save_for_backward(hidden, weight, bias, target, token_weight, lse_all)
+        return tg.reduce(loss_tok, opts.reduction)
 
     @staticmethod
     def backward(ctx, grad_out):
+        dtype, rows_or_weight = ctx.like
+        rows = rows_or_weight if isinstance(rows_or_weight, int) else rows_or_weight.shape[0]
         if ctx.eager:
             if ctx.grads is None:
                 raise RuntimeError("vpce: this loss formed its gradients in forward and they were already "
                                    "used; for a second backward pass use memory_budget='lean'")
             grads, ctx.grads = ctx.grads, None
-            g = grad_out.detach() / ctx.count.clamp(min=1) if ctx.opts.reduction == "mean" else grad_out.detach()
+            g = grad_out.detach() / ctx.denominator if ctx.opts.reduction == "mean" else grad_out.detach()
             dx, dw, db = (None if t is None else t.mul_(g) for t in grads)
-            dtype, rows, _ = ctx.like
-            return (None if dx is None else dx.to(dtype), _pad_rows(dw, rows, dtype), _pad_rows(db, rows, dtype),
-                    None, None, None, None)
+            return (None if dx is None else dx.to(dtype), weight_grad(dw, rows_or_weight, dtype),
+                    pad_rows(db, rows, dtype), None, None, None, None, None, None)
 
-        hidden, weight, bias, target, lse_all = ctx.saved_tensors
+        hidden, weight, bias, target, token_weight, lse_all = ctx.saved_tensors
         shard, opts, chunk = ctx.shard, ctx.opts, ctx.chunk
         n, d = hidden.shape
         acc = lse_all.dtype
         v = shard.valid_rows
         w = weight[:v]
         b = None if bias is None else bias[:v]
-        tg = TokenTargets(target, shard, opts.ignore_index)
+        tg = TokenTargets(target, shard, opts.ignore_index, token_weight)
         g = grad_out.detach().to(acc)
         if opts.reduction == "mean":
-            g = g / tg.count.clamp(min=1).to(acc)
+            g = g / tg.denominator(acc)
         row_scale_all = tg.row_scale(g.expand(n) if g.dim() == 0 else g.reshape(n))
 
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
@@ -189,17 +185,5 @@ class TorchLinearCrossEntropy(torch.autograd.Function):
                     dw.addmm_(gz.t(), hidden[sl].to(acc))
                 if db is not None:
                     db += gz.sum(0)
-        rows, dtype = weight.shape[0], hidden.dtype
-        return (None if dx is None else dx.to(dtype), _pad_rows(dw, rows, dtype), _pad_rows(db, rows, dtype),
-                None, None, None, None)
-
-
-def _pad_rows(g: torch.Tensor | None, rows: int, dtype: torch.dtype) -> torch.Tensor | None:
-    """Accumulated gradient of the valid rows -> gradient of all ``rows`` (padding rows 0), in ``dtype``."""
-    if g is None:
-        return None
-    if g.shape[0] == rows:
-        return g.to(dtype)
-    out = g.new_zeros((rows,) + tuple(g.shape[1:]), dtype=dtype)
-    out[: g.shape[0]] = g
-    return out
+        return (None if dx is None else dx.to(dtype), weight_grad(dw, rows_or_weight, dtype),
+                pad_rows(db, rows, dtype), None, None, None, None, None, None)

@@ -36,6 +36,7 @@ import torch
 
 from . import kernels
 from .gemm import addmm_out_, mm_out
+from .grads import pad_rows, weight_grad
 from .options import LossOptions
 from .parallel import VocabShard, combine_softmax_stats
 from .targets import TokenTargets
@@ -100,39 +101,23 @@ def _chunk_loss(h, w, b, tl_local, tg: TokenTargets, sl: slice, shard: VocabShar
         loss = loss - (eps / shard.vocab_size) * sums[1]
     if opts.z_loss:
         loss = loss + opts.z_loss * lse * lse
-    loss = torch.where(tg.bad[sl], math.nan, loss)
-    return torch.where(tg.keep[sl], loss, 0), lse, sums[0]
-
-
-def _reduce(loss_tok: torch.Tensor, tg: TokenTargets, reduction: str) -> torch.Tensor:
-    if reduction == "mean":
-        return loss_tok.sum() / tg.count.clamp(min=1).to(loss_tok.dtype)
-    return loss_tok.sum() if reduction == "sum" else loss_tok
-
-
-def _pad_rows(g, rows: int, dtype):
-    if g is None:
-        return None
-    if g.shape[0] == rows:
-        return g.to(dtype)
-    out = g.new_zeros((rows,) + tuple(g.shape[1:]), dtype=dtype)
-    out[: g.shape[0]] = g
-    return out
+    return tg.token_loss(loss, sl), lse, sums[0]
 
 
 class TritonLinearCrossEntropy(torch.autograd.Function):
-    """Inputs are 2-D ``hidden [N, D]`` and 1-D ``target [N]``; returns the fp32 loss per ``reduction``."""
+    """Inputs are 2-D ``hidden [N, D]``, 1-D ``target [N]`` and optional ``token_weight [N]``; returns the fp32
+    loss per ``reduction``. ``main_grad``: add the weight gradient into ``weight.main_grad`` instead."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, target, shard: VocabShard, opts: LossOptions,
-                needs_grad: tuple[bool, bool, bool]):
+    def forward(ctx, hidden, weight, bias, target, token_weight, shard: VocabShard, opts: LossOptions,
+                needs_grad: tuple[bool, bool, bool], main_grad: bool):
         n, d = hidden.shape
         dev = hidden.device
         v = shard.valid_rows
         hidden = hidden.contiguous()
         w = weight[:v]
         b = None if bias is None else bias[:v]
-        tg = TokenTargets(target, shard, opts.ignore_index)
+        tg = TokenTargets(target, shard, opts.ignore_index, token_weight)
         tl_local = torch.where(tg.in_shard, tg.idx, -1).to(torch.int32)
         bn = kernels.tile_n(hidden)
         n_tiles = max(1, math.ceil(v / bn))
@@ -177,44 +162,52 @@ class TritonLinearCrossEntropy(torch.autograd.Function):
                 sl = slice(c0, min(n, c0 + STATS_TOKENS))
                 loss_tok[sl], lse_all[sl], _ = _chunk_loss(hidden, w, b, tl_local, tg, sl, shard, opts, stats, None)
             if any(needs_grad):
-                ctx.save_for_backward(hidden, weight, bias, target, lse_all)
+                ctx.save_for_backward(hidden, weight, bias, target, token_weight, lse_all)
         ctx.fast, ctx.shard, ctx.opts = fast, shard, opts
-        ctx.count = tg.count
-        ctx.like = (hidden.dtype, weight.shape[0])
-        return _reduce(loss_tok, tg, opts.reduction)
+        ctx.denominator = tg.denominator(torch.float32)
+        ctx.like = (hidden.dtype, weight if main_grad else weight.shape[0])
+        return tg.reduce(loss_tok, opts.reduction)
 
     @staticmethod
     def backward(ctx, grad_out):
-        dtype, rows = ctx.like
-        if ctx.fast:
-            if ctx.grads is None:
-                raise RuntimeError("vpce: this loss formed its gradients in forward and they were already "
-                                   "used; for a second backward pass use memory_budget='lean'")
-            grads, ctx.grads = ctx.grads, None
-            g = grad_out.detach().float()
-            if ctx.opts.reduction == "mean":
-                g = g / ctx.count.clamp(min=1)
-            dx, dw, db = (None if t is None else kernels.scale_cast(t, g, dtype) for t in grads)
-            return dx, _pad_rows(dw, rows, dtype), _pad_rows(db, rows, dtype), None, None, None, None
-        return _lean_backward(ctx, grad_out)
+        dtype, rows_or_weight = ctx.like
+        if not ctx.fast:
+            return _lean_backward(ctx, grad_out)
+        if ctx.grads is None:
+            raise RuntimeError("vpce: this loss formed its gradients in forward and they were already "
+                               "used; for a second backward pass use memory_budget='lean'")
+        (dx, dw, db), ctx.grads = ctx.grads, None
+        g = grad_out.detach().float()
+        if ctx.opts.reduction == "mean":
+            g = g / ctx.denominator
+        rows = rows_or_weight if isinstance(rows_or_weight, int) else rows_or_weight.shape[0]
+        dx = None if dx is None else kernels.scale_cast(dx, g, dtype)
+        db = None if db is None else pad_rows(db.mul_(g), rows, dtype)
+        if isinstance(rows_or_weight, torch.Tensor):  # fp32 straight into main_grad, never rounded
+            dw = weight_grad(None if dw is None else dw.mul_(g), rows_or_weight, dtype)
+        else:
+            dw = None if dw is None else pad_rows(kernels.scale_cast(dw, g, dtype), rows, dtype)
+        return dx, dw, db, None, None, None, None, None, None
 
 
 def _lean_backward(ctx, grad_out):
-    hidden, weight, bias, target, lse_all = ctx.saved_tensors
+    hidden, weight, bias, target, token_weight, lse_all = ctx.saved_tensors
     shard, opts = ctx.shard, ctx.opts
-    dtype, rows = ctx.like
+    dtype, rows_or_weight = ctx.like
+    main = isinstance(rows_or_weight, torch.Tensor)
+    rows = weight.shape[0]
     n, d = hidden.shape
     v = shard.valid_rows
-    tg = TokenTargets(target, shard, opts.ignore_index)
+    tg = TokenTargets(target, shard, opts.ignore_index, token_weight)
     tl_local = torch.where(tg.in_shard, tg.idx, -1).to(torch.int32)
     g = grad_out.detach().float()
     if opts.reduction == "mean":
-        g = g / tg.count.clamp(min=1)
+        g = g / tg.denominator(torch.float32)
     scale = tg.row_scale(g.expand(n) if g.dim() == 0 else g.reshape(n)).contiguous()
 
     need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
     dx = torch.zeros(n, d, dtype=torch.float32, device=hidden.device) if need_dx else None
-    dw = torch.zeros(rows, d, dtype=dtype, device=hidden.device) if need_dw else None
+    dw = torch.zeros(rows, d, dtype=dtype, device=hidden.device) if need_dw and not main else None
     db = torch.zeros(rows, dtype=torch.float32, device=hidden.device) if need_db and bias is not None else None
     bn = kernels.tile_n(hidden)
     gib = LEAN_BLOCK_GIB
@@ -227,9 +220,13 @@ def _lean_backward(ctx, grad_out):
                              shard.vocab_size, p=gz, lse=lse_all, scale=scale)
         if dw is not None:
             torch.mm(gz.t(), hidden, out=dw[v0:v1])  # the block's dW over all tokens: one GEMM, one rounding
+        elif main and need_dw:
+            addmm_out_(rows_or_weight.main_grad[v0:v1], gz.t(), hidden)  # fp32 accumulation into main_grad
         if dx is not None:
             addmm_out_(dx, gz, weight[v0:v1])
         if db is not None:
             db[v0:v1] = gz.sum(0, dtype=torch.float32)
+    if main and need_dw:
+        dw = weight_grad(None, rows_or_weight, dtype)
     return (None if dx is None else dx.to(dtype), dw, None if db is None else db.to(dtype),
-            None, None, None, None)
+            None, None, None, None, None, None)

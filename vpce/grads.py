@@ -1,0 +1,51 @@
+"""How a backend hands back the weight gradient: as ``weight.grad`` or, Megatron-style, into ``weight.main_grad``.
+
+With ``accumulate_main_grad`` the fp32 weight gradient is added into ``weight.main_grad`` (fp32, never rounded to
+the weight's dtype), as megatron-core's gradient-accumulation fusion does. If the parameter carries
+``grad_added_to_main_grad`` (Megatron's DDP sets it), that flag is set and a placeholder of the weight's shape is
+returned (zeros when ``zero_out_wgrad``) so that DDP's post-accumulation hook still runs; otherwise None.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["check_main_grad", "pad_rows", "weight_grad", "weight_grad_to_main"]
+
+
+def check_main_grad(weight: torch.Tensor):
+    main = getattr(weight, "main_grad", None)
+    if not isinstance(main, torch.Tensor) or main.shape != weight.shape or main.device != weight.device:
+        got = "no main_grad" if main is None else f"main_grad {tuple(main.shape)} on {main.device}"
+        raise ValueError(f"accumulate_main_grad: expected weight.main_grad, a tensor of the weight's shape "
+                         f"{tuple(weight.shape)} on {weight.device}, got {got}")
+
+
+def weight_grad_to_main(weight: torch.Tensor, dw: torch.Tensor | None) -> torch.Tensor | None:
+    """Add the (already scaled) gradient of the valid rows ``dw`` into ``weight.main_grad``; the grad to return."""
+    if dw is not None:
+        weight.main_grad[: dw.shape[0]].add_(dw)
+    if hasattr(weight, "grad_added_to_main_grad"):
+        weight.grad_added_to_main_grad = True
+        make = torch.zeros_like if getattr(weight, "zero_out_wgrad", False) else torch.empty_like
+        return make(weight, requires_grad=False)
+    return None
+
+
+def pad_rows(g: torch.Tensor | None, rows: int, dtype: torch.dtype) -> torch.Tensor | None:
+    """Gradient of the valid rows -> gradient of all ``rows`` (padding rows 0), in ``dtype``."""
+    if g is None:
+        return None
+    if g.shape[0] == rows:
+        return g.to(dtype)
+    out = g.new_zeros((rows,) + tuple(g.shape[1:]), dtype=dtype)
+    out[: g.shape[0]] = g
+    return out
+
+
+def weight_grad(dw: torch.Tensor | None, weight_or_rows, dtype: torch.dtype) -> torch.Tensor | None:
+    """The weight's gradient to return: ``dw`` padded and cast, or (given the weight itself) added into its
+    ``main_grad``."""
+    if isinstance(weight_or_rows, torch.Tensor):
+        return weight_grad_to_main(weight_or_rows, None if dw is None else dw.float())
+    return pad_rows(dw, weight_or_rows, dtype)
