@@ -101,3 +101,27 @@ def describe(a: torch.Tensor, b: torch.Tensor) -> str:
     i = int(d.reshape(-1).argmax())
     idx = tuple(int(x) for x in torch.unravel_index(torch.tensor(i), d.shape)) if d.dim() else ()
     return f"max abs err {d.reshape(-1)[i].item():.3e} at {idx}"
+
+
+def reference_log_probs(hidden, weight, target, bias=None, *, g_logp=None, g_ent=None, temperature=1.0,
+                        softcap=None, vocab_size=None, ignore_index=-100):
+    """float64 per-token log p(target) and entropy of softmax(cap(logits) / T); gradients for upstream
+    ``g_logp`` / ``g_ent`` (None: that output unused). Ignored tokens give 0 for both outputs."""
+    v = weight.shape[0] if vocab_size is None else vocab_size
+    h = hidden.detach().double().requires_grad_()
+    w = weight.detach().double().requires_grad_()
+    b = None if bias is None else bias.detach().double().requires_grad_()
+    z = F.linear(h, w[:v], None if b is None else b[:v])
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    logq = torch.log_softmax(z / temperature, dim=-1)
+    keep = target != ignore_index
+    logp = torch.where(keep, logq.gather(-1, torch.where(keep, target, 0).long()[..., None]).squeeze(-1), 0)
+    ent = torch.where(keep, -(logq.exp() * logq).sum(-1), 0)
+    total = 0
+    if g_logp is not None:
+        total = total + (logp * g_logp.double()).sum()
+    if g_ent is not None:
+        total = total + (ent * g_ent.double()).sum()
+    dh, dw, *db = torch.autograd.grad(total, [h, w] + ([b] if b is not None else []))
+    return logp.detach(), ent.detach(), Result(None, dh, dw, db[0] if b is not None else None)

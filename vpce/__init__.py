@@ -5,8 +5,8 @@ exchange, autograd-aware collectives), ``torch_backend`` (pure-PyTorch chunked b
 ``triton_backend`` (fused GPU kernels), ``bench`` (``python -m vpce.bench``).
 """
 
-from .api import LinearCrossEntropy, linear_cross_entropy
+from .api import LinearCrossEntropy, linear_cross_entropy, linear_log_probs
 from .options import LossOptions
 
-__all__ = ["linear_cross_entropy", "LinearCrossEntropy", "LossOptions"]
+__all__ = ["linear_cross_entropy", "linear_log_probs", "LinearCrossEntropy", "LossOptions"]
 __version__ = "0.1.0"

@@ -15,9 +15,9 @@ import torch
 from . import parallel
 from .grads import check_main_grad
 from .options import BACKENDS, BUDGET_NAMES, REDUCTIONS, LossOptions
-from .torch_backend import TorchLinearCrossEntropy
+from .torch_backend import TorchLinearCrossEntropy, TorchLinearLogProbs
 
-__all__ = ["linear_cross_entropy", "LinearCrossEntropy"]
+__all__ = ["linear_cross_entropy", "linear_log_probs", "LinearCrossEntropy"]
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -116,12 +116,12 @@ def _check_tensors(hidden, weight, target, bias, world: int, sequence_parallel: 
         raise ValueError(f"target: expected shape {lead}{what}, got {tuple(target.shape)}")
 
 
-def _check_target_values(target: torch.Tensor, opts: LossOptions, vocab_size: int):
+def _check_target_values(target: torch.Tensor, ignore_index: int, vocab_size: int):
     """Eager range check (a host sync): ids in [0, vocab_size) or ignore_index."""
-    bad = (target != opts.ignore_index) & ((target < 0) | (target >= vocab_size))
+    bad = (target != ignore_index) & ((target < 0) | (target >= vocab_size))
     if bool(bad.any()):
         pos = bad.nonzero()[0].tolist()
-        raise ValueError(f"target: expected ids in [0, {vocab_size}) or ignore_index={opts.ignore_index}, "
+        raise ValueError(f"target: expected ids in [0, {vocab_size}) or ignore_index={ignore_index}, "
                          f"got {int(target[tuple(pos)])} at index {tuple(pos)}")
 
 
@@ -180,17 +180,16 @@ def _check_token_weight(token_weight, target: torch.Tensor):
                          "weights), got requires_grad=True; pass token_weight.detach()")
 
 
-def _linear_cross_entropy(hidden, weight, target, bias, opts: LossOptions, *, token_weight=None, group,
-                          vocab_start, vocab_size, sequence_parallel, backend, validate,
-                          accumulate_main_grad=False):
+def _prepare(hidden, weight, target, bias, *, ignore_index, group, vocab_start, vocab_size, sequence_parallel,
+             backend, validate):
+    """Shared checks and set-up: (2-D hidden in the vocab-parallel region, 1-D target, shard, backend, needs)."""
     if not isinstance(hidden, torch.Tensor):
         raise TypeError(f"hidden: expected a torch.Tensor, got {type(hidden).__name__}")
     backend = _resolve_backend(backend, hidden)
     if not isinstance(sequence_parallel, bool):
         raise TypeError(f"sequence_parallel: expected a bool, got {type(sequence_parallel).__name__}")
-    for name, flag in (("validate", validate), ("accumulate_main_grad", accumulate_main_grad)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name}: expected a bool, got {type(flag).__name__}")
+    if not isinstance(validate, bool):
+        raise TypeError(f"validate: expected a bool, got {type(validate).__name__}")
     _check_int("vocab_start", vocab_start, low=0)
     _check_int("vocab_size", vocab_size, low=1)
     if sequence_parallel and group is None:
@@ -198,27 +197,64 @@ def _linear_cross_entropy(hidden, weight, target, bias, opts: LossOptions, *, to
                          "got group=None")
     _, world = parallel.group_rank_and_size(group)
     _check_tensors(hidden, weight, target, bias, world, sequence_parallel, backend)
+    shard = parallel.resolve_shard(group, weight.shape[0], vocab_start, vocab_size, hidden.device)
+    if validate or not target.is_cuda:
+        _check_target_values(target, ignore_index, shard.vocab_size)
+    h2 = parallel.enter_vocab_parallel(hidden, shard, sequence_parallel).reshape(-1, hidden.shape[-1])
+    needs_grad = tuple(torch.is_grad_enabled() and t is not None and t.requires_grad
+                       for t in (hidden, weight, bias))
+    return h2, target.reshape(-1), shard, backend, needs_grad
+
+
+def _linear_cross_entropy(hidden, weight, target, bias, opts: LossOptions, *, token_weight=None, group,
+                          vocab_start, vocab_size, sequence_parallel, backend, validate,
+                          accumulate_main_grad=False):
+    if not isinstance(accumulate_main_grad, bool):
+        raise TypeError(f"accumulate_main_grad: expected a bool, got {type(accumulate_main_grad).__name__}")
+    h2, t1, shard, backend, needs_grad = _prepare(
+        hidden, weight, target, bias, ignore_index=opts.ignore_index, group=group, vocab_start=vocab_start,
+        vocab_size=vocab_size, sequence_parallel=sequence_parallel, backend=backend, validate=validate)
     _check_token_weight(token_weight, target)
     if accumulate_main_grad:
         check_main_grad(weight)
-
-    shard = parallel.resolve_shard(group, weight.shape[0], vocab_start, vocab_size, hidden.device)
-    if validate or not target.is_cuda:
-        _check_target_values(target, opts, shard.vocab_size)
-
-    d = hidden.shape[-1]
-    h2 = parallel.enter_vocab_parallel(hidden, shard, sequence_parallel).reshape(-1, d)
-    t1 = target.reshape(-1)
     acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
     tw1 = None if token_weight is None else token_weight.reshape(-1).to(acc)
-    needs_grad = tuple(torch.is_grad_enabled() and t is not None and t.requires_grad
-                       for t in (hidden, weight, bias))
     if backend == "triton":
         from .triton_backend import TritonLinearCrossEntropy as Fn
     else:
         Fn = TorchLinearCrossEntropy
     loss = Fn.apply(h2, weight, bias, t1, tw1, shard, opts, needs_grad, accumulate_main_grad)
     return loss.reshape(target.shape) if opts.reduction == "none" else loss
+
+
+def linear_log_probs(hidden, weight, target, bias=None, *, temperature=1.0, softcap=None, return_entropy=False,
+                     ignore_index=-100, group=None, vocab_start=None, vocab_size=None, sequence_parallel=False,
+                     backend="auto", validate=False):
+    """Per-token ``log p(target)`` under ``softmax(softcap(hidden @ weight.T + bias) / temperature)``, and with
+    ``return_entropy=True`` also the entropy of that distribution, without materializing the logits.
+
+    Outputs have ``target``'s shape (fp32; fp64 for fp64 inputs on the torch backend); ignored targets give 0 for
+    both. Gradients are exact for any upstream gradients on both outputs, sharded or not (the building block
+    for PPO/GRPO-style losses). Vocab sharding, ``sequence_parallel``, ``vocab_size`` and ``validate`` work as in
+    ``linear_cross_entropy``.
+    """
+    _check_int("ignore_index", ignore_index, allow_none=False)
+    _check_number("temperature", temperature, low=0.0, low_open=True)
+    _check_number("softcap", softcap, low=0.0, low_open=True, allow_none=True)
+    if not isinstance(return_entropy, bool):
+        raise TypeError(f"return_entropy: expected a bool, got {type(return_entropy).__name__}")
+    h2, t1, shard, backend, needs_grad = _prepare(
+        hidden, weight, target, bias, ignore_index=ignore_index, group=group, vocab_start=vocab_start,
+        vocab_size=vocab_size, sequence_parallel=sequence_parallel, backend=backend, validate=validate)
+    if backend == "triton":
+        from .triton_backend import TritonLinearLogProbs as Fn
+    else:
+        Fn = TorchLinearLogProbs
+    out = Fn.apply(h2, weight, bias, t1, shard, None if softcap is None else float(softcap),
+                   1.0 / float(temperature), int(ignore_index), return_entropy, needs_grad)
+    if return_entropy:
+        return out[0].reshape(target.shape), out[1].reshape(target.shape)
+    return out.reshape(target.shape)
 
 
 class LinearCrossEntropy(torch.nn.Module):

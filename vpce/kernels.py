@@ -1,17 +1,25 @@
-"""Triton kernels: the lm_head GEMM with a softmax epilogue, and the in-place probabilities -> gradient pass.
+"""Triton kernels: the lm_head GEMM with a softmax epilogue, the in-place probabilities -> gradient pass, and a
+one-pass scale-and-cast.
 
-``logits_tiles`` computes ``z = X @ W.T (+ b)`` one ``[BLOCK_M, BLOCK_N]`` tile at a time (fp32 accumulation over
-D, int64 addressing) and never writes ``z``. The epilogue, per tile:
+``logits_tiles`` computes ``x = X @ W.T (+ b)`` one ``[BLOCK_M, BLOCK_N]`` tile at a time (fp32 accumulation over
+D, TMA loads on Hopper, int64 addressing) and never writes it. The epilogue, per tile:
 
-1. bias, then the soft cap ``z = c * tanh(z / c)``; columns past the valid vocab become ``-inf``;
+1. bias, the soft cap ``c * tanh(x / c)``, the temperature ``z = cap(x) / T``; columns past the valid vocab
+   become ``-inf``;
 2. stats mode: the tile's row max ``m_t`` and ``s_t = sum exp(z - m_t)`` go to ``[rows, n_tiles]`` buffers,
-   the target logit to ``ZT[row]`` (stored by the one tile that holds the target: no atomics), optionally the
-   row sum of ``z`` (label smoothing) and the tile of ``exp(z - m_t)`` in 16 bits (the fast route's ``P``);
-3. grad mode: with the global ``lse`` known (lean route's backward) it writes ``dL/dz`` directly:
-   ``scale * (p (1 + 2 zl lse) - (1 - eps) [j == t] - eps / V) * (1 - (z / c)**2)``, ``p = exp(z - lse)``.
+   optionally ``sum z`` (label smoothing) and ``sum exp(z - m_t) z`` (entropy) too; the target's ``z`` goes to
+   ``ZT[row]``, stored by the one tile that holds the target (no atomics); optionally the tile of
+   ``exp(z - m_t)`` in 16 bits (the fast route's ``P``);
+3. grad mode: with the global ``lse`` known it writes the gradient with respect to the pre-cap logit directly.
 
-``probs_to_grad_`` turns the fast route's ``P`` into the same ``dL/dz`` in place once the global statistics are
-known: ``p = P * exp(m_t - lse)``; with a soft cap, ``z`` is recovered as ``m_t + log P``.
+The gradient of every loss vpce offers has one form per row, with per-row coefficients ``a, b, c, d`` computed
+on the host (``vpce.formulas``; they include the upstream gradient, the temperature and the token weight)::
+
+    dL/dx_j = (p_j (a + b z_j) + c [j == t] + d) * dcap_j,     p_j = exp(z_j - lse)
+
+and ``dcap = sech^2(x / c)``. ``probs_to_grad_`` forms the same gradient in place from the fast route's ``P`` once
+the global statistics are known: ``p = P exp(m_t - lse)``; with a soft cap the capped logit is recovered as
+``m_t + log P`` (exactly, from ``ZT``, at the target column).
 
 Everything is deterministic (plain stores, no atomics) and runs under ``TRITON_INTERPRET=1`` on the CPU.
 """
@@ -45,16 +53,16 @@ def _softcap(x, softcap):
 
 
 @triton.jit
-def _dlogits(p, dcap, hit, col_ok, scale, lse, zl2, eps_v, keep_t,
-             SOFTCAP: tl.constexpr, HAS_EPS: tl.constexpr, HAS_ZLOSS: tl.constexpr):
-    """d(loss)/d(pre-cap logit) for a tile; ``p`` is the probability, ``dcap`` the cap's derivative."""
-    if HAS_ZLOSS:
-        g = p * (scale * (1.0 + zl2 * lse))[:, None]
+def _dlogits(p, z, hit, col_ok, ca, cb, cc, cd, dcap, HAS_CB: tl.constexpr, HAS_CD: tl.constexpr,
+             SOFTCAP: tl.constexpr):
+    """``(p (a + b z) + c [j == t] + d) * dcap`` for a tile, 0 on padding columns."""
+    if HAS_CB:
+        g = p * (ca[:, None] + cb[:, None] * z)
     else:
-        g = p * scale[:, None]
-    g = g - tl.where(hit, (scale * keep_t)[:, None], 0.0)
-    if HAS_EPS:
-        g = g - (scale * eps_v)[:, None]
+        g = p * ca[:, None]
+    g = g + tl.where(hit, cc[:, None], 0.0)
+    if HAS_CD:
+        g = g + cd[:, None]
     if SOFTCAP:
         g = g * dcap
     return tl.where(col_ok, g, 0.0)
@@ -64,18 +72,18 @@ def _dlogits(p, dcap, hit, col_ok, scale, lse, zl2, eps_v, keep_t,
 def _logits_tile(
     pid_m, pid_n,
     # pointers
-    X, W, B, TL, TILE_M, TILE_S, TILE_Z, ZT, P, LSE, SCALE,
+    X, W, BIAS, TL, TILE_M, TILE_S, TILE_Z, TILE_EZ, ZT, P, LSE, CA, CB, CC, CD,
     # shapes
     M, V, D, n_tiles,
     # strides
     stride_xm, stride_xk, stride_wv, stride_wk, stride_pm, stride_pn,
     # options
-    softcap, zl2, eps_v, keep_t,
+    softcap, inv_t,
     # meta
-    HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, HAS_EPS: tl.constexpr, HAS_ZLOSS: tl.constexpr,
-    GRAD: tl.constexpr, WRITE_P: tl.constexpr, SUM_Z: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, TEMPERATURE: tl.constexpr, GRAD: tl.constexpr,
+    WRITE_P: tl.constexpr, SUM_Z: tl.constexpr, SUM_EZ: tl.constexpr, HAS_CB: tl.constexpr,
+    HAS_CD: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
 ):
     """One [BLOCK_M, BLOCK_N] tile: the GEMM over D, then the epilogue."""
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -110,14 +118,16 @@ def _logits_tile(
             x_ptrs += BLOCK_K * stride_xk
             w_ptrs += BLOCK_K * stride_wk
 
-    # -- epilogue: bias, soft cap, padding columns --
+    # -- epilogue: bias, soft cap, temperature, padding columns --
     row_ok = rm < M
     col_ok = (rn < V)[None, :]
     if HAS_BIAS:
-        acc += tl.load(B + rn, mask=rn < V, other=0.0).to(tl.float32)[None, :]
+        acc += tl.load(BIAS + rn, mask=rn < V, other=0.0).to(tl.float32)[None, :]
     dcap = acc
     if SOFTCAP:
         acc, dcap = _softcap(acc, softcap)
+    if TEMPERATURE:
+        acc = acc * inv_t
     z = tl.where(col_ok, acc, float("-inf"))
     t = tl.load(TL + rm, mask=row_ok, other=-1)
     hit = rn[None, :] == t[:, None]
@@ -126,20 +136,28 @@ def _logits_tile(
 
     if GRAD:
         lse = tl.load(LSE + rm, mask=row_ok, other=0.0)
-        scale = tl.load(SCALE + rm, mask=row_ok, other=0.0)
+        ca = tl.load(CA + rm, mask=row_ok, other=0.0)
+        cc = tl.load(CC + rm, mask=row_ok, other=0.0)
+        cb = ca
+        cd = ca
+        if HAS_CB:
+            cb = tl.load(CB + rm, mask=row_ok, other=0.0)
+        if HAS_CD:
+            cd = tl.load(CD + rm, mask=row_ok, other=0.0)
         p = tl.exp(z - lse[:, None])
-        g = _dlogits(p, dcap, hit, col_ok, scale, lse, zl2, eps_v, keep_t, SOFTCAP, HAS_EPS, HAS_ZLOSS)
+        g = _dlogits(p, acc, hit, col_ok, ca, cb, cc, cd, dcap, HAS_CB, HAS_CD, SOFTCAP)
         tl.store(P + p_offs, g.to(P.dtype.element_ty), mask=p_mask)
     else:
         # -- online-softmax statistics of this tile --
         m_t = tl.max(z, axis=1)
         e = tl.exp(z - m_t[:, None])
-        s_t = tl.sum(e, axis=1)
         stat = rm.to(tl.int64) * n_tiles + pid_n
         tl.store(TILE_M + stat, m_t, mask=row_ok)
-        tl.store(TILE_S + stat, s_t, mask=row_ok)
+        tl.store(TILE_S + stat, tl.sum(e, axis=1), mask=row_ok)
         if SUM_Z:
             tl.store(TILE_Z + stat, tl.sum(tl.where(col_ok, acc, 0.0), axis=1), mask=row_ok)
+        if SUM_EZ:
+            tl.store(TILE_EZ + stat, tl.sum(tl.where(col_ok, e * acc, 0.0), axis=1), mask=row_ok)
         zt = tl.sum(tl.where(hit, acc, 0.0), axis=1)
         mine = row_ok & (t >= pid_n * BLOCK_N) & (t < pid_n * BLOCK_N + BLOCK_N)
         tl.store(ZT + rm, zt, mask=mine)
@@ -151,16 +169,17 @@ def _logits_tile(
 @triton.jit
 def _logits_tiles_kernel(
     # pointers
-    X, W, B, TL, TILE_M, TILE_S, TILE_Z, ZT, P, LSE, SCALE,
+    X, W, BIAS, TL, TILE_M, TILE_S, TILE_Z, TILE_EZ, ZT, P, LSE, CA, CB, CC, CD,
     # shapes
     M, V, D, n_tiles,
     # strides
     stride_xm, stride_xk, stride_wv, stride_wk, stride_pm, stride_pn,
     # options
-    softcap, zl2, eps_v, keep_t,
+    softcap, inv_t,
     # meta
-    HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, HAS_EPS: tl.constexpr, HAS_ZLOSS: tl.constexpr,
-    GRAD: tl.constexpr, WRITE_P: tl.constexpr, SUM_Z: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, TEMPERATURE: tl.constexpr, GRAD: tl.constexpr,
+    WRITE_P: tl.constexpr, SUM_Z: tl.constexpr, SUM_EZ: tl.constexpr, HAS_CB: tl.constexpr,
+    HAS_CD: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr,
 ):
@@ -172,25 +191,24 @@ def _logits_tiles_kernel(
     first_m = (pid // width) * GROUP_M
     size_m = min(num_m - first_m, GROUP_M)
     _logits_tile(first_m + (pid % width) % size_m, (pid % width) // size_m,
-                 X, W, B, TL, TILE_M, TILE_S, TILE_Z, ZT, P, LSE, SCALE, M, V, D, n_tiles,
-                 stride_xm, stride_xk, stride_wv, stride_wk, stride_pm, stride_pn, softcap,
-                 zl2, eps_v, keep_t, HAS_BIAS, SOFTCAP, HAS_EPS, HAS_ZLOSS, GRAD, WRITE_P,
-                 SUM_Z, IEEE, TMA, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K)
+                 X, W, BIAS, TL, TILE_M, TILE_S, TILE_Z, TILE_EZ, ZT, P, LSE, CA, CB, CC, CD,
+                 M, V, D, n_tiles, stride_xm, stride_xk, stride_wv, stride_wk, stride_pm, stride_pn,
+                 softcap, inv_t, HAS_BIAS, SOFTCAP, TEMPERATURE, GRAD, WRITE_P, SUM_Z, SUM_EZ, HAS_CB, HAS_CD,
+                 IEEE, TMA, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
 
 
 @triton.jit
 def _probs_to_grad_kernel(
     # pointers
-    P, G, TILE_M, LSE, SCALE, TL, ZT,
+    P, G, TILE_M, LSE, CA, CC, CD, TL, ZT,
     # shapes
     M, V, n_tiles,
     # strides
     stride_pm, stride_pn,
     # options
-    softcap, zl2, eps_v, keep_t,
+    softcap,
     # meta
-    SOFTCAP: tl.constexpr, HAS_EPS: tl.constexpr, HAS_ZLOSS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SOFTCAP: tl.constexpr, HAS_CD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)  # one stats tile of the GEMM epilogue (same BLOCK_N)
@@ -203,7 +221,11 @@ def _probs_to_grad_kernel(
     e = tl.load(P + offs, mask=mask, other=0.0).to(tl.float32)
     m_t = tl.load(TILE_M + rm.to(tl.int64) * n_tiles + pid_n, mask=row_ok, other=0.0)
     lse = tl.load(LSE + rm, mask=row_ok, other=0.0)
-    scale = tl.load(SCALE + rm, mask=row_ok, other=0.0)
+    ca = tl.load(CA + rm, mask=row_ok, other=0.0)
+    cc = tl.load(CC + rm, mask=row_ok, other=0.0)
+    cd = ca
+    if HAS_CD:
+        cd = tl.load(CD + rm, mask=row_ok, other=0.0)
     t = tl.load(TL + rm, mask=row_ok, other=-1)
     p = e * tl.exp(m_t - lse)[:, None]
     hit = rn[None, :] == t[:, None]
@@ -216,7 +238,7 @@ def _probs_to_grad_kernel(
         z_rec = tl.where(e > 0, m_t[:, None] + tl.log(tl.where(e > 0, e, 1.0)), 0.0)
         r = tl.where(hit, zt[:, None], z_rec) / softcap
         dcap = (1.0 - r) * (1.0 + r)
-    g = _dlogits(p, dcap, hit, col_ok, scale, lse, zl2, eps_v, keep_t, SOFTCAP, HAS_EPS, HAS_ZLOSS)
+    g = _dlogits(p, e, hit, col_ok, ca, ca, cc, cd, dcap, False, HAS_CD, SOFTCAP)
     tl.store(G + offs, g.to(G.dtype.element_ty), mask=mask)
 
 
@@ -258,19 +280,15 @@ def tile_n(x: torch.Tensor) -> int:
     return _config(x)["BLOCK_N"]
 
 
-def _opts(opts, vocab_size: int) -> dict:
-    return dict(softcap=float(opts.softcap or 1.0), zl2=2.0 * opts.z_loss, eps_v=opts.label_smoothing / vocab_size,
-                keep_t=1.0 - opts.label_smoothing, SOFTCAP=opts.softcap is not None,
-                HAS_EPS=opts.label_smoothing > 0, HAS_ZLOSS=opts.z_loss > 0)
+def logits_tiles(x, w, b, t_local, *, softcap=None, inv_t=1.0, tile_m=None, tile_s=None, tile_z=None,
+                 tile_ez=None, zt=None, p=None, lse=None, coef=None, config=None):
+    """Launch the GEMM + epilogue over ``x [M, D]`` and ``w [V, D]`` (``t_local``: int32 local target column,
+    -1 where the target is not in this shard).
 
-
-def logits_tiles(x, w, b, t_local, opts, vocab_size: int, *, tile_m=None, tile_s=None, tile_z=None, zt=None,
-                 p=None, lse=None, scale=None, config=None):
-    """Launch the GEMM + epilogue over ``x [M, D]`` and ``w [V, D]``.
-
-    Stats mode (``lse is None``) fills ``tile_m``, ``tile_s`` (and ``tile_z``) ``[M, n_tiles]`` and ``zt [M]``
-    (callers zero it) and, if ``p`` is given, writes ``exp(z - m_t)`` into it. Grad mode (``lse`` and ``scale``
-    given) writes ``dL/dz`` into ``p``. ``config`` overrides the block shapes (for ``launch/tune_kernels.py``).
+    Stats mode (``lse is None``) fills ``tile_m``, ``tile_s`` (``tile_z``, ``tile_ez``) ``[M, n_tiles]`` and
+    ``zt [M]`` (callers zero it) and, if ``p`` is given, writes ``exp(z - m_t)`` into it. Grad mode (``lse`` and
+    ``coef = (a, b, c, d)``, per-row fp32 vectors, ``b``/``d`` may be None) writes the gradient into ``p``.
+    ``config`` overrides the block shapes (for ``launch/tune_kernels.py``).
     """
     m, d = x.shape
     v = w.shape[0]
@@ -282,6 +300,8 @@ def logits_tiles(x, w, b, t_local, opts, vocab_size: int, *, tile_m=None, tile_s
     n_tiles = triton.cdiv(v, bn)
     grad = lse is not None
     dummy = x.new_empty(0, dtype=torch.float32)
+    ca, cb, cc, cd = coef if grad else (None,) * 4
+    pick = lambda t: dummy if t is None else t  # noqa: E731
     out = p if p is not None else x.new_empty(0)
     grid = (triton.cdiv(m, cfg["BLOCK_M"]) * n_tiles,)
     xa, wa = x, w
@@ -289,30 +309,31 @@ def logits_tiles(x, w, b, t_local, opts, vocab_size: int, *, tile_m=None, tile_s
         xa = TensorDescriptor.from_tensor(x, [cfg["BLOCK_M"], cfg["BLOCK_K"]])
         wa = TensorDescriptor.from_tensor(w, [bn, cfg["BLOCK_K"]])
     _logits_tiles_kernel[grid](
-        xa, wa, b if b is not None else dummy, t_local,
-        tile_m if tile_m is not None else dummy, tile_s if tile_s is not None else dummy,
-        tile_z if tile_z is not None else dummy, zt if zt is not None else dummy, out,
-        lse if grad else dummy, scale if grad else dummy,
+        xa, wa, pick(b), t_local, pick(tile_m), pick(tile_s), pick(tile_z), pick(tile_ez), pick(zt), out,
+        pick(lse), pick(ca), pick(cb), pick(cc), pick(cd),
         m, v, d, n_tiles,
         x.stride(0), x.stride(1), w.stride(0), w.stride(1),
         out.stride(0) if p is not None else 0, out.stride(1) if p is not None else 0,
-        **_opts(opts, vocab_size),
-        HAS_BIAS=b is not None, GRAD=grad, WRITE_P=p is not None and not grad, SUM_Z=tile_z is not None,
-        IEEE=x.dtype == torch.float32, TMA=tma, **cfg,
+        float(softcap or 1.0), float(inv_t),
+        HAS_BIAS=b is not None, SOFTCAP=softcap is not None, TEMPERATURE=inv_t != 1.0, GRAD=grad,
+        WRITE_P=p is not None and not grad, SUM_Z=tile_z is not None, SUM_EZ=tile_ez is not None,
+        HAS_CB=cb is not None, HAS_CD=cd is not None, IEEE=x.dtype == torch.float32, TMA=tma, **cfg,
     )
 
 
-def probs_to_grad_(p, g, tile_m, lse, zt, scale, t_local, opts, vocab_size: int, block_n: int):
-    """``g = dL/dz`` from the fast route's ``p = exp(z - m_t)``; ``g`` may alias ``p``. ``zt``: global target
-    logit per row (used with a soft cap)."""
+def probs_to_grad_(p, g, tile_m, lse, zt, t_local, coef, softcap, block_n: int):
+    """The gradient from the fast route's ``p = exp(z - m_t)`` into ``g`` (may alias ``p``); ``coef = (a, c, d)``
+    per-row vectors (``d`` may be None), ``zt`` the global target logit per row (used with a soft cap)."""
     m, v = p.shape
     if m == 0 or v == 0:
         return
+    ca, cc, cd = coef
     block_m = 16 if INTERPRET or not p.is_cuda else 32
     grid = (triton.cdiv(m, block_m), triton.cdiv(v, block_n))
     _probs_to_grad_kernel[grid](
-        p, g, tile_m, lse, scale, t_local, zt, m, v, tile_m.shape[1], p.stride(0), p.stride(1),
-        **_opts(opts, vocab_size), BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4,
+        p, g, tile_m, lse, ca, cc, ca if cd is None else cd, t_local, zt, m, v, tile_m.shape[1],
+        p.stride(0), p.stride(1), float(softcap or 1.0),
+        SOFTCAP=softcap is not None, HAS_CD=cd is not None, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4,
     )
 
 

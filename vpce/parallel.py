@@ -11,11 +11,12 @@ sizes the first time a ``(group, rows)`` pair is seen, cached afterwards. Pass `
 explicitly to skip it (the Megatron integration does).
 
 Statistics exchange. Per token chunk each rank has, over its valid rows, the local max ``m_r``, the local sum of
-``exp(z - m_r)`` ``s_r`` and a few additive sums (target logit, sum of logits). They are packed into one
-``[k, chunk]`` fp32 tensor and exchanged with a single all-gather; every rank then combines
-them identically::
+``exp(z - m_r)`` ``s_r``, a few additive sums (target logit, sum of logits) and, for the entropy, the weighted sum
+``w_r = sum_j exp(z_j - m_r) z_j``. They are packed into one ``[k, chunk]`` fp32 tensor and exchanged with a
+single all-gather; every rank then combines them identically::
 
-    M = max_r m_r,   S = sum_r s_r * exp(m_r - M),   lse = M + log S,   extra = sum_r extra_r
+    M = max_r m_r,  S = sum_r s_r exp(m_r - M),  lse = M + log S,  extra = sum_r extra_r,
+    E[z] = sum_r w_r exp(m_r - M) / S
 
 so every rank holds the same global ``lse`` and returns the same loss. One collective per chunk; O(chunk * k *
 world) bytes; no logits or weights are ever gathered.
@@ -134,20 +135,25 @@ def _exchange(packed: torch.Tensor, shard: VocabShard) -> torch.Tensor:
 
 
 def combine_softmax_stats(local_max: torch.Tensor, local_sumexp: torch.Tensor, sums: list[torch.Tensor],
-                          shard: VocabShard) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Global ``lse`` per token and the global value of each additive statistic in ``sums``.
+                          shard: VocabShard, weighted: list[torch.Tensor] = ()
+                          ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+    """Global ``lse`` per token, the global value of each additive statistic in ``sums``, and the global
+    softmax expectation of each statistic in ``weighted`` (given locally as ``sum_j exp(z_j - m_r) f_j``).
 
     ``local_max`` may be ``-inf`` (with ``local_sumexp == 0``) on a rank whose shard is all padding.
     NaN or inf in any rank's statistics propagates into ``lse``.
     """
+    k = len(sums)
     if not shard.sharded:
-        return local_max + torch.log(local_sumexp), sums
-    every = _exchange(torch.stack([local_max, local_sumexp, *sums]), shard)
+        return local_max + torch.log(local_sumexp), sums, [f / local_sumexp for f in weighted]
+    every = _exchange(torch.stack([local_max, local_sumexp, *sums, *weighted]), shard)
     m_all, s_all = every[:, 0], every[:, 1]
     m = m_all.amax(0)
     # Ranks with m_r = -inf contribute exp(-inf) * 0 = 0; a rank with m_r = +inf or NaN makes lse NaN.
-    s = (s_all * torch.exp(m_all - m)).sum(0)
-    return m + torch.log(s), [every[:, 2 + i].sum(0) for i in range(len(sums))]
+    rescale = torch.exp(m_all - m)
+    s = (s_all * rescale).sum(0)
+    expect = [(every[:, 2 + k + i] * rescale).sum(0) / s for i in range(len(weighted))]
+    return m + torch.log(s), [every[:, 2 + i].sum(0) for i in range(k)], expect
 
 
 class _CopyToVocabParallel(torch.autograd.Function):

@@ -1,0 +1,157 @@
+"""vpce as the language-model loss of a megatron-core model (matched against megatron-core 0.16.1).
+
+What it replaces. ``GPTModel._postprocess`` (``megatron/core/models/gpt/gpt_model.py``) ends with::
+
+    logits, _ = self.output_layer(hidden_states, weight=output_weight)   # ColumnParallelLinear -> [s, b, V/tp]
+    loss = self.compute_language_model_loss(labels, logits)             # -> [b, s]
+
+``ColumnParallelLinear.forward`` (``megatron/core/tensor_parallel/layers.py``) puts the hidden states through
+``copy_to_tensor_model_parallel_region`` (or, with sequence parallelism, the all-gather inside
+``LinearWithGradAccumulationAndAsyncCommunication``) and materializes this rank's ``[s, b, V/tp]`` logits;
+``LanguageModule.compute_language_model_loss`` (``megatron/core/models/common/language_module/
+language_module.py``) turns labels ``[b, s]`` into ``[s, b]``, calls ``tensor_parallel.vocab_parallel_cross_entropy``
+and turns the per-token loss back into ``[b, s]``. ``vocab_parallel_lm_loss`` does both lines at once, with the
+same inputs and the same ``[b, s]`` output, and never holds the logits::
+
+    loss = vocab_parallel_lm_loss(hidden_states, self.output_layer, labels, weight=output_weight,
+                                  vocab_size=real_vocab_size)
+
+Defaults taken from megatron-core, each overridable through the vpce keyword of the same name:
+
+- ``group``: the output layer's ``tp_group``; for a raw weight, ``parallel_state.get_tensor_model_parallel_group()``.
+- ``vocab_start``: ``tp_rank * V_local``, Megatron's even partition (``VocabUtility``); passed explicitly with
+  ``vocab_size`` so that vpce spends no collective on finding the shard.
+- ``vocab_size``: the real vocab size when given (rows past it, Megatron's ``make_vocab_size_divisible_by``
+  padding, are left out of the softmax and get zero gradient), else all rows: what Megatron itself computes.
+- ``sequence_parallel``: the layer's ``sequence_parallel`` (Megatron turns it off at tp=1), or
+  ``config.sequence_parallel`` for a raw weight.
+- ``accumulate_main_grad``: ``config.gradient_accumulation_fusion`` when the weight has ``main_grad``, the same
+  test as ``LinearWithGradAccumulationAndAsyncCommunication.forward``.
+
+No copy or gather region goes in front: the hidden states enter as the final layer norm leaves them, and vpce
+all-reduces dX (or reduce-scatters it under sequence parallelism) itself.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import torch
+
+from .. import api
+
+__all__ = ["vocab_parallel_lm_loss"]
+
+
+def _tp_group_from_parallel_state():
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        raise ValueError("group: expected megatron-core's parallel_state to be initialized "
+                         "(parallel_state.initialize_model_parallel) or a group= argument, got neither")
+    return parallel_state.get_tensor_model_parallel_group()
+
+
+def _from_layer(layer, weight):
+    """Weight, bias, group, sequence_parallel and config of a ``ColumnParallelLinear`` output layer."""
+    if weight is None:
+        weight = layer.weight
+        if weight is None:
+            raise ValueError("weight: expected a weight= argument for an output layer built with "
+                             "skip_weight_param_allocation=True (tied embeddings), got None")
+    else:
+        want = (layer.output_size_per_partition, layer.input_size)
+        if not isinstance(weight, torch.Tensor) or tuple(weight.shape) != want:
+            got = tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__
+            raise ValueError(f"weight: expected shape {want} (the output layer's partition), got {got}")
+    if getattr(layer, "disable_grad_reduce", False):
+        raise ValueError("output_layer: expected disable_grad_reduce=False (vpce always reduces dX over the "
+                         "tensor-parallel group), got True")
+    bias = None if layer.skip_bias_add else layer.bias
+    return weight, bias, layer.tp_group, bool(layer.sequence_parallel), layer.config
+
+
+def vocab_parallel_lm_loss(hidden, output_layer, labels, *, weight=None, vocab_size=None, config=None,
+                           loss_mask=None, reduction="none", **vpce_options):
+    """Per-token language-model loss ``[b, s]`` of a megatron-core model, without the ``[s, b, V/tp]`` logits.
+
+    Drop-in for ``output_layer(hidden, weight=weight)`` followed by
+    ``LanguageModule.compute_language_model_loss(labels, logits)``.
+
+    Args:
+        hidden: final hidden states ``[s, b, h]``, or this rank's ``[s/tp, b, h]`` slice under sequence
+            parallelism; no copy/gather region in front.
+        output_layer: the model's ``ColumnParallelLinear`` output layer, or a raw ``[V/tp, h]`` weight shard
+            (e.g. the tied ``VocabParallelEmbedding.weight``).
+        labels: ``[b, s]`` global token ids (the full sequence under sequence parallelism).
+        weight: with an output layer, the weight to use instead of its own (``GPTModel`` passes the shared
+            embedding weight here when embeddings are tied).
+        vocab_size: the real vocab size; rows past it are padding and are excluded. Default: all rows.
+        config: a ``ModelParallelConfig``/``TransformerConfig``; default: the output layer's. Read for
+            ``sequence_parallel`` (raw weight only), ``gradient_accumulation_fusion`` and
+            ``defer_embedding_wgrad_compute``.
+        loss_mask: optional ``[b, s]`` float mask or weights (Megatron's ``loss_mask``), passed to vpce as
+            ``token_weight``: the per-token losses are multiplied by it and ``mean`` divides by its sum.
+        reduction: ``"none"`` (default, ``[b, s]`` like Megatron), ``"sum"`` or ``"mean"`` (0-d). ``sum`` and
+            ``mean`` take vpce's faster route (gradients formed in forward); ``none`` recomputes in backward.
+        **vpce_options: any other ``vpce.linear_cross_entropy`` keyword (``label_smoothing``, ``z_loss``,
+            ``memory_budget``, ``backend``, ...), or an override of ``group``, ``vocab_start``,
+            ``sequence_parallel``, ``accumulate_main_grad``.
+
+    Returns:
+        fp32 loss, ``[b, s]`` for ``reduction="none"``, else 0-d; the same on every rank of the group.
+    """
+    if "token_weight" in vpce_options:
+        raise TypeError("token_weight: pass Megatron's [b, s] loss_mask= instead (labels' layout)")
+    if isinstance(output_layer, torch.Tensor):
+        if weight is not None:
+            raise ValueError("weight: expected None when output_layer is itself a weight tensor, got a tensor")
+        weight, bias = output_layer, None
+        group, layer_sp = None, None
+    else:
+        weight, bias, group, layer_sp, layer_config = _from_layer(output_layer, weight)
+        config = layer_config if config is None else config
+    if config is not None and getattr(config, "defer_embedding_wgrad_compute", False):
+        raise ValueError("config: expected defer_embedding_wgrad_compute=False (vpce forms the output weight's "
+                         "gradient itself), got True")
+
+    group = vpce_options.pop("group", group)
+    if group is None:
+        group = _tp_group_from_parallel_state()
+    world, rank = group.size(), group.rank()
+    rows = weight.shape[0] if isinstance(weight, torch.Tensor) and weight.dim() == 2 else 0
+
+    sp = vpce_options.pop("sequence_parallel", None)
+    if sp is None:
+        sp = layer_sp if layer_sp is not None else bool(getattr(config, "sequence_parallel", False))
+        sp = sp and world > 1
+    if vocab_size is None:
+        vocab_size = rows * world
+    elif isinstance(vocab_size, bool) or not isinstance(vocab_size, numbers.Integral):
+        raise TypeError(f"vocab_size: expected an int, got {type(vocab_size).__name__} {vocab_size!r}")
+    elif not 1 <= vocab_size <= rows * world:
+        raise ValueError(f"vocab_size: expected an int in [1, {rows * world}] (tp={world} shards of {rows} "
+                         f"rows), got {vocab_size}")
+    vocab_start = vpce_options.pop("vocab_start", rank * rows)
+    if "accumulate_main_grad" not in vpce_options:
+        vpce_options["accumulate_main_grad"] = bool(
+            getattr(config, "gradient_accumulation_fusion", False) and hasattr(weight, "main_grad")
+            and weight.requires_grad)
+
+    if not isinstance(labels, torch.Tensor) or labels.dim() != 2:
+        got = tuple(labels.shape) if isinstance(labels, torch.Tensor) else type(labels).__name__
+        raise ValueError(f"labels: expected a [b, s] tensor, got {got}")
+    target = labels.transpose(0, 1)  # [b, s] -> [s, b], hidden's layout
+    token_weight = None
+    if loss_mask is not None:
+        if not isinstance(loss_mask, torch.Tensor) or loss_mask.shape != labels.shape:
+            got = tuple(loss_mask.shape) if isinstance(loss_mask, torch.Tensor) else type(loss_mask).__name__
+            raise ValueError(f"loss_mask: expected shape {tuple(labels.shape)} (labels'), got {got}")
+        token_weight = loss_mask.detach().transpose(0, 1)
+        if not token_weight.is_floating_point():
+            token_weight = token_weight.float()
+
+    loss = api.linear_cross_entropy(hidden, weight, target, bias, group=group, vocab_start=vocab_start,
+                                    vocab_size=vocab_size, sequence_parallel=sp, reduction=reduction,
+                                    token_weight=token_weight, **vpce_options)
+    return loss.transpose(0, 1).contiguous() if reduction == "none" else loss  # [s, b] -> [b, s]
