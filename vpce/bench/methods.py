@@ -66,6 +66,10 @@ class Method:
     """Also measure a forward under ``torch.no_grad()`` (against the single logits GEMM)."""
     tp: bool = False
     """Has a vocab-parallel form (for ``--tp``)."""
+    plain: bool = True
+    """Computes the plain mean cross-entropy, so its errors are checked against the float64 reference; the loss
+    variants (label smoothing, z-loss, ...) compute something else and report no errors (their exactness is the
+    test suite's job)."""
 
 
 def _import(module: str, package: str):
@@ -172,6 +176,42 @@ def _vpce(env: Env, *, backend: str, memory_budget: str = "auto") -> LossFn:
     return functools.partial(linear_cross_entropy, backend=backend, memory_budget=memory_budget, group=env.group)
 
 
+def _vpce_variant(env: Env, **options) -> LossFn:
+    """vpce triton with loss options (``token_weight``: a fixed random weight per token)."""
+    from .. import linear_cross_entropy
+    weights = options.pop("token_weight", False)
+    cache = {}
+
+    def fn(x, w, y):
+        if weights and "tw" not in cache:
+            gen = torch.Generator(device=y.device).manual_seed(0)
+            cache["tw"] = torch.rand(y.shape, generator=gen, device=y.device)
+        return linear_cross_entropy(x, w, y, backend="triton", group=env.group,
+                                    token_weight=cache.get("tw"), **options)
+    return fn
+
+
+def _vpce_log_probs(env: Env, *, entropy: bool) -> LossFn:
+    """Mean negative log-probability (= the plain loss, so its errors are checked), plus 0.01 x mean entropy."""
+    from .. import linear_log_probs
+
+    def fn(x, w, y):
+        out = linear_log_probs(x, w, y, backend="triton", group=env.group, return_entropy=entropy)
+        if entropy:
+            return -out[0].mean() + 0.01 * out[1].mean()
+        return -out.mean()
+    return fn
+
+
+VARIANTS = {  # name: (label, options)
+    "smooth": ("label_smoothing=0.1", dict(label_smoothing=0.1)),
+    "zloss": ("z_loss=1e-4", dict(z_loss=1e-4)),
+    "softcap": ("softcap=30", dict(softcap=30.0)),
+    "weights": ("token_weight", dict(token_weight=True)),
+    "all": ("smoothing+z-loss+softcap+weights", dict(label_smoothing=0.1, z_loss=1e-4, softcap=30.0,
+                                                      token_weight=True)),
+}
+
 METHODS: dict[str, Method] = {m.name: m for m in [
     Method(name="torch", label="torch eager", build=_torch_eager, package="torch", no_grad=True),
     Method(name="compile", label="torch.compile", build=_torch_compile, package="torch"),
@@ -190,6 +230,12 @@ METHODS: dict[str, Method] = {m.name: m for m in [
            needs_cuda=True, tp=True),
     Method(name="vpce-torch", label="vpce torch", build=functools.partial(_vpce, backend="torch"), package="vpce",
            no_grad=True, tp=True),
+    *[Method(name=f"vpce-{key}", label=f"vpce triton {label}", build=functools.partial(_vpce_variant, **opts),
+             package="vpce", needs_cuda=True, plain=False) for key, (label, opts) in VARIANTS.items()],
+    Method(name="vpce-logprobs", label="vpce linear_log_probs", package="vpce", needs_cuda=True,
+           build=functools.partial(_vpce_log_probs, entropy=False)),
+    Method(name="vpce-logprobs-entropy", label="vpce linear_log_probs + entropy", package="vpce", needs_cuda=True,
+           build=functools.partial(_vpce_log_probs, entropy=True), plain=False),
 ]}
 
 
