@@ -72,9 +72,11 @@ FAMILIES = {
 #: the forward's keywords; the vocab-parallel options do not apply to a whole, unsharded ``lm_head``.
 OPTIONS = ("label_smoothing", "z_loss", "backend", "memory_budget", "validate")
 
-# Parameters a supported forward may have besides ``self`` and ``**kwargs`` (5.x; 4.5x adds ``cache_position``).
+# Parameters a supported forward may have besides ``self`` and ``**kwargs``: those of 5.x, plus ``cache_position``
+# (4.57) and Gemma's explicit ``output_*`` flags (4.57). All but ``labels`` and ``logits_to_keep`` go to the base
+# model as keywords, as the stock forward passes them.
 _KNOWN_PARAMS = {"input_ids", "attention_mask", "position_ids", "past_key_values", "inputs_embeds", "labels",
-                 "use_cache", "cache_position", "logits_to_keep"}
+                 "use_cache", "cache_position", "output_attentions", "output_hidden_states", "logits_to_keep"}
 _ATTR = "_vpce_patch"
 
 
@@ -100,8 +102,9 @@ def causal_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Ten
     """
     if shift_labels is None:
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-    target = shift_labels.reshape(-1).to(hidden.device)
-    hidden = hidden.reshape(-1, hidden.shape[-1])
+    # on lm_head's device, where stock (and accelerate's hook on lm_head, under a device_map) computes the logits
+    hidden = hidden.reshape(-1, hidden.shape[-1]).to(weight.device)
+    target = shift_labels.reshape(-1).to(weight.device)
     device_type = hidden.device.type
     if torch.is_autocast_enabled(device_type):
         # stock runs lm_head under autocast, i.e. on operands cast to the autocast dtype

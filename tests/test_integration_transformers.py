@@ -1,0 +1,272 @@
+"""``vpce.integrations.transformers``: patched ``*ForCausalLM`` models against stock transformers (CPU, fp32).
+
+Every case builds a tiny random model of one family, keeps an unpatched deep copy (same weights), patches the
+other with ``apply``, and compares the loss and every parameter gradient. Tolerances are fp32-level and relative
+to the largest stock value; negative controls (no soft cap, no ``num_items_in_batch``) show that they can fail.
+"""
+
+import copy
+import inspect
+import pathlib
+import re
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from vpce.integrations import transformers as vt  # noqa: E402
+from vpce.memory import PeakMemory  # noqa: E402
+
+V, D, B, S = 509, 32, 3, 17
+LOSS_RTOL, GRAD_RTOL = 1e-5, 1e-4
+SOFTCAP = 3.0  # logits reach ~6 at initializer_range=0.2, so the cap changes the loss by far more than the tolerance
+
+FAMILIES = {
+    "llama": ("LlamaForCausalLM", "LlamaConfig", {}),
+    "mistral": ("MistralForCausalLM", "MistralConfig", {"sliding_window": 8}),
+    "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", {}),
+    "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", {"head_dim": 8}),
+    "gemma2": ("Gemma2ForCausalLM", "Gemma2Config",
+               {"head_dim": 8, "query_pre_attn_scalar": 8, "sliding_window": 8, "final_logit_softcapping": SOFTCAP}),
+    "gemma3": ("Gemma3ForCausalLM", "Gemma3TextConfig",
+               {"head_dim": 8, "sliding_window": 8, "final_logit_softcapping": SOFTCAP}),
+}
+SOFTCAPPED = ["gemma2", "gemma3"]
+
+
+def build(family: str, *, tie: bool = False, vocab: int = V, seed: int = 0, **vpce_options):
+    """(patched, stock): one tiny fp32 model of ``family`` and an unpatched deep copy of it."""
+    model_cls, config_cls, extra = FAMILIES[family]
+    config = getattr(transformers, config_cls)(
+        vocab_size=vocab, hidden_size=D, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.2, tie_word_embeddings=tie,
+        attn_implementation="eager", **extra)
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(config).float()
+    stock = copy.deepcopy(model)
+    return vt.apply(model, **vpce_options), stock
+
+
+def make_batch(vocab: int = V, batch: int = B, seq: int = S, seed: int = 1):
+    """input_ids, attention_mask, labels: row 1 right-padded (mask 0, label -100), row 2 with a masked prompt."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (batch, seq), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[1, -5:] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[-1, :3] = -100
+    return ids, mask, labels
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> tuple[float, str]:
+    """Max abs error over max |want|, and where the max error sits."""
+    diff = (got.detach().double() - want.detach().double()).abs()
+    idx = tuple(int(i) for i in torch.unravel_index(diff.argmax(), diff.shape)) if diff.dim() else ()
+    return diff.max().item() / max(want.detach().abs().max().item(), 1e-30), f"index {idx}"
+
+
+def assert_close(got, want, rtol, what):
+    err, where = rel_err(got, want)
+    assert err <= rtol, f"{what}: rel err {err:.3e} > {rtol:.0e} at {where} (got {got.flatten()[:4]}...)"
+
+
+def assert_grads_close(patched, stock, rtol=GRAD_RTOL):
+    stock_params = dict(stock.named_parameters())
+    for name, p in patched.named_parameters():
+        q = stock_params[name]
+        assert (p.grad is None) == (q.grad is None), f"{name}: grad presence differs"
+        if p.grad is not None:
+            assert_close(p.grad, q.grad, rtol, f"grad of {name}")
+
+
+def step(model, ids, mask, labels, **kwargs):
+    out = model(input_ids=ids, attention_mask=mask, labels=labels, **kwargs)
+    out.loss.backward()
+    return out
+
+
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_loss_and_grads_match_stock(family, tie):
+    patched, stock = build(family, tie=tie)
+    assert vt.is_applied(patched) and not vt.is_applied(stock)
+    tied = patched.lm_head.weight is patched.model.embed_tokens.weight
+    assert tied == tie, f"tie_word_embeddings={tie} but lm_head.weight is embed_tokens.weight: {tied}"
+    ids, mask, labels = make_batch()
+    got, want = step(patched, ids, mask, labels), step(stock, ids, mask, labels)
+    assert got.logits is None and want.logits is not None
+    assert got.loss.dtype == torch.float32
+    assert_close(got.loss, want.loss, LOSS_RTOL, f"{family} loss")
+    assert_grads_close(patched, stock)
+
+
+@pytest.mark.parametrize("family", SOFTCAPPED)
+def test_softcap_is_the_models(family):
+    """The cap comes from config.final_logit_softcapping; leaving it out fails the same tolerance (control)."""
+    _, stock = build(family)
+    ids, mask, labels = make_batch()
+    want = stock(input_ids=ids, attention_mask=mask, labels=labels, output_hidden_states=True)
+    hidden, weight = want.hidden_states[-1].detach(), stock.lm_head.weight.detach()
+    capped = vt.causal_lm_loss(hidden, weight, labels, softcap=SOFTCAP)
+    uncapped = vt.causal_lm_loss(hidden, weight, labels)
+    assert_close(capped, want.loss, LOSS_RTOL, "capped loss")
+    err, _ = rel_err(uncapped, want.loss)
+    assert err > 100 * LOSS_RTOL, f"the loss without the soft cap is within {err:.1e} of stock's: weak test"
+
+
+def test_num_items_in_batch():
+    """transformers passes num_items_in_batch under gradient accumulation: sum / num_items, in both."""
+    patched, stock = build("qwen3")
+    ids, mask, labels = make_batch()
+    num_items = torch.tensor(2 * int((labels[:, 1:] != -100).sum()))  # as if a second micro-batch followed
+    got = step(patched, ids, mask, labels, num_items_in_batch=num_items)
+    want = step(stock, ids, mask, labels, num_items_in_batch=num_items)
+    assert_close(got.loss, want.loss, LOSS_RTOL, "loss with num_items_in_batch")
+    assert_grads_close(patched, stock)
+    err, _ = rel_err(patched(input_ids=ids, attention_mask=mask, labels=labels).loss, want.loss)
+    assert err > 0.1, f"the mean loss is within {err:.1e} of the num_items_in_batch loss: weak test"
+
+
+@pytest.mark.parametrize("variant", ["ignore_index", "shift_labels+logits_to_keep"])
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_loss_keywords(family, variant):
+    """Keywords ForCausalLMLoss reads from the forward's **kwargs, and logits_to_keep before the loss."""
+    patched, stock = build(family)
+    ids, mask, labels = make_batch()
+    if variant == "ignore_index":
+        kwargs = {"ignore_index": 7, "labels": labels.masked_fill(labels == -100, 7)}
+    else:
+        keep = 9
+        # stock .view()s shift_labels, so it must be contiguous
+        shift = torch.nn.functional.pad(labels, (0, 1), value=-100)[:, -keep:].contiguous()
+        kwargs = {"labels": labels, "shift_labels": shift, "logits_to_keep": keep}
+    got = patched(input_ids=ids, attention_mask=mask, **kwargs)
+    want = stock(input_ids=ids, attention_mask=mask, **kwargs)
+    got.loss.backward()
+    want.loss.backward()
+    assert_close(got.loss, want.loss, LOSS_RTOL, f"{variant} loss")
+    assert_grads_close(patched, stock)
+
+
+@pytest.mark.parametrize("family,tie", [("llama", True), ("gemma2", True), ("mistral", False)])
+def test_adamw_steps_track_stock(family, tie):
+    """Three AdamW steps on both models: equal losses, and parameters within 5% of the distance Adam moves them.
+
+    Adam divides each gradient entry by its own RMS, so an entry whose gradient is ~1e-7 of the largest one moves
+    by up to ``lr`` on fp32 rounding noise alone (we measured up to 1.5% of ``lr * steps``); parameters are
+    therefore compared in units of the Adam step, not relative to their size.
+    """
+    patched, stock = build(family, tie=tie)
+    lr, steps = 1e-2, 3
+    start = {n: p.detach().clone() for n, p in stock.named_parameters()}
+    opts = [torch.optim.AdamW(m.parameters(), lr=lr, weight_decay=0.1) for m in (patched, stock)]
+    for i in range(steps):
+        ids, mask, labels = make_batch(seed=10 + i)
+        losses = []
+        for model, opt in zip((patched, stock), opts):
+            opt.zero_grad()
+            losses.append(step(model, ids, mask, labels).loss)
+            opt.step()
+        assert_close(losses[0], losses[1], LOSS_RTOL, f"loss at step {i}")
+    tol = 0.05 * lr * steps
+    stock_params = dict(stock.named_parameters())
+    for name, p in patched.named_parameters():
+        q = stock_params[name]
+        moved, diff = (q - start[name]).abs().max().item(), (p - q).abs().max().item()
+        assert moved > 10 * tol, f"{name} moved only {moved:.2e}: the comparison below would be weak"
+        assert diff <= tol, f"{name}: differs by {diff:.2e} after {steps} AdamW steps (> {tol:.1e})"
+    assert (patched.lm_head.weight is patched.model.embed_tokens.weight) == tie
+
+
+def test_without_labels_is_stock():
+    patched, stock = build("llama", tie=True)
+    ids, mask, _ = make_batch()
+    got, want = patched(input_ids=ids, attention_mask=mask), stock(input_ids=ids, attention_mask=mask)
+    assert got.loss is None and torch.equal(got.logits, want.logits)
+    assert got.past_key_values is not None
+    prompt = ids[:1, :5]
+    new = patched.generate(prompt, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert torch.equal(new, stock.generate(prompt, max_new_tokens=4, do_sample=False, pad_token_id=0))
+
+
+def test_return_dict_false_and_positional_args():
+    patched, stock = build("qwen2")
+    ids, mask, labels = make_batch()
+    got = patched(ids, mask, return_dict=False, labels=labels)
+    want = stock(ids, mask, return_dict=False, labels=labels)
+    assert isinstance(got, tuple) and got[0].dim() == 0
+    assert_close(got[0], want[0], LOSS_RTOL, "tuple loss")
+
+
+def test_apply_is_idempotent_and_reversible():
+    patched, stock = build("llama")
+    forward = patched.forward
+    assert inspect.signature(forward) == inspect.signature(stock.forward)  # Trainer reads it to pick columns
+    assert vt.apply(patched, memory_budget="lean") is patched and patched.forward is forward
+    ids, mask, labels = make_batch()
+    assert_close(patched(input_ids=ids, attention_mask=mask, labels=labels).loss,
+                 stock(input_ids=ids, attention_mask=mask, labels=labels).loss, LOSS_RTOL, "re-applied loss")
+    vt.remove(patched)
+    assert not vt.is_applied(patched) and "forward" not in patched.__dict__
+    assert patched(input_ids=ids, attention_mask=mask, labels=labels).logits is not None
+    vt.remove(patched)  # harmless twice
+
+
+def test_all_labels_ignored_gives_zero_not_nan():
+    """Documented difference: stock's mean over no tokens is NaN; vpce's is 0 with zero gradients."""
+    patched, stock = build("llama")
+    ids, mask, labels = make_batch()
+    labels = torch.full_like(labels, -100)
+    got, want = step(patched, ids, mask, labels), stock(input_ids=ids, attention_mask=mask, labels=labels)
+    assert got.loss.item() == 0.0 and torch.isnan(want.loss)
+    assert all(p.grad is None or not p.grad.any() for p in patched.parameters())
+
+
+def test_logits_are_not_materialized():
+    """Peak CPU memory of forward + backward stays far below one fp32 [tokens, vocab] logits tensor."""
+    vocab, batch, seq = 8192, 16, 32  # short rows keep the eager attention scores small next to the logits
+    ids, mask, labels = make_batch(vocab, batch, seq)
+    patched, stock = build("llama", tie=True, vocab=vocab, memory_budget=2.0**-11)  # 0.5 MiB chunks
+    logits_bytes = batch * seq * vocab * 4
+    peaks = []
+    for model in (patched, stock):
+        with PeakMemory("cpu") as pm:
+            step(model, ids, mask, labels)
+        peaks.append(pm.peak)
+    assert peaks[0] < logits_bytes / 2, f"patched peak {peaks[0] / 2**20:.1f} MiB, logits {logits_bytes / 2**20} MiB"
+    assert peaks[1] >= logits_bytes, f"stock peak {peaks[1] / 2**20:.1f} MiB: control does not hold the logits"
+
+
+def test_autocast_bf16():
+    """Under autocast the lm_head operands are cast as nn.Linear would; bf16-level agreement, fp32 grads."""
+    patched, stock = build("llama")
+    ids, mask, labels = make_batch()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got, want = step(patched, ids, mask, labels), step(stock, ids, mask, labels)
+    assert_close(got.loss, want.loss, 1e-2, "autocast loss")
+    assert patched.lm_head.weight.grad.dtype == torch.float32
+    assert_close(patched.lm_head.weight.grad, stock.lm_head.weight.grad, 5e-2, "autocast lm_head grad")
+
+
+def test_apply_rejects_what_it_cannot_honour():
+    patched, stock = build("llama")
+    with pytest.raises(TypeError, match="expected an instance of one of"):
+        vt.apply(torch.nn.Linear(2, 2))
+    with pytest.raises(TypeError, match="expected keywords among"):
+        vt.apply(stock, reduction="sum")
+    with pytest.raises(ValueError, match="label_smoothing"):
+        vt.apply(stock, label_smoothing=1.5)
+    stock.loss_function = lambda *a, **k: 0.0
+    with pytest.raises(ValueError, match="ForCausalLMLoss"):
+        vt.apply(stock)
+    assert not vt.is_applied(stock)
+
+
+def test_docs_snippet_runs():
+    """The snippet in docs/integrations.md, section "Hugging Face transformers", runs as written."""
+    text = (pathlib.Path(__file__).parents[1] / "docs" / "integrations.md").read_text()
+    section = text.split("## Hugging Face transformers", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    assert blocks, "no python snippet in the Hugging Face transformers section"
+    exec(compile(blocks[0], "docs/integrations.md", "exec"), {})
