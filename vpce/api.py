@@ -90,7 +90,7 @@ def _check_tensors(hidden, weight, target, bias, world: int, sequence_parallel: 
     if weight.shape[1] != hidden.shape[-1]:
         raise ValueError(f"weight: expected shape [V_local, {hidden.shape[-1]}] to match hidden's last dim, "
                          f"got {tuple(weight.shape)}")
-    if weight.shape[0] == 0:
+    if weight.shape[0] == 0 and world == 1:
         raise ValueError("weight: expected at least one row, got shape " f"{tuple(weight.shape)}")
     if weight.dtype != hidden.dtype:
         raise TypeError(f"weight: expected dtype {hidden.dtype} (hidden's), got {weight.dtype}")
@@ -182,9 +182,13 @@ def _check_token_weight(token_weight, target: torch.Tensor):
 
 def _prepare(hidden, weight, target, bias, *, ignore_index, group, vocab_start, vocab_size, sequence_parallel,
              backend, validate):
-    """Shared checks and set-up: (2-D hidden in the vocab-parallel region, 1-D target, shard, backend, needs)."""
+    """Shared checks and set-up: (2-D hidden in the vocab-parallel region, local weight, local bias, target,
+    shard, backend, needs); DTensor inputs are unwrapped to this rank's tensors."""
     if not isinstance(hidden, torch.Tensor):
         raise TypeError(f"hidden: expected a torch.Tensor, got {type(hidden).__name__}")
+    hidden, weight, bias, target, group, vocab_start, vocab_size, sequence_parallel = parallel.from_dtensors(
+        hidden, weight, bias, target, group=group, vocab_start=vocab_start, vocab_size=vocab_size,
+        sequence_parallel=sequence_parallel)
     backend = _resolve_backend(backend, hidden)
     if not isinstance(sequence_parallel, bool):
         raise TypeError(f"sequence_parallel: expected a bool, got {type(sequence_parallel).__name__}")
@@ -203,7 +207,7 @@ def _prepare(hidden, weight, target, bias, *, ignore_index, group, vocab_start, 
     h2 = parallel.enter_vocab_parallel(hidden, shard, sequence_parallel).reshape(-1, hidden.shape[-1])
     needs_grad = tuple(torch.is_grad_enabled() and t is not None and t.requires_grad
                        for t in (hidden, weight, bias))
-    return h2, target.reshape(-1), shard, backend, needs_grad
+    return h2, weight, bias, target, shard, backend, needs_grad
 
 
 def _linear_cross_entropy(hidden, weight, target, bias, opts: LossOptions, *, token_weight=None, group,
@@ -211,9 +215,10 @@ def _linear_cross_entropy(hidden, weight, target, bias, opts: LossOptions, *, to
                           accumulate_main_grad=False):
     if not isinstance(accumulate_main_grad, bool):
         raise TypeError(f"accumulate_main_grad: expected a bool, got {type(accumulate_main_grad).__name__}")
-    h2, t1, shard, backend, needs_grad = _prepare(
+    h2, weight, bias, target, shard, backend, needs_grad = _prepare(
         hidden, weight, target, bias, ignore_index=opts.ignore_index, group=group, vocab_start=vocab_start,
         vocab_size=vocab_size, sequence_parallel=sequence_parallel, backend=backend, validate=validate)
+    t1 = target.reshape(-1)
     _check_token_weight(token_weight, target)
     if accumulate_main_grad:
         check_main_grad(weight)
@@ -243,9 +248,10 @@ def linear_log_probs(hidden, weight, target, bias=None, *, temperature=1.0, soft
     _check_number("softcap", softcap, low=0.0, low_open=True, allow_none=True)
     if not isinstance(return_entropy, bool):
         raise TypeError(f"return_entropy: expected a bool, got {type(return_entropy).__name__}")
-    h2, t1, shard, backend, needs_grad = _prepare(
+    h2, weight, bias, target, shard, backend, needs_grad = _prepare(
         hidden, weight, target, bias, ignore_index=ignore_index, group=group, vocab_start=vocab_start,
         vocab_size=vocab_size, sequence_parallel=sequence_parallel, backend=backend, validate=validate)
+    t1 = target.reshape(-1)
     if backend == "triton":
         from .triton_backend import TritonLinearLogProbs as Fn
     else:

@@ -41,6 +41,7 @@ __all__ = [
     "combine_softmax_stats",
     "enter_vocab_parallel",
     "group_rank_and_size",
+    "from_dtensors",
 ]
 
 
@@ -196,3 +197,49 @@ def enter_vocab_parallel(hidden: torch.Tensor, shard: VocabShard, sequence_paral
     if shard.sharded and torch.is_grad_enabled() and hidden.requires_grad:
         return _CopyToVocabParallel.apply(hidden, shard.group)
     return hidden
+
+
+def from_dtensors(hidden, weight, bias, target, *, group, vocab_start, vocab_size, sequence_parallel):
+    """torchtitan-style inputs: a ``weight`` DTensor sharded ``Shard(0)`` on a 1-D mesh gives the group and this
+    rank's ``vocab_start`` (``torch.chunk`` layout: ``ceil(V / world)`` rows per rank); ``bias`` must then be a
+    DTensor of the same layout. ``hidden`` may be a DTensor ``Replicate()`` (hidden replicated) or ``Shard(0)``
+    (sequence parallel); ``target`` a ``Replicate()`` DTensor. The local tensors come back; ``to_local`` carries
+    the gradients back as DTensors with the same placements.
+    """
+    try:
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+    except ImportError:  # pragma: no cover - torch without DTensor
+        return hidden, weight, bias, target, group, vocab_start, vocab_size, sequence_parallel
+    if not isinstance(weight, DTensor):
+        for name, t in (("hidden", hidden), ("bias", bias), ("target", target)):
+            if isinstance(t, DTensor):
+                raise ValueError(f"{name}: expected a plain tensor when weight is not a DTensor, got a DTensor")
+        return hidden, weight, bias, target, group, vocab_start, vocab_size, sequence_parallel
+    mesh = weight.device_mesh
+    if mesh.ndim != 1 or tuple(weight.placements) != (Shard(0),):
+        raise ValueError(f"weight: expected a DTensor sharded Shard(0) on a 1-D device mesh, got placements "
+                         f"{tuple(weight.placements)} on a {mesh.ndim}-D mesh")
+    mesh_group = mesh.get_group()
+    if group is not None and group is not mesh_group:
+        raise ValueError("group: expected None or the weight DTensor's mesh group, got another group")
+    rows, world, rank = weight.shape[0], mesh.size(), mesh.get_local_rank()
+    start = min(rank * -(-rows // world), rows)
+    if vocab_start is not None and vocab_start != start:
+        raise ValueError(f"vocab_start: expected None or {start} (the weight DTensor's layout), got {vocab_start}")
+    if bias is not None:
+        if not isinstance(bias, DTensor) or tuple(bias.placements) != (Shard(0),) or bias.device_mesh != mesh:
+            raise ValueError("bias: expected a DTensor sharded Shard(0) on the weight's mesh (weight is a DTensor)")
+        bias = bias.to_local()
+    if isinstance(hidden, DTensor):
+        if hidden.device_mesh != mesh or tuple(hidden.placements) not in ((Replicate(),), (Shard(0),)):
+            raise ValueError(f"hidden: expected a DTensor Replicate() or Shard(0) on the weight's mesh, got "
+                             f"{tuple(hidden.placements)}")
+        sequence_parallel = sequence_parallel or tuple(hidden.placements) == (Shard(0),)
+        hidden = hidden.to_local()
+    if isinstance(target, DTensor):
+        if tuple(target.placements) != (Replicate(),):
+            raise ValueError(f"target: expected a Replicate() DTensor (every rank needs every target), got "
+                             f"{tuple(target.placements)}")
+        target = target.to_local()
+    vocab_size = rows if vocab_size is None else vocab_size
+    return hidden, weight.to_local(), bias, target, mesh_group, start, vocab_size, sequence_parallel

@@ -122,6 +122,7 @@ def _recompute_grads(hidden, weight, bias, tg: TokenTargets, lse_all, coef: Coef
                 dw.addmm_(gz.t(), hidden[sl].to(acc))
             if db is not None:
                 db += gz.sum(0)
+            del z, gz  # before the next chunk's logits exist
     return (None if dx is None else dx.to(dtype), weight_grad(dw, rows if main_weight is None else main_weight, dtype),
             pad_rows(db, rows, dtype))
 
@@ -167,6 +168,8 @@ class TorchLinearCrossEntropy(torch.autograd.Function):
                     dw.addmm_(g.t(), hidden[sl].to(acc))
                 if db is not None:
                     db += g.sum(0)
+                del g
+            del z  # before the next chunk's logits exist: one chunk live at a time
 
         ctx.eager, ctx.shard, ctx.opts, ctx.chunk = eager, shard, opts, chunk
         ctx.denominator = tg.denominator(acc)
@@ -220,7 +223,8 @@ class TorchLinearLogProbs(torch.autograd.Function):
         mean_z = torch.empty(n, dtype=acc, device=hidden.device) if entropy else None
         for c0 in range(0, n, chunk):
             sl = slice(c0, min(n, c0 + chunk))
-            _, lse, zt, _, ez = _chunk_stats(hidden, w, b, tg, sl, shard, softcap, acc, sum_ez=entropy, inv_t=inv_t)
+            z, lse, zt, _, ez = _chunk_stats(hidden, w, b, tg, sl, shard, softcap, acc, sum_ez=entropy, inv_t=inv_t)
+            del z
             lse_all[sl], logp[sl] = lse, zt - lse
             if entropy:
                 mean_z[sl] = ez

@@ -37,6 +37,7 @@ from __future__ import annotations
 import numbers
 
 import torch
+import torch.distributed as dist
 
 from .. import api
 
@@ -52,8 +53,16 @@ def _tp_group_from_parallel_state():
     return parallel_state.get_tensor_model_parallel_group()
 
 
+_LAYER_ATTRS = ("weight", "bias", "skip_bias_add", "tp_group", "sequence_parallel", "config",
+                "output_size_per_partition", "input_size")
+
+
 def _from_layer(layer, weight):
     """Weight, bias, group, sequence_parallel and config of a ``ColumnParallelLinear`` output layer."""
+    missing = [a for a in _LAYER_ATTRS if not hasattr(layer, a)]
+    if missing:
+        raise TypeError(f"output_layer: expected a megatron-core ColumnParallelLinear or a weight tensor, got "
+                        f"{type(layer).__name__} (no {', '.join(missing)})")
     if weight is None:
         weight = layer.weight
         if weight is None:
@@ -118,8 +127,12 @@ def vocab_parallel_lm_loss(hidden, output_layer, labels, *, weight=None, vocab_s
     group = vpce_options.pop("group", group)
     if group is None:
         group = _tp_group_from_parallel_state()
-    world, rank = group.size(), group.rank()
-    rows = weight.shape[0] if isinstance(weight, torch.Tensor) and weight.dim() == 2 else 0
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"weight: expected a [V/tp, h] tensor, got {type(weight).__name__}")
+    if weight.dim() != 2:
+        raise ValueError(f"weight: expected a [V/tp, h] tensor, got shape {tuple(weight.shape)}")
+    rows = weight.shape[0]
 
     sp = vpce_options.pop("sequence_parallel", None)
     if sp is None:
@@ -138,9 +151,17 @@ def vocab_parallel_lm_loss(hidden, output_layer, labels, *, weight=None, vocab_s
             getattr(config, "gradient_accumulation_fusion", False) and hasattr(weight, "main_grad")
             and weight.requires_grad)
 
-    if not isinstance(labels, torch.Tensor) or labels.dim() != 2:
-        got = tuple(labels.shape) if isinstance(labels, torch.Tensor) else type(labels).__name__
-        raise ValueError(f"labels: expected a [b, s] tensor, got {got}")
+    for name, t in (("hidden", hidden), ("labels", labels)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if hidden.dim() != 3:
+        raise ValueError(f"hidden: expected [s, b, h] (Megatron's layout; [s/tp, b, h] under sequence "
+                         f"parallelism), got shape {tuple(hidden.shape)}")
+    want = (hidden.shape[1], hidden.shape[0] * (world if sp else 1))
+    if tuple(labels.shape) != want:
+        what = " (b, s_local * tp: the full sequence under sequence parallelism)" if sp else " (b, s)"
+        raise ValueError(f"labels: expected shape {want}{what} to match hidden {tuple(hidden.shape)}, "
+                         f"got {tuple(labels.shape)}")
     target = labels.transpose(0, 1)  # [b, s] -> [s, b], hidden's layout
     token_weight = None
     if loss_mask is not None:
