@@ -36,7 +36,7 @@ from .options import LossOptions
 from .parallel import VocabShard, combine_softmax_stats
 from .targets import TokenTargets
 
-__all__ = ["chunk_tokens", "TorchLinearCrossEntropy", "TorchLinearLogProbs"]
+__all__ = ["chunk_tokens", "fast_route", "TorchLinearCrossEntropy", "TorchLinearLogProbs"]
 
 
 def chunk_tokens(budget_gib: float, shard: VocabShard, dtype: torch.dtype, softcap: bool) -> int:
@@ -45,6 +45,11 @@ def chunk_tokens(budget_gib: float, shard: VocabShard, dtype: torch.dtype, softc
     per_logit = 2 * torch.finfo(dtype).bits // 8 + (3 if softcap else 2) * acc
     cols = max(1, math.ceil(shard.vocab_size / shard.world))
     return max(1, int(budget_gib * 2**30) // (cols * per_logit))
+
+
+def fast_route(opts: LossOptions, needs_grad, dtype: torch.dtype) -> bool:
+    """Whether the cross-entropy forms its gradients in forward (the fast route)."""
+    return any(needs_grad) and opts.reduction != "none" and not opts.lean
 
 
 def _logits(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, softcap: float | None, acc: torch.dtype,
@@ -143,7 +148,7 @@ class TorchLinearCrossEntropy(torch.autograd.Function):
         smooth = opts.label_smoothing > 0
         chunk = chunk_tokens(opts.chunk_gib(), shard, hidden.dtype, opts.softcap is not None)
 
-        eager = any(needs_grad) and opts.reduction != "none" and not opts.lean
+        eager = fast_route(opts, needs_grad, hidden.dtype)
         if eager:
             # Rows at unit scale; 1/count (mean) and the upstream gradient are applied in backward, so the cast
             # of the chunk gradient to fp16 keeps full precision (and loss scaling keeps working).

@@ -43,7 +43,7 @@ from .options import LossOptions
 from .parallel import VocabShard, combine_softmax_stats
 from .targets import TokenTargets
 
-__all__ = ["TritonLinearCrossEntropy", "TritonLinearLogProbs", "FAST_P_GIB", "LEAN_BLOCK_GIB"]
+__all__ = ["TritonLinearCrossEntropy", "TritonLinearLogProbs", "fast_route", "FAST_P_GIB", "LEAN_BLOCK_GIB"]
 
 FAST_P_GIB = 1.5     # default size of the fast route's 16-bit P chunk (freed before backward's peak)
 LEAN_BLOCK_GIB = 0.2  # default size of the lean route's [N, Vb] block
@@ -60,6 +60,13 @@ def _fast_chunk(opts: LossOptions, shard: VocabShard, dtype: torch.dtype, tile_m
     cols = max(1, math.ceil(shard.vocab_size / shard.world))
     per_tok = cols * torch.empty((), dtype=dtype).element_size()
     return _round_to(int(gib * 2**30) // per_tok, tile_m)
+
+
+def fast_route(opts: LossOptions, needs_grad, dtype: torch.dtype) -> bool:
+    """Whether the cross-entropy forms its gradients in forward (see the module docstring for the corner)."""
+    cap_corner = (opts.label_smoothing > 0 and opts.softcap is not None
+                  and (opts.softcap > 40 or dtype == torch.float16))
+    return any(needs_grad) and opts.reduction != "none" and not opts.lean and not cap_corner
 
 
 def _local_targets(tg: TokenTargets) -> torch.Tensor:
@@ -152,8 +159,7 @@ class TritonLinearCrossEntropy(torch.autograd.Function):
         tg = TokenTargets(target, shard, opts.ignore_index, token_weight)
         tl_local = _local_targets(tg)
         smooth = opts.label_smoothing > 0
-        cap_corner = smooth and opts.softcap is not None and (opts.softcap > 40 or hidden.dtype == torch.float16)
-        fast = any(needs_grad) and opts.reduction != "none" and not opts.lean and not cap_corner
+        fast = fast_route(opts, needs_grad, hidden.dtype)
 
         loss_tok = torch.empty(n, dtype=torch.float32, device=dev)
         if fast:
