@@ -115,6 +115,7 @@ def test_cuda_graph_captures_a_training_step(budget):
             static_x.grad = w.grad = None
             step()
     torch.cuda.current_stream().wait_stream(side)
+    static_x.grad = w.grad = None
     eager_loss, eager_dx, eager_dw = step().detach().clone(), static_x.grad.clone(), w.grad.clone()
 
     static_x.grad = w.grad = None
