@@ -126,3 +126,17 @@ def test_cuda_graph_captures_a_training_step(budget):
     torch.cuda.synchronize()
     assert torch.equal(static_loss, eager_loss)
     assert torch.equal(static_x.grad, eager_dx) and torch.equal(w.grad, eager_dw)
+
+
+def _snippet(heading: str) -> str:
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "integrations.md").read_text()
+    section = text.split(heading, 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"```python\n(.*?)```", section, re.S)[0]
+
+
+def test_docs_compile_snippet_runs():
+    torch._dynamo.reset()
+    exec(compile(_snippet("## torch.compile and CUDA graphs"), "docs/integrations.md", "exec"), {})

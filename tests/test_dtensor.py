@@ -57,3 +57,18 @@ def test_dtensor_weight(world, rows, vocab_size, hidden_layout):
 def test_dtensor_weight_triton_backend():
     for rank, errs in enumerate(run_ranks(_dtensor_main, 2, 64, 60, "sequence-shard", "triton")):
         assert max(errs) < 2e-5, f"rank {rank}: loss/dX/dW/db errs {errs}"
+
+
+def _run_docs_snippet(rank, world):
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "integrations.md").read_text()
+    section = text.split("## DTensor tensor parallelism (torchtitan)", 1)[1].split("\n## ", 1)[0]
+    code = re.findall(r"```python\n(.*?)```", section, re.S)[0]
+    exec(compile(code, "docs/integrations.md", "exec"), {})
+    return True
+
+
+def test_docs_dtensor_snippet_runs():
+    assert all(run_ranks(_run_docs_snippet, 2))
