@@ -84,7 +84,7 @@ def _check_tensors(hidden, weight, target, bias, world: int, sequence_parallel: 
         raise TypeError(f"hidden: expected dtype in {[str(f) for f in floats]} for backend {backend!r}, "
                         f"got {hidden.dtype}")
     if hidden.dim() < 1:
-        raise ValueError(f"hidden: expected shape [..., D], got a 0-d tensor")
+        raise ValueError("hidden: expected shape [..., D], got a 0-d tensor")
     if weight.dim() != 2:
         raise ValueError(f"weight: expected shape [V_local, D], got {tuple(weight.shape)}")
     if weight.shape[1] != hidden.shape[-1]:

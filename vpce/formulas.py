@@ -26,8 +26,9 @@ from typing import NamedTuple
 import torch
 
 from .options import LossOptions
+from .targets import TokenTargets
 
-__all__ = ["Coefficients", "ce_loss", "ce_coefficients", "logprob_coefficients"]
+__all__ = ["Coefficients", "ce_loss", "ce_coefficients", "logprob_outputs", "logprob_coefficients"]
 
 
 class Coefficients(NamedTuple):
@@ -59,12 +60,23 @@ def ce_coefficients(scale: torch.Tensor, lse: torch.Tensor, opts: LossOptions, v
     return Coefficients(a.contiguous(), None, (scale * -(1 - eps)).contiguous(), None if d is None else d.contiguous())
 
 
-def logprob_coefficients(g_logp: torch.Tensor, g_ent: torch.Tensor | None, mean_z: torch.Tensor | None,
-                         keep: torch.Tensor, inv_t: float) -> Coefficients:
-    """``keep``: rows that count (ignored targets get all-zero coefficients)."""
-    zero = torch.zeros_like(g_logp)
-    gl = torch.where(keep, g_logp, zero) * inv_t
-    if g_ent is None:
-        return Coefficients((-gl).contiguous(), None, gl.contiguous(), None)
-    gh = torch.where(keep, g_ent, zero) * inv_t
-    return Coefficients((gh * mean_z - gl).contiguous(), (-gh).contiguous(), gl.contiguous(), None)
+def logprob_outputs(tg: TokenTargets, lse: torch.Tensor, zt: torch.Tensor, mean_z: torch.Tensor | None):
+    """Per-token ``(log p_t, entropy or None)``: 0 on ignored tokens, NaN on out-of-range targets."""
+    everything = slice(None)
+    ent = None if mean_z is None else tg.token_loss(lse - mean_z, everything)
+    return tg.token_loss(zt - lse, everything), ent
+
+
+def logprob_coefficients(tg: TokenTargets, g_logp: torch.Tensor | None, g_ent: torch.Tensor | None,
+                         mean_z: torch.Tensor | None, inv_t: float, like: torch.Tensor) -> Coefficients:
+    """Coefficients for upstream gradients on log p_t and the entropy (either may be None: unused). Ignored
+    targets get zero coefficients; an out-of-range target poisons its row with NaN."""
+    keep = tg.keep & ~tg.bad
+    zero = torch.zeros_like(like)
+    gl = zero if g_logp is None else torch.where(keep, g_logp.to(like.dtype), zero) * inv_t
+    a, b = -gl, None
+    if g_ent is not None and mean_z is not None:
+        gh = torch.where(keep, g_ent.to(like.dtype), zero) * inv_t
+        a, b = gh * mean_z - gl, -gh
+    a = torch.where(tg.bad, float("nan"), a)
+    return Coefficients(a.contiguous(), None if b is None else b.contiguous(), gl.contiguous(), None)

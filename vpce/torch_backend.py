@@ -29,7 +29,7 @@ import math
 
 import torch
 
-from .formulas import Coefficients, ce_coefficients, ce_loss, logprob_coefficients
+from .formulas import Coefficients, ce_coefficients, ce_loss, logprob_coefficients, logprob_outputs
 from .gemm import mm_out
 from .grads import pad_rows, weight_grad
 from .options import LossOptions
@@ -79,6 +79,16 @@ def _logit_grad_(z: torch.Tensor, lse: torch.Tensor, co: Coefficients, t_idx: to
     return p
 
 
+def _accumulate(g: torch.Tensor, h: torch.Tensor, w: torch.Tensor, sl: slice, dx, dw, db):
+    """Add one chunk's logit gradient ``g`` [c, v] into dX (rows ``sl``), the dW and db accumulators."""
+    if dx is not None:
+        dx[sl] = mm_out(g.to(w.dtype), w, g.dtype)
+    if dw is not None:
+        dw.addmm_(g.t(), h.to(g.dtype))
+    if db is not None:
+        db += g.sum(0)
+
+
 def _chunk_stats(hidden, w, b, tg: TokenTargets, sl: slice, shard: VocabShard, softcap, acc, *, sum_z=False,
                  sum_ez=False, inv_t=1.0):
     """Logits of the rows ``sl`` (None on an all-padding shard) and their global ``(lse, z_t, sum z, E z)``."""
@@ -120,14 +130,9 @@ def _recompute_grads(hidden, weight, bias, tg: TokenTargets, lse_all, coef: Coef
         for c0 in range(0, n, chunk):
             sl = slice(c0, min(n, c0 + chunk))
             z = _logits(hidden[sl], w, b, softcap, acc, inv_t)
-            gz = _logit_grad_(z, lse_all[sl], coef.rows(sl), tg.idx[sl], tg.in_shard[sl], softcap, inv_t)
-            if dx is not None:
-                dx[sl] = mm_out(gz.to(w.dtype), w, acc)
-            if dw is not None:
-                dw.addmm_(gz.t(), hidden[sl].to(acc))
-            if db is not None:
-                db += gz.sum(0)
-            del z, gz  # before the next chunk's logits exist
+            _accumulate(_logit_grad_(z, lse_all[sl], coef.rows(sl), tg.idx[sl], tg.in_shard[sl], softcap, inv_t),
+                        hidden[sl], w, sl, dx, dw, db)
+            del z  # before the next chunk's logits exist
     return (None if dx is None else dx.to(dtype), weight_grad(dw, rows if main_weight is None else main_weight, dtype),
             pad_rows(db, rows, dtype))
 
@@ -166,14 +171,8 @@ class TorchLinearCrossEntropy(torch.autograd.Function):
             lse_all[sl] = lse
             if eager and v > 0:
                 co = ce_coefficients(unit[sl], lse, opts, shard.vocab_size)
-                g = _logit_grad_(z, lse, co, tg.idx[sl], tg.in_shard[sl], opts.softcap)
-                if dx is not None:
-                    dx[sl] = mm_out(g.to(w.dtype), w, acc)
-                if dw is not None:
-                    dw.addmm_(g.t(), hidden[sl].to(acc))
-                if db is not None:
-                    db += g.sum(0)
-                del g
+                _accumulate(_logit_grad_(z, lse, co, tg.idx[sl], tg.in_shard[sl], opts.softcap), hidden[sl], w,
+                            sl, dx, dw, db)
             del z  # before the next chunk's logits exist: one chunk live at a time
 
         ctx.eager, ctx.shard, ctx.opts, ctx.chunk = eager, shard, opts, chunk
@@ -224,17 +223,16 @@ class TorchLinearLogProbs(torch.autograd.Function):
         tg = TokenTargets(target, shard, ignore_index)
         chunk = chunk_tokens(0.25, shard, hidden.dtype, softcap is not None)
         lse_all = torch.empty(n, dtype=acc, device=hidden.device)
-        logp = torch.empty(n, dtype=acc, device=hidden.device)
+        zt_all = torch.empty(n, dtype=acc, device=hidden.device)
         mean_z = torch.empty(n, dtype=acc, device=hidden.device) if entropy else None
         for c0 in range(0, n, chunk):
             sl = slice(c0, min(n, c0 + chunk))
             z, lse, zt, _, ez = _chunk_stats(hidden, w, b, tg, sl, shard, softcap, acc, sum_ez=entropy, inv_t=inv_t)
             del z
-            lse_all[sl], logp[sl] = lse, zt - lse
+            lse_all[sl], zt_all[sl] = lse, zt
             if entropy:
                 mean_z[sl] = ez
-        logp = tg.token_loss(logp, slice(None))
-        ent = tg.token_loss(lse_all - mean_z, slice(None)) if entropy else None
+        logp, ent = logprob_outputs(tg, lse_all, zt_all, mean_z)
         if any(needs_grad):
             ctx.save_for_backward(hidden, weight, bias, target, lse_all, mean_z)
         ctx.shard, ctx.softcap, ctx.inv_t, ctx.ignore_index, ctx.chunk = shard, softcap, inv_t, ignore_index, chunk
@@ -244,10 +242,7 @@ class TorchLinearLogProbs(torch.autograd.Function):
     def backward(ctx, g_logp, g_ent=None):
         hidden, weight, bias, target, lse_all, mean_z = ctx.saved_tensors
         tg = TokenTargets(target, ctx.shard, ctx.ignore_index)
-        g_logp = torch.zeros_like(lse_all) if g_logp is None else g_logp.to(lse_all.dtype)
-        g_ent = None if mean_z is None or g_ent is None else g_ent.to(lse_all.dtype)
-        coef = logprob_coefficients(g_logp, g_ent, mean_z, tg.keep & ~tg.bad, ctx.inv_t)
-        coef = coef._replace(a=torch.where(tg.bad, math.nan, coef.a))  # an out-of-range target poisons its row
+        coef = logprob_coefficients(tg, g_logp, g_ent, mean_z, ctx.inv_t, like=lse_all)
         grads = _recompute_grads(hidden, weight, bias, tg, lse_all, coef, ctx.shard, ctx.chunk, ctx.softcap,
                                  ctx.inv_t, ctx.needs_input_grad[:3])
         return (*grads, None, None, None, None, None, None, None)

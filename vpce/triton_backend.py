@@ -36,7 +36,7 @@ import math
 import torch
 
 from . import kernels
-from .formulas import Coefficients, ce_coefficients, ce_loss, logprob_coefficients
+from .formulas import Coefficients, ce_coefficients, ce_loss, logprob_coefficients, logprob_outputs
 from .gemm import addmm_out_, mm_out
 from .grads import pad_rows, weight_grad
 from .options import LossOptions
@@ -252,17 +252,16 @@ class TritonLinearLogProbs(torch.autograd.Function):
         tg = TokenTargets(target, shard, ignore_index)
         tl_local = _local_targets(tg)
         lse_all = torch.empty(n, dtype=torch.float32, device=dev)
-        logp = torch.empty(n, dtype=torch.float32, device=dev)
+        zt_all = torch.empty(n, dtype=torch.float32, device=dev)
         mean_z = torch.empty(n, dtype=torch.float32, device=dev) if entropy else None
         stats = _ChunkStats(min(max(n, 1), STATS_TOKENS), v, hidden, False, entropy)
         for c0 in range(0, n, STATS_TOKENS):
             sl = slice(c0, min(n, c0 + STATS_TOKENS))
             lse, zt, _, ez = stats.run(hidden, w, b, tl_local, sl, shard, softcap, inv_t)
-            lse_all[sl], logp[sl] = lse, zt - lse
+            lse_all[sl], zt_all[sl] = lse, zt
             if entropy:
                 mean_z[sl] = ez
-        logp = tg.token_loss(logp, slice(None))
-        ent = tg.token_loss(lse_all - mean_z, slice(None)) if entropy else None
+        logp, ent = logprob_outputs(tg, lse_all, zt_all, mean_z)
         if any(needs_grad):
             ctx.save_for_backward(hidden, weight, bias, target, lse_all, mean_z)
         ctx.shard, ctx.softcap, ctx.inv_t, ctx.ignore_index = shard, softcap, inv_t, ignore_index
@@ -272,10 +271,7 @@ class TritonLinearLogProbs(torch.autograd.Function):
     def backward(ctx, g_logp, g_ent=None):
         hidden, weight, bias, target, lse_all, mean_z = ctx.saved_tensors
         tg = TokenTargets(target, ctx.shard, ctx.ignore_index)
-        g_logp = torch.zeros_like(lse_all) if g_logp is None else g_logp.float()
-        g_ent = None if mean_z is None or g_ent is None else g_ent.float()
-        coef = logprob_coefficients(g_logp, g_ent, mean_z, tg.keep & ~tg.bad, ctx.inv_t)
-        coef = coef._replace(a=torch.where(tg.bad, math.nan, coef.a))  # an out-of-range target poisons its row
+        coef = logprob_coefficients(tg, g_logp, g_ent, mean_z, ctx.inv_t, like=lse_all)
         grads = _recompute_grads(hidden, weight, bias, _local_targets(tg), lse_all, coef, ctx.shard, ctx.softcap,
                                  ctx.inv_t, ctx.needs_input_grad[:3])
         return (*grads, None, None, None, None, None, None, None)
