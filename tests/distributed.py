@@ -1,4 +1,5 @@
-"""Spawn ``world`` real processes joined by a gloo process group; a hang fails the test instead of CI."""
+"""Spawn ``world`` real processes joined by a process group (gloo on CPU, NCCL on GPUs); a hang fails the test
+instead of CI."""
 
 from __future__ import annotations
 
@@ -19,11 +20,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(fn, rank, world, port, out, args):
+def _entry(fn, rank, world, port, out, args, backend):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    # never NVLink multicast (it can take a shared host's GPUs down): NCCL and torch symmetric memory off
+    os.environ.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=90))
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=90))
         out.put((rank, True, fn(rank, world, *args)))
     except BaseException:  # noqa: BLE001 - everything goes back to the parent
         out.put((rank, False, traceback.format_exc()))
@@ -32,8 +37,9 @@ def _entry(fn, rank, world, port, out, args):
             dist.destroy_process_group()
 
 
-def run_ranks(fn, world: int, *args, timeout: float = 240.0) -> list:
-    """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; return each rank's result, rank order.
+def run_ranks(fn, world: int, *args, timeout: float = 240.0, backend: str = "gloo") -> list:
+    """Run ``fn(rank, world, *args)`` on ``world`` ranks (gloo, or NCCL with one GPU per rank); return each
+    rank's result, rank order.
 
     ``fn`` must be a module-level function. Any rank's exception fails with that rank's traceback; ranks
     still running after ``timeout`` seconds are killed and the call fails.
@@ -41,7 +47,8 @@ def run_ranks(fn, world: int, *args, timeout: float = 240.0) -> list:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, out, args), daemon=True) for r in range(world)]
+    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, out, args, backend), daemon=True)
+             for r in range(world)]
     for p in procs:
         p.start()
     results: dict[int, object] = {}
