@@ -25,7 +25,8 @@ What is measured, per shape (``N`` tokens, hidden size ``D``, vocab ``V``) and p
 * **Rows.** ``floor``; ``torch`` (eager ``F.cross_entropy(F.linear(x, w).float(), y)``); ``compile`` (the same
   under ``torch.compile``); ``liger``; ``cce`` and ``cce-exact`` (``filter_eps=None``); ``megatron`` and
   ``megatron-fused`` (tp=1, on a process group of this one process); ``vpce-triton`` (default memory budget),
-  ``vpce-triton-lean``; ``vpce-torch``; and no-grad forwards of ``torch``, ``vpce-triton``, ``vpce-torch``. A row
+  ``vpce-triton-lean``; ``vpce-torch``; and no-grad forwards of ``torch``, ``vpce-triton``, ``vpce-torch``
+  (``--methods all``, the default; the vocab-parallel-only rows below are left out of it). A row
   whose package is not installed, that needs CUDA on a CPU run, or that is not built yet is reported as
   ``missing: <reason>``; one that raises (out of memory included) as ``failed: <reason>``, with its traceback in
   the JSON.
@@ -54,8 +55,15 @@ Examples::
     python -m vpce.bench --device cpu --quick --methods torch,vpce-torch,floor
 
 Peers on the GPU machine: ``vpce/bench/wheels.sh`` downloads their wheels into ``.whl/`` and prints the install
-line. Tensor parallelism (``--tp`` under torchrun) is not written yet: ``Env`` carries the group and rank, rows
-carry ``tp`` and ``rank``, and ``Method.tp`` marks the rows that have a vocab-parallel form.
+line.
+
+Tensor parallelism: ``torchrun --nproc-per-node K -m vpce.bench --tp [--sp]`` (or ``launch/bench_tp.py``) shards
+the vocab over the K processes and measures, on every rank, the rows with a vocab-parallel form (``Method.tp``):
+the per-rank floor (the three GEMMs on the rank's shard), megatron-core's two vocab-parallel losses behind
+Megatron's copy (or sequence-parallel gather) region, liger-kernel's TP function, ``chunked-tp`` (the idea of
+liger-kernel's TP fallback in plain torch), torch ``loss_parallel`` (fp32 and bf16 logits) and vpce; the table
+shows the maximum over ranks, and ``bench-tp<K>[-sp].json`` every rank's own row. ``vpce.bench.tp`` says how, and
+``python -m vpce.bench.plots_tp`` plots several such runs against tp.
 """
 
 from .cli import main

@@ -1,4 +1,5 @@
-"""Command line of ``python -m vpce.bench``: shapes, sweeps, method selection, and the run itself."""
+"""Command line of ``python -m vpce.bench``: shapes, sweeps, method selection, and the run itself (one GPU here;
+``--tp`` hands the run to ``vpce.bench.tp``)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import torch
 
 from . import methods as methods_mod
 from .harness import Env, Settings, Shape
-from .methods import method_names, package_versions
+from .methods import default_methods, method_names, package_versions
 from .plots import plot_sweeps
 from .report import Progress, format_shape, write_json
 from .runner import run_shape
@@ -32,6 +33,7 @@ SHAPES = {
     "tiny-odd": (200, 72, 2003),
 }
 DEFAULT_SHAPES = "llama3-8b,gemma2-2b"
+TP_DEFAULT_SHAPES = "llama3-8b"  # --tp: the head of the multi-GPU bars (llama3-70b: the anchors' D=8192 class)
 QUICK_SHAPES = "tiny,tiny-odd"
 
 #: Sweeps: the axis varies over these values, the other two stay at the centre shape's.
@@ -68,11 +70,11 @@ def _sweep_shapes(axes: list[str], quick: bool) -> list[Shape]:
                   n=key[0], d=key[1], v=key[2], sweeps=tuple(ax)) for key, ax in sorted(points.items())]
 
 
-def _csv(choices: list[str], what: str):
+def _csv(choices: list[str], what: str, expand_all: bool = True):
     def parse(text: str) -> list[str]:
         items = [t.strip() for t in text.split(",") if t.strip()]
         if items == ["all"]:
-            return list(choices)
+            return list(choices) if expand_all else ["all"]
         bad = [t for t in items if t not in choices]
         if bad or not items:
             raise argparse.ArgumentTypeError(f"{what}: expected a comma-separated list of {choices} (or 'all'), "
@@ -89,12 +91,13 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--shapes", default=None,
                    help=f"comma-separated names ({', '.join(SHAPES)}) or NxDxV; default {DEFAULT_SHAPES} "
-                        f"({QUICK_SHAPES} with --quick)")
+                        f"({TP_DEFAULT_SHAPES} with --tp, {QUICK_SHAPES} with --quick)")
     p.add_argument("--sweep", type=_csv(list("NDV"), "sweep"), default=None,
                    help=f"sweep one or more of N,D,V around {SWEEP_CENTRE}: " +
                         "; ".join(f"{k} in {v}" for k, v in SWEEPS.items()) + " (replaces the default shapes)")
-    p.add_argument("--methods", type=_csv(method_names(), "methods"), default="all",
-                   help=f"rows to measure: {','.join(method_names())}")
+    p.add_argument("--methods", type=_csv(method_names(), "methods", expand_all=False), default="all",
+                   help=f"rows to measure: {','.join(method_names())}; 'all': {','.join(default_methods(False))} "
+                        f"(with --tp: {','.join(default_methods(True))})")
     p.add_argument("--dtype", choices=list(DTYPES), default="bf16")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--quick", action="store_true", help="tiny shapes and few repetitions (a smoke run; works on CPU)")
@@ -108,6 +111,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rep-time", type=float, default=None,
                    help="seconds of timed calls per row, within --reps..200 calls (default 1.5, 0.05 with --quick)")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    tp = p.add_argument_group("tensor parallel (under torchrun; see vpce.bench.tp)")
+    tp.add_argument("--tp", action="store_true",
+                    help="vocab-parallel rows, per rank, the vocab sharded over every process of the launch "
+                         "(NCCL on cuda:LOCAL_RANK, gloo on CPU); writes --out/bench-tp<K>[-sp].json")
+    tp.add_argument("--sp", action="store_true",
+                    help="with --tp: sequence parallel layout (each rank's hidden input is its N/tp slice of the "
+                         "tokens; targets full) instead of hidden replicated")
+    tp.add_argument("--timeout", type=float, default=600.0,
+                    help="with --tp: process-group timeout in seconds (a hung collective ends the run)")
+    tp.add_argument("--inject-failure", metavar="METHOD@RANK", default=None,
+                    help="with --tp, for testing: METHOD's row raises on RANK when it is built (the row must be "
+                         "reported failed by every rank, and the run go on)")
     return p
 
 
@@ -141,23 +156,21 @@ def _git_commit() -> str | None:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if isinstance(args.methods, str):  # the default, not passed through `type`
-        args.methods = method_names()
+    if args.methods in ("all", ["all"]):  # the string default is not passed through `type`
+        args.methods = default_methods(args.tp)
+    if not args.tp and (args.sp or args.inject_failure):
+        parser.error("--sp and --inject-failure: expected together with --tp, got them without it")
     device = torch.device(args.device)
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            parser.error(f"--device: expected an available device, got {args.device!r} (no CUDA here)")
-        if device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        torch.cuda.set_device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device: expected an available device, got {args.device!r} (no CUDA here)")
 
     shapes = [] if args.sweep else None
     if args.sweep:
         shapes = _sweep_shapes(args.sweep, args.quick)
     if args.shapes is not None or shapes is None:
         try:
-            named = [_parse_shape(t) for t in (args.shapes or (QUICK_SHAPES if args.quick else DEFAULT_SHAPES))
-                     .split(",") if t]
+            default = QUICK_SHAPES if args.quick else TP_DEFAULT_SHAPES if args.tp else DEFAULT_SHAPES
+            named = [_parse_shape(t) for t in (args.shapes or default).split(",") if t]
         except argparse.ArgumentTypeError as e:
             parser.error(str(e))
         shapes = (shapes or []) + named
@@ -168,13 +181,22 @@ def main(argv: list[str] | None = None) -> int:
         max_reps=20 if args.quick else 200,
         rep_time_s=args.rep_time if args.rep_time is not None else (0.05 if args.quick else 1.5),
         logit_scale=args.logit_scale, seed=args.seed)
+    command = shlex.join(["python", "-m", "vpce.bench", *(sys.argv[1:] if argv is None else argv)])
+    if args.tp:
+        from .tp import main_tp
+        return main_tp(args, parser, shapes, settings, command)
+
+    if device.type == "cuda":
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        torch.cuda.set_device(device)
     env = Env(device=device, dtype=DTYPES[args.dtype])
     progress = Progress(enabled=not args.quiet)
 
     doc = dict(
         schema="vpce.bench/1",
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        command=shlex.join(["python", "-m", "vpce.bench", *(sys.argv[1:] if argv is None else argv)]),
+        command=command,
         commit=_git_commit(),
         device=_device_info(device),
         versions=package_versions(),

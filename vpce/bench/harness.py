@@ -24,7 +24,7 @@ GiB = 2**30
 
 @dataclass(frozen=True, kw_only=True)
 class Env:
-    """Where and how the rows run. Under ``--tp`` (torchrun, not written yet) every rank has its own ``Env``."""
+    """Where and how the rows run. Under ``--tp`` (torchrun) every rank has its own ``Env``."""
 
     device: torch.device
     """The device every tensor lives on."""
@@ -36,6 +36,9 @@ class Env:
     """Ranks in ``group``."""
     rank: int = 0
     """This rank's index in ``group``."""
+    sequence_parallel: bool = False
+    """Under ``--tp --sp``: each rank's hidden input is its slice of the tokens along dim 0 (Megatron SP); the
+    targets stay full."""
 
     @property
     def cuda(self) -> bool:
@@ -192,12 +195,16 @@ def rel_err(a: torch.Tensor | None, b: torch.Tensor, rows: int = 4096) -> float 
     return math.sqrt(num.item() / den.item()) if den.item() > 0 else math.inf
 
 
-def measure(fn: Callable[[], Any], device: torch.device, settings: Settings) -> Timing:
+def measure(fn: Callable[[], Any], device: torch.device, settings: Settings,
+            agree: Callable[[float], float] | None = None) -> Timing:
     """Median-of-many timing of ``fn`` (already called once by the caller).
 
     ``settings.warmup`` synchronized calls estimate the cost of one call; then ``reps`` calls run back to back,
     each bracketed by CUDA events (``time.perf_counter`` on CPU), with a single synchronization at the end, as
     ``triton.testing.do_bench`` does (without its L2 flush: every operand here is far larger than L2).
+
+    ``agree`` (under ``--tp``) maps this rank's estimate to the one every rank uses, so that all ranks run the
+    same number of calls; it is a collective, so the timed calls also start together.
     """
     est = math.inf
     for _ in range(max(1, settings.warmup)):
@@ -205,6 +212,8 @@ def measure(fn: Callable[[], Any], device: torch.device, settings: Settings) -> 
         fn()
         synchronize(device)
         est = min(est, time.perf_counter() - t0)
+    if agree is not None:
+        est = agree(est)
     reps = int(min(settings.max_reps, max(settings.min_reps, settings.rep_time_s / max(est, 1e-6))))
     if device.type == "cuda":
         events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]

@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-__all__ = ["Progress", "format_shape", "write_json"]
+__all__ = ["Progress", "format_shape", "format_tp_shape", "write_json"]
 
 #: (header, row key, number format or None for text) of the fwd+bwd table and of the no-grad table.
 GRAD_COLUMNS = (("method", "label", None), ("ms", "ms", "ms"), ("x floor", "x_floor", ".2f"),
@@ -99,6 +99,52 @@ def format_shape(record: dict, rows: list[dict], dtype: str, device: str) -> str
     if nograd:
         lines += ["", "no-grad forward, against the logits GEMM alone:"]
         lines += _table(nograd, NO_GRAD_COLUMNS)
+    return "\n".join(lines) + "\n"
+
+
+def format_tp_shape(record: dict, aggs: list[dict], per_rank: list[dict], doc: dict, where: str) -> str:
+    """Under ``--tp``: the shape's header, the table of maxima over ranks, the per-rank table, and the notes."""
+    tp = doc["tp"]
+    lines = [f"## {record['name']}: N={record['n']} D={record['d']} V={record['v']}, {doc['dtype']}, tp={tp}, "
+             f"hidden {record['layout']}, {where}"]
+    rows = record["rows_per_rank"]
+    rows_text = str(rows[0]) if len(set(rows)) == 1 else f"{min(rows)}..{max(rows)}"
+    lines.append(f"vocab rows per rank {rows_text}; hidden tokens per rank {record['tokens_per_rank']}; "
+                 f"dX + dW shard themselves {_num(record['grads_gib'], 'gib')} GiB per rank")
+    if record["status"] != "ok":
+        lines.append(f"not measured: {record['status']}")
+    else:
+        floor = record["floor"]
+        if floor:
+            tflops = record["flops_fwd_bwd_per_rank"] / (floor["total_ms"] * 1e-3) / 1e12
+            lines.append(f"per-rank floor (slowest rank, {floor['rank']}) {floor['total_ms']:.2f} ms = logits "
+                         f"{floor['logits_ms']:.2f} + dX {floor['dx_ms']:.2f} + dW {floor['dw_ms']:.2f} ms "
+                         f"({tflops:.3g} TFLOP/s); float64 loss {record['ref_loss']:.6f}")
+        else:
+            lines.append(f"per-rank floor not measured; float64 loss {record['ref_loss']:.6f}")
+        comm = record["comm"]
+        if comm:
+            ms = "-" if comm["ms"] is None else f"{_num(comm['ms'], 'ms')} ms (slowest rank)"
+            lines.append(f"communication alone, not in the floor: {comm['what']}: {ms}")
+    lines.append(f"ms, extra GiB: the maximum over the {tp} ranks of each rank's median step and peak; x floor: "
+                 f"over the slowest rank's floor; loss err: largest over ranks; dX err, dW err: the whole gradients")
+    lines += [""] + _table(aggs, GRAD_COLUMNS)
+    ranks = sorted({r["rank"] for r in per_rank})
+    if len(ranks) > 1:
+        by = {(r["method"], r["rank"]): r for r in per_rank}
+        cols = [("method", "label", None)] + [(f"r{k} ms", f"ms{k}", "ms") for k in ranks] + \
+            [(f"r{k} GiB", f"gib{k}", "gib") for k in ranks]
+        table = []
+        for a in aggs:
+            t = dict(label=a["label"])
+            for k in ranks:
+                r = by.get((a["method"], k), {})
+                t[f"ms{k}"], t[f"gib{k}"] = r.get("ms"), r.get("extra_gib")
+            table.append(t)
+        lines += ["", "per rank: median step ms and peak extra GiB"] + _table(table, cols)
+    notes = [f"- {a['label']}: {a['note']}" for a in aggs if a.get("note")]
+    if notes:
+        lines += ["", "notes (rank 0):"] + notes
     return "\n".join(lines) + "\n"
 
 

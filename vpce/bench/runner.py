@@ -6,6 +6,7 @@ the inputs it differentiates, and everything it allocated is released before the
 
 from __future__ import annotations
 
+import contextlib
 import time
 import traceback
 
@@ -16,7 +17,7 @@ from .harness import (GiB, Env, Problem, Reference, Settings, Shape, float64_ref
 from .methods import FLOOR, METHODS, Method, Unavailable
 from .report import Progress
 
-__all__ = ["run_shape"]
+__all__ = ["run_shape", "measure_floor", "make_step"]
 
 
 def _reason(e: BaseException) -> str:
@@ -45,13 +46,14 @@ def _loss_err(loss: torch.Tensor, ref: Reference) -> tuple[float, float]:
     return value, abs(value - ref.loss) / abs(ref.loss)
 
 
-def measure_floor(shape: Shape, prob: Problem, env: Env, settings: Settings) -> dict[str, float]:
+def measure_floor(shape: Shape, prob: Problem, env: Env, settings: Settings, agree=None) -> dict[str, float]:
     """The three GEMMs of exact fwd+bwd, in the run's dtype through cuBLAS: logits, dX and dW.
 
     ``G`` stands in for the logits' gradient: random ``[N, V]`` in the run's dtype (GEMM speed depends on data).
+    Under ``--tp`` ``prob.w`` is this rank's shard, so ``V`` is its rows; ``agree`` is passed on to ``measure``.
     """
     gen = torch.Generator(device=env.device).manual_seed(settings.seed + 1)
-    g = torch.randn(shape.n, shape.v, device=env.device, generator=gen).to(env.dtype)
+    g = torch.randn(prob.x.shape[0], prob.w.shape[0], device=env.device, generator=gen).to(env.dtype)
     x, w = prob.x, prob.w
     gemms = {"logits_ms": lambda: torch.mm(x, w.t()),   # [N, D] @ [D, V]
              "dx_ms": lambda: torch.mm(g, w),           # [N, V] @ [V, D]
@@ -59,9 +61,26 @@ def measure_floor(shape: Shape, prob: Problem, env: Env, settings: Settings) -> 
     out = {}
     for key, fn in gemms.items():
         fn()
-        out[key] = measure(fn, env.device, settings).median
+        out[key] = measure(fn, env.device, settings, agree).median
     out["total_ms"] = out["logits_ms"] + out["dx_ms"] + out["dw_ms"]
     return out
+
+
+def make_step(fn, x: torch.Tensor, w: torch.Tensor, y: torch.Tensor):
+    """One timed step: ``x.grad = w.grad = None; loss = fn(x, w, y); loss.backward()``.
+
+    A loss function may carry ``fn.context``, a context-manager factory that must hold over its forward and its
+    backward both (torch's ``loss_parallel``).
+    """
+    context = getattr(fn, "context", contextlib.nullcontext)
+
+    def step():
+        x.grad = w.grad = None
+        with context():
+            loss = fn(x, w, y)
+            loss.backward()
+        return loss
+    return step
 
 
 def _fwd_bwd_row(row: dict, method: Method, prob: Problem, ref: Reference, env: Env, settings: Settings,
@@ -73,12 +92,7 @@ def _fwd_bwd_row(row: dict, method: Method, prob: Problem, ref: Reference, env: 
         w = prob.w.detach().clone().requires_grad_()
         y = prob.y
 
-        def step():
-            x.grad = w.grad = None
-            loss = fn(x, w, y)
-            loss.backward()
-            return loss
-
+        step = make_step(fn, x, w, y)
         loss = step()  # compiles / autotunes; its results are the ones checked
         synchronize(env.device)
         if method.plain:
@@ -126,8 +140,6 @@ def run_shape(shape: Shape, env: Env, names: list[str], settings: Settings, prog
               *, no_grad: bool = True) -> tuple[dict, list[dict]]:
     """Measure every selected row on fresh inputs of ``shape``; returns (shape record, rows)."""
     methods = [METHODS[n] for n in names if n != FLOOR]
-    if env.tp > 1:
-        methods = [m for m in methods if m.tp]
     grad_rows = [(m, "fwd+bwd") for m in methods]
     nograd_rows = [(m, "no-grad") for m in methods if no_grad and m.no_grad]
     total = (FLOOR in names) + len(grad_rows) + len(nograd_rows)
@@ -165,6 +177,8 @@ def run_shape(shape: Shape, env: Env, names: list[str], settings: Settings, prog
         progress.start(row)
         if m.needs_cuda and not env.cuda:
             row["status"] = f"missing: needs a CUDA device (running on {env.device})"
+        elif m.tp_only:
+            row["status"] = "missing: a vocab-parallel row, measured only under --tp (torchrun)"
         elif mode == "fwd+bwd":
             _fwd_bwd_row(row, m, prob, ref, env, settings, floor.get("total_ms"))
         else:

@@ -1,0 +1,545 @@
+"""``python -m vpce.bench --tp`` under torchrun: the vocab-parallel rows, side by side, measured on every rank.
+
+The vocab is sharded over every process of the launch (``tp`` = the world size; one process works too):
+
+    torchrun --standalone --nproc-per-node K -m vpce.bench --tp [--sp] [--shapes ...] [--methods ...]
+
+Each rank uses NCCL on ``cuda:LOCAL_RANK``, or gloo on the CPU (``--device cpu``). Per shape:
+
+1. **Inputs.** The same full problem as the single-GPU benchmark (``harness.make_problem``, drawn from ``(seed, N,
+   D, V)``, so the problem does not depend on ``tp``). It is drawn on every rank, and ``x`` and the targets are
+   then broadcast from rank 0, so the replicated inputs are bitwise identical on every rank. Rank ``r`` keeps
+   rows ``[start_r, start_r + rows_r)`` of ``w``, ``rows_r = V // tp + (r < V % tp)``: equal shards when ``tp``
+   divides ``V``, and off by one row otherwise (rows that need equal shards are then ``missing``). The hidden
+   input of a row is all of ``x`` (hidden replicated) or, with ``--sp``, the rank's ``N/tp`` slice of the tokens
+   (Megatron's sequence parallelism); the targets are always full.
+2. **Float64 reference**, per rank on its shard, in token chunks: the shard's float64 logits, their max
+   all-reduced, then the sum of exponentials and the target logit all-reduced together; the global ``lse``; ``g =
+   (softmax - onehot) / N``; this shard's part of ``dX`` (``g @ w_shard``) all-reduced in float64; ``dW`` of the
+   shard accumulated in float64. That is the full-vocab float64 loss and gradients of the same problem, so
+   ``ref_loss`` is the same at every ``tp``.
+3. **Per-rank floor**: the three GEMMs of exact fwd+bwd on this rank's shard, ``N x D x V/tp`` (``runner.
+   measure_floor``), with no communication. For reference the shape record also has ``comm``: the time of the
+   collective that every row's step must contain, alone: the ``[N, D]`` ``dX`` all-reduce (hidden replicated), or
+   the hidden all-gather plus the ``dX`` reduce-scatter (``--sp``), in the run's dtype.
+4. **Rows** (``vpce.bench.methods``; ``--methods all`` means every row with a vocab-parallel form): built, one
+   step checked against the reference, then timed and its peak memory taken, on every rank. Each row's status
+   is agreed between ranks after every phase (``all_gather_object``): a row that is missing or that fails on
+   any rank is reported by every rank, with that rank's reason, and skipped by all, so that the ranks'
+   collectives stay in step. A failure inside a step on some ranks only cannot be recovered this way (the others
+   wait inside a collective): the process-group ``--timeout`` then ends the run, and the JSON keeps every shape
+   finished before.
+5. **Time.** As the single-GPU benchmark (``harness.measure``), and every rank runs the same steps: the warmup
+   estimate is all-reduced (max) before the number of timed steps is chosen, and that all-reduce starts the timed
+   steps together. A rank's ``ms`` is the median of its own steps (CUDA events on its device); the table shows,
+   for each row, the **maximum over ranks** of these per-rank medians, and its multiple of the maximum over ranks
+   of the per-rank floor. The per-rank numbers are in the per-rank table and the JSON.
+6. **Memory**: one more step under ``vpce.memory.PeakMemory`` on each rank: the peak of allocated bytes above
+   what was live before it, its ``dX`` (or slice) and ``dW`` shard included; the table shows the maximum over
+   ranks.
+7. **Errors**: ``loss err`` is the largest over ranks (each rank's loss against the reference); ``dX err`` is
+   ``||dX - ref|| / ||ref||`` of the complete ``dX``: the largest over ranks when each rank holds all of it
+   (hidden replicated), the slices' errors combined under ``--sp``; ``dW err`` is that of the whole weight
+   gradient, the shards' errors combined. The per-rank rows have each rank's own errors (its ``dX`` or slice, its
+   shard). ``loss_spread`` is the largest difference between two ranks' losses (0: every rank returned the same
+   loss).
+
+Output, on rank 0: progress on stderr, per shape a table of the maximum over ranks and a per-rank table on
+stdout, and ``--out/bench-tp<K>.json`` (``bench-tp<K>-sp.json`` with ``--sp``), rewritten after every shape.
+``python -m vpce.bench.plots_tp FILE.json ...`` draws time and memory against ``tp`` from several such files.
+
+JSON (``schema: "vpce.bench.tp/1"``)::
+
+    {schema, date, command, commit, tp, world, backend, layout: "replicated" | "sequence-parallel", device (rank
+     0's), devices: [{rank, local_rank, host, type, name, ...} per rank], versions, python, dtype, settings,
+     timing: "...", methods,
+     shapes: [{name, n, d, v, sweeps, layout, rows_per_rank, tokens_per_rank, flops_fwd_bwd_per_rank, grads_gib,
+               ref_loss, ref_seconds, floor: {logits_ms, dx_ms, dw_ms, total_ms, rank} | null,
+               floor_ranks: [...], comm: {what, ms, ms_ranks} | null, status}],
+     rows: [{shape, n, d, v, tp, rank: int | "max", layout, method, label, mode: "floor" | "fwd+bwd", status,
+             ms, ms_min, reps, floor_ms, x_floor, extra_gib, loss, loss_err, dx_err, dw_err, v_local, n_local,
+             note, [loss_spread], [traceback]}]}
+
+``rank: "max"`` rows aggregate the ranks as the table does; the others are each rank's own measurement.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import math
+import os
+import platform
+import socket
+import sys
+import time
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from . import methods as methods_mod
+from .harness import (GiB, Env, Problem, Reference, Settings, Shape, free_memory, make_problem, measure,
+                      peak_extra_bytes, synchronize)
+from .methods import FLOOR, METHODS, Unavailable
+from .report import Progress, format_tp_shape, write_json
+from .runner import _reason, _row, make_step, measure_floor
+
+__all__ = ["main_tp", "shard_rows", "sharded_float64_reference"]
+
+#: Environment that keeps NVLink multicast off in NCCL, torch symmetric memory and NVSHMEM (it can take a shared
+#: host's GPUs down); set before the process group starts unless the caller set them.
+SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+def shard_rows(v: int, tp: int) -> list[int]:
+    """Rows of each rank's contiguous vocab shard: equal when ``tp`` divides ``v``, else off by one."""
+    return [v // tp + (r < v % tp) for r in range(tp)]
+
+
+# -- process group ------------------------------------------------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _init_group(args, dtype: torch.dtype) -> tuple[Env, bool]:
+    """This rank's ``Env`` on the launch's process group (torchrun's environment, or one process); (env, whether
+    this process created the group)."""
+    for key, value in SAFE_ENV.items():
+        os.environ.setdefault(key, value)
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", device.index or 0)))
+        torch.cuda.set_device(device)
+    owned = False
+    if not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        kwargs = dict(timeout=timedelta(seconds=args.timeout))
+        if backend == "nccl":
+            kwargs["device_id"] = device
+        if "WORLD_SIZE" not in os.environ:  # plain `python -m vpce.bench --tp`: a group of this one process
+            kwargs.update(init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+        dist.init_process_group(backend, **kwargs)
+        owned = True
+    group = dist.group.WORLD
+    env = Env(device=device, dtype=dtype, group=group, tp=dist.get_world_size(group),
+              rank=dist.get_rank(group), sequence_parallel=args.sp)
+    return env, owned
+
+
+def _all_gather_object(obj, env: Env) -> list:
+    out = [None] * env.tp
+    dist.all_gather_object(out, obj, group=env.group)
+    return out
+
+
+def _agree(status: str, env: Env) -> str:
+    """The row's status on every rank: "ok" only if it is "ok" on all; else the first bad rank's status."""
+    every = _all_gather_object(status, env)
+    bad = [(r, s) for r, s in enumerate(every) if s != "ok"]
+    if not bad:
+        return "ok"
+    if len(bad) == env.tp and len(set(every)) == 1:
+        return every[0]
+    rank, text = bad[0]
+    kind, _, reason = text.partition(": ")
+    return f"{kind}: on rank {rank}: {reason}"
+
+
+def _agree_max(value: float, env: Env) -> float:
+    t = torch.tensor([value], dtype=torch.float64, device=env.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=env.group)
+    return float(t.item())
+
+
+# -- inputs and the float64 reference ------------------------------------------------------------------------------
+
+def _shard_problem(shape: Shape, env: Env, settings: Settings, split: list[int]) -> Problem:
+    """The full ``x`` and targets (bitwise equal on every rank) and this rank's rows of ``w``."""
+    full = make_problem(shape, env, settings)
+    src = dist.get_global_rank(env.group, 0)
+    dist.broadcast(full.x, src=src, group=env.group)
+    dist.broadcast(full.y, src=src, group=env.group)
+    start = sum(split[:env.rank])
+    w = full.w[start:start + split[env.rank]].clone()
+    return Problem(x=full.x, w=w, y=full.y)
+
+
+def sharded_float64_reference(prob: Problem, start: int, max_rows: int, env: Env,
+                              chunk_gib: float = 1.0) -> Reference:
+    """Mean cross-entropy over the whole vocab and its gradients in float64, each rank on its shard.
+
+    ``prob.w`` is this rank's rows ``[start, start + rows)``. Per chunk of ``C`` tokens: the shard's float64
+    logits; their max all-reduced (MAX); ``sum exp(z - max)`` and the target logit (0 where another rank holds
+    the target) all-reduced (SUM); ``lse``; ``g = (exp(z - lse) - onehot) / N``; the shard's part of ``dX``
+    all-reduced (SUM, float64); ``dW += g.T @ x``. Every rank uses the same ``C`` (from ``max_rows``), so the
+    collectives line up. Returns the loss, the complete ``dX`` and this shard's ``dW`` (both stored in fp32).
+    """
+    t0 = time.perf_counter()
+    x, w, y = prob.x, prob.w, prob.y
+    n, d = x.shape
+    rows = w.shape[0]
+    chunk = max(1, int(chunk_gib * GiB) // (8 * max_rows))
+    wd = w.double()
+    dw = torch.zeros_like(wd)
+    dx = torch.empty(n, d, dtype=torch.float32, device=x.device)
+    loss = torch.zeros((), dtype=torch.float64, device=x.device)
+    for c0 in range(0, n, chunk):
+        sl = slice(c0, min(n, c0 + chunk))
+        xd = x[sl].double()
+        z = xd @ wd.t()
+        m = z.amax(1)
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=env.group)
+        local = y[sl] - start
+        owns = (local >= 0) & (local < rows)
+        idx = local.clamp(0, rows - 1)[:, None]
+        zt = torch.where(owns, z.gather(1, idx).squeeze(1), 0.0)
+        g = z.sub_(m[:, None]).exp_()  # exp(z - m), in place
+        sums = torch.stack([g.sum(1), zt])
+        dist.all_reduce(sums, group=env.group)
+        lse = m + torch.log(sums[0])
+        loss += (lse - sums[1]).sum()
+        g.mul_(torch.exp(m - lse)[:, None])  # exp(z - lse)
+        g.scatter_add_(1, idx, -owns.to(g.dtype)[:, None])
+        g.div_(n)
+        dxc = g @ wd
+        dist.all_reduce(dxc, group=env.group)
+        dx[sl] = dxc.float()
+        dw.addmm_(g.t(), xd)
+        del z, g, xd, dxc
+    ref = Reference(loss=loss.item() / n, dx=dx, dw=dw.float())
+    del wd, dw
+    synchronize(x.device)
+    ref.seconds = time.perf_counter() - t0
+    return ref
+
+
+def _sq_err(a: torch.Tensor | None, b: torch.Tensor, rows: int = 4096) -> tuple[float, float] | None:
+    """``(||a - b||^2, ||b||^2)`` in float64, a block of rows at a time; combined over ranks by summing."""
+    if a is None:
+        return None
+    if a.shape != b.shape:
+        raise ValueError(f"gradient: expected shape {tuple(b.shape)}, got {tuple(a.shape)}")
+    num = torch.zeros((), dtype=torch.float64, device=b.device)
+    den = torch.zeros((), dtype=torch.float64, device=b.device)
+    for r0 in range(0, b.shape[0], rows):
+        bb = b[r0:r0 + rows].double()
+        num += (a[r0:r0 + rows].double() - bb).square().sum()
+        den += bb.square().sum()
+    return num.item(), den.item()
+
+
+def _ratio(sq: tuple[float, float] | None) -> float | None:
+    if sq is None:
+        return None
+    return math.sqrt(sq[0] / sq[1]) if sq[1] > 0 else math.inf
+
+
+# -- one shape ----------------------------------------------------------------------------------------------------
+
+def _measure_comm(shape: Shape, env: Env, settings: Settings) -> dict | None:
+    """The collective every row's step contains, alone: dX all-reduce, or hidden all-gather + dX reduce-scatter."""
+    if env.tp == 1:
+        return None
+    g = torch.zeros(shape.n, shape.d, dtype=env.dtype, device=env.device)  # zeros: repeated sums stay finite
+    if env.sequence_parallel:
+        part = torch.zeros(shape.n // env.tp, shape.d, dtype=env.dtype, device=env.device)
+        full = torch.empty_like(g)
+
+        def fn():
+            methods_mod._all_gather(full, part, group=env.group)
+            methods_mod._reduce_scatter(part, g, group=env.group)
+        what = f"hidden all-gather + dX reduce-scatter, [{shape.n}, {shape.d}] {str(env.dtype)[6:]}"
+    else:
+        def fn():
+            dist.all_reduce(g, group=env.group)
+        what = f"dX all-reduce, [{shape.n}, {shape.d}] {str(env.dtype)[6:]}"
+    fn()
+    ms = measure(fn, env.device, settings, lambda e: _agree_max(e, env)).median
+    every = _all_gather_object(ms, env)
+    return dict(what=what, ms=max(every), ms_ranks=every)
+
+
+def _tp_row(shape: Shape, env: Env, method: str, label: str, mode: str, split: list[int], n_local: int) -> dict:
+    row = _row(shape, env, method, label, mode)
+    row.update(layout=_layout(env), v_local=split[env.rank], n_local=n_local, note=None)
+    return row
+
+
+def _layout(env: Env) -> str:
+    return "sequence-parallel" if env.sequence_parallel else "replicated"
+
+
+def _method_row(row: dict, m, prob: Problem, x_in: torch.Tensor, ref: Reference, env: Env, settings: Settings,
+                split: list[int], floor_ms: float | None, inject: tuple[str, int] | None):
+    """Fill ``row`` for one method on this rank, in step with the other ranks (status agreed after each phase)."""
+    status, fn, x, w = "ok", None, None, None
+
+    def fail(e: BaseException) -> str:
+        row["traceback"] = traceback.format_exc()
+        return f"failed: {_reason(e)}"
+
+    try:
+        if not m.tp:
+            raise Unavailable("no vocab-parallel form (a single-GPU row)")
+        if m.needs_cuda and not env.cuda:
+            raise Unavailable(f"needs a CUDA device (running on {env.device})")
+        if m.even_shards and len(set(split)) > 1:
+            raise Unavailable(f"needs equal vocab shards (V={sum(split)} is not divisible by tp={env.tp})")
+        if inject is not None and inject == (m.name, env.rank):
+            raise RuntimeError(f"injected failure (--inject-failure {m.name}@{env.rank})")
+        fn = m.build(env)
+        row["note"] = getattr(fn, "note", None) or None
+    except Unavailable as e:
+        status = f"missing: {e}"
+    except Exception as e:  # a peer's failure is a row, not the end of the run
+        status = fail(e)
+    status = _agree(status, env)
+
+    if status == "ok":  # first step: compiles / autotunes; its results are the ones checked
+        try:
+            x = x_in.detach().clone().requires_grad_()
+            w = prob.w.detach().clone().requires_grad_()
+            step = make_step(fn, x, w, prob.y)
+            loss = step()
+            synchronize(env.device)
+            row["loss"] = float(loss.detach().double())
+            row["loss_err"] = abs(row["loss"] - ref.loss) / abs(ref.loss)
+            ref_dx = ref.dx
+            if env.sequence_parallel:
+                ref_dx = ref.dx[env.rank * x.shape[0]:(env.rank + 1) * x.shape[0]]
+            row["_dx_sq"], row["_dw_sq"] = _sq_err(x.grad, ref_dx), _sq_err(w.grad, ref.dw)
+            row["dx_err"], row["dw_err"] = _ratio(row["_dx_sq"]), _ratio(row["_dw_sq"])
+            del loss
+        except Exception as e:
+            status = fail(e)
+        status = _agree(status, env)
+
+    if status == "ok":
+        try:
+            x.grad = w.grad = None
+            free_memory(env.device)
+            timing = measure(step, env.device, settings, lambda e: _agree_max(e, env))
+            row["ms"], row["ms_min"], row["reps"] = timing.median, timing.min, len(timing.samples)
+            row["floor_ms"] = floor_ms
+            if floor_ms:
+                row["x_floor"] = timing.median / floor_ms
+        except Exception as e:
+            status = fail(e)
+        status = _agree(status, env)
+
+    if status == "ok":
+        try:
+            x.grad = w.grad = None
+            free_memory(env.device)
+            row["extra_gib"] = peak_extra_bytes(step, env.device) / GiB
+        except Exception as e:
+            status = fail(e)
+        status = _agree(status, env)
+    row["status"] = status
+    del fn, x, w
+
+
+def _aggregate(per_rank: list[dict], env: Env) -> dict:
+    """The table's row: maxima over ranks of time, floor and memory; the whole dX and dW errors."""
+    agg = {k: v for k, v in per_rank[0].items() if not k.startswith("_") and k != "traceback"}
+    agg["rank"] = "max"
+    tracebacks = [(r["rank"], r["traceback"]) for r in per_rank if r.get("traceback")]
+    if tracebacks:
+        agg["traceback"] = "".join(f"-- rank {rank} --\n{tb}" for rank, tb in tracebacks)
+
+    def most(key):
+        vals = [r[key] for r in per_rank]
+        return None if any(v is None for v in vals) else max(vals)
+
+    for key in ("ms", "ms_min", "floor_ms", "extra_gib", "loss_err", "v_local"):
+        agg[key] = most(key)
+    agg["x_floor"] = agg["ms"] / agg["floor_ms"] if agg["ms"] is not None and agg["floor_ms"] else None
+    if agg["mode"] == "floor":
+        agg["x_floor"] = 1.0 if agg["ms"] is not None else None
+        return agg
+    losses = [r["loss"] for r in per_rank]
+    agg["loss_spread"] = None if None in losses else max(losses) - min(losses)
+
+    def combined(key):
+        sq = [r.get(key) for r in per_rank]
+        if any(s is None for s in sq):
+            return None
+        return _ratio((sum(s[0] for s in sq), sum(s[1] for s in sq)))
+
+    agg["dx_err"] = combined("_dx_sq") if env.sequence_parallel else most("dx_err")
+    agg["dw_err"] = combined("_dw_sq")
+    return agg
+
+
+def _public(row: dict) -> dict:
+    return {k: v for k, v in row.items() if not k.startswith("_")}
+
+
+def run_shape_tp(shape: Shape, env: Env, names: list[str], settings: Settings, progress: Progress,
+                 inject: tuple[str, int] | None = None) -> tuple[dict, list[dict], list[dict]]:
+    """Every selected row of ``shape`` on every rank; returns (shape record, aggregate rows, per-rank rows), the
+    same on every rank."""
+    methods = [METHODS[n] for n in names if n != FLOOR]
+    split = shard_rows(shape.v, env.tp)
+    n_local = shape.n // env.tp if env.sequence_parallel else shape.n
+    elem = torch.finfo(env.dtype).bits // 8
+    record = dict(name=shape.name, n=shape.n, d=shape.d, v=shape.v, sweeps=list(shape.sweeps), layout=_layout(env),
+                  rows_per_rank=split, tokens_per_rank=n_local,
+                  flops_fwd_bwd_per_rank=6 * shape.n * shape.d * max(split),
+                  grads_gib=(n_local * shape.d + max(split) * shape.d) * elem / GiB, ref_loss=None, ref_seconds=None,
+                  floor=None, floor_ranks=None, comm=None, status="ok")
+    progress.shape(shape, env, (FLOOR in names) + len(methods))
+    progress.note(f"tp={env.tp}, hidden {_layout(env)}; vocab rows per rank {split}; hidden tokens per rank {n_local}")
+
+    skip = None
+    if shape.v < env.tp:
+        skip = f"missing: needs V >= tp (V={shape.v}, tp={env.tp})"
+    elif env.sequence_parallel and shape.n % env.tp:
+        skip = f"missing: sequence parallel needs N divisible by tp (N={shape.n}, tp={env.tp})"
+    entries = ([(FLOOR, "floor: 3 GEMMs on the shard", "floor")] if FLOOR in names else []) + \
+        [(m.name, m.label, "fwd+bwd") for m in methods]
+    if skip:
+        record["status"] = skip
+        rows = []
+        for name, label, mode in entries:
+            row = _tp_row(shape, env, name, label, mode, split, n_local)
+            row["status"] = skip
+            rows.append(row)
+        per_rank = [_all_gather_object(r, env) for r in rows]
+        return record, [_aggregate(p, env) for p in per_rank], [_public(r) for p in per_rank for r in p]
+
+    t0 = time.perf_counter()
+    prob = _shard_problem(shape, env, settings, split)
+    ref = sharded_float64_reference(prob, sum(split[:env.rank]), max(split), env, settings.ref_chunk_gib)
+    free_memory(env.device)
+    record["ref_loss"], record["ref_seconds"] = ref.loss, ref.seconds
+    progress.note(f"inputs + float64 reference in {time.perf_counter() - t0:.1f} s (loss {ref.loss:.6f})")
+    x_in = prob.x[env.rank * n_local:(env.rank + 1) * n_local] if env.sequence_parallel else prob.x
+
+    try:
+        record["comm"] = _measure_comm(shape, env, settings)
+    except Exception as e:  # informational only
+        record["comm"] = dict(what=f"failed: {_reason(e)}", ms=None, ms_ranks=None)
+    free_memory(env.device)
+
+    aggs, everyone = [], []
+    floor_ms = None
+    for name, label, mode in entries:
+        row = _tp_row(shape, env, name, label, mode, split, n_local)
+        progress.start(row)
+        if mode == "floor":
+            status = "ok"
+            try:
+                floor = measure_floor(shape, prob, env, settings, lambda e: _agree_max(e, env))
+                row.update(ms=floor["total_ms"], floor_ms=floor["total_ms"], x_floor=1.0, reps=None, _floor=floor)
+            except Exception as e:
+                status = f"failed: {_reason(e)}"
+                row["traceback"] = traceback.format_exc()
+            row["status"] = _agree(status, env)
+            floor_ms = row["ms"] if row["status"] == "ok" else None
+        else:
+            m = METHODS[name]
+            _method_row(row, m, prob, x_in, ref, env, settings, split, floor_ms, inject)
+        free_memory(env.device)
+        per_rank = _all_gather_object(row, env)
+        if mode == "floor" and row["status"] == "ok":
+            floors = [dict(r["_floor"], rank=r["rank"]) for r in per_rank]
+            record["floor_ranks"] = floors
+            record["floor"] = max(floors, key=lambda f: f["total_ms"])
+        agg = _aggregate(per_rank, env)
+        aggs.append(agg)
+        everyone.extend(_public(r) for r in per_rank)
+        progress.finish(agg)
+
+    del prob, ref, x_in
+    free_memory(env.device)
+    return record, aggs, everyone
+
+
+# -- the run ------------------------------------------------------------------------------------------------------
+
+def _parse_inject(text: str | None, parser) -> tuple[str, int] | None:
+    if text is None:
+        return None
+    name, _, rank = text.rpartition("@")
+    if name not in METHODS or not rank.isdigit():
+        parser.error(f"--inject-failure: expected METHOD@RANK with METHOD one of {sorted(METHODS)}, got {text!r}")
+    return name, int(rank)
+
+
+def _launch_command(command: str) -> str:
+    """``command`` ("python -m vpce.bench ...") as launched: under torchrun, its node and process counts."""
+    if "LOCAL_WORLD_SIZE" not in os.environ:
+        return command
+    nodes = int(os.environ["WORLD_SIZE"]) // int(os.environ["LOCAL_WORLD_SIZE"])
+    launcher = f"torchrun --nnodes {nodes} --nproc-per-node {os.environ['LOCAL_WORLD_SIZE']}"
+    return launcher + command.removeprefix("python")
+
+
+def main_tp(args, parser, shapes: list[Shape], settings: Settings, command: str) -> int:
+    """Run ``--tp``: every rank measures; rank 0 prints the tables and writes the JSON."""
+    from .cli import DTYPES, _device_info, _git_commit  # shared with the single-GPU run
+    from .methods import package_versions
+
+    inject = _parse_inject(args.inject_failure, parser)
+    env, owned = _init_group(args, DTYPES[args.dtype])
+    lead = env.rank == 0
+    progress = Progress(enabled=lead and not args.quiet)
+    info = dict(rank=env.rank, local_rank=int(os.environ.get("LOCAL_RANK", 0)), host=socket.gethostname(),
+                **_device_info(env.device))
+    devices = _all_gather_object(info, env)
+    if any(METHODS[n].package == "megatron-core" for n in args.methods if n in METHODS):
+        try:  # now, on every rank together: building a row later then needs no collective
+            methods_mod._megatron_tp_group(env)
+        except Exception:  # noqa: BLE001 - the megatron rows say why when they are built
+            pass
+    doc = dict(
+        schema="vpce.bench.tp/1",
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        command=_launch_command(command),
+        commit=_git_commit(),
+        tp=env.tp,
+        world=dist.get_world_size(),
+        backend=str(dist.get_backend(env.group)),
+        layout=_layout(env),
+        device=devices[0],
+        devices=devices,
+        versions=package_versions(),
+        python=platform.python_version(),
+        dtype=args.dtype,
+        settings=dict(dataclasses.asdict(settings), tf32=torch.backends.cuda.matmul.allow_tf32,
+                      inputs="x ~ N(0,1), w ~ N(0, logit_scale^2/D), targets uniform over the vocab, none ignored; "
+                             "x and targets broadcast from rank 0; rank r holds w rows "
+                             "[sum(rows_per_rank[:r]), +rows_per_rank[r])",
+                      timeout_s=args.timeout),
+        timing="a rank's ms is the median of its own timed steps (every rank runs the same steps); rows with "
+               "rank 'max' take the maximum over ranks of ms, floor_ms and extra_gib",
+        methods=args.methods,
+        shapes=[],
+        rows=[],
+    )
+    out_json = args.out / f"bench-tp{env.tp}{'-sp' if env.sequence_parallel else ''}.json"
+    hosts = sorted({d["host"] for d in devices})
+    names = sorted({d["name"] for d in devices})
+    where = f"{env.tp} x {' / '.join(names)}" + (f" on {len(hosts)} hosts" if len(hosts) > 1 else "")
+    try:
+        for shape in shapes:
+            record, aggs, per_rank = run_shape_tp(shape, env, args.methods, settings, progress, inject)
+            doc["shapes"].append(record)
+            doc["rows"].extend(aggs + per_rank)
+            if lead:
+                print(format_tp_shape(record, aggs, per_rank, doc, where), flush=True)
+                write_json(out_json, doc)  # after every shape: a crash later keeps what was measured
+    finally:
+        parallel_state = sys.modules.get("megatron.core.parallel_state")  # set up by a megatron row, if any
+        if parallel_state is not None and parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+        if owned and dist.is_initialized():
+            dist.destroy_process_group()
+    if lead:
+        progress.note(f"wrote {out_json}")
+    return 0
