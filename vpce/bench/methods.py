@@ -56,6 +56,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from .. import parallel
+
 from .harness import Env
 
 __all__ = ["Method", "Unavailable", "METHODS", "FLOOR", "method_names", "default_methods", "package_versions",
@@ -198,24 +200,10 @@ def shutdown():
 
 # -- tensor parallel: how the peers' hidden states enter the vocab-parallel region --------------------------------
 
-# torch >= 2.13 names these *_single and deprecates the *_tensor spellings that older releases have.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-class _AllReduceGrad(torch.autograd.Function):
-    """Megatron's ``copy_to_tensor_model_parallel_region``: identity forward, all-reduce of the gradient backward."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
+# The collective spellings and the copy-to-region Function (identity forward, all-reduce of the gradient: what
+# Megatron's copy_to_tensor_model_parallel_region does) are vpce.parallel's own.
+_all_gather, _reduce_scatter = parallel._all_gather, parallel._reduce_scatter
+_AllReduceGrad = parallel._CopyToVocabParallel
 
 
 class _GatherTokens(torch.autograd.Function):
