@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 
 from ..memory import PeakMemory
 
@@ -145,18 +146,23 @@ def make_problem(shape: Shape, env: Env, settings: Settings) -> Problem:
     return Problem(x=x, w=w, y=y)
 
 
-def float64_reference(prob: Problem, chunk_gib: float = 1.0) -> Reference:
-    """Mean cross-entropy of ``x @ w.T`` and its gradients in float64, on the inputs' device, in token chunks.
+def float64_reference(prob: Problem, chunk_gib: float = 1.0, *, group=None, start: int = 0,
+                      max_rows: int | None = None) -> Reference:
+    """Mean cross-entropy of ``x @ w.T`` over the whole vocab and its gradients in float64, on the inputs' device,
+    in token chunks: never ``[N, V]`` at once. Peak: the float64 weight and ``dW`` plus about two ``[C, V]``
+    float64 chunks.
 
-    Per chunk of ``C`` tokens the ``[C, V]`` float64 logits are formed, turned into ``softmax - onehot``, and
-    ``dX`` rows are written while ``dW`` accumulates in float64: never ``[N, V]`` at once. Peak: the float64
-    weight and ``dW`` (``[V, D]`` each) plus about two ``[C, V]`` float64 chunks.
+    Under a ``group``, ``prob.w`` is this rank's rows ``[start, start + rows)``: per chunk the logits' max is
+    all-reduced (MAX), ``sum exp(z - max)`` and the target logit (0 where another rank holds it) are all-reduced
+    together (SUM), and the shard's part of ``dX`` is all-reduced (SUM, float64). Every rank uses the same chunk
+    (from ``max_rows``), so the collectives line up. Returns the loss, the complete ``dX`` and this shard's ``dW``
+    (both stored in fp32).
     """
     t0 = time.perf_counter()
     x, w, y = prob.x, prob.w, prob.y
     n, d = x.shape
-    v = w.shape[0]
-    chunk = max(1, int(chunk_gib * GiB) // (8 * v))
+    rows = w.shape[0]
+    chunk = max(1, int(chunk_gib * GiB) // (8 * (max_rows or rows)))
     wd = w.double()
     dw = torch.zeros_like(wd)
     dx = torch.empty(n, d, dtype=torch.float32, device=x.device)
@@ -165,14 +171,28 @@ def float64_reference(prob: Problem, chunk_gib: float = 1.0) -> Reference:
         sl = slice(c0, min(n, c0 + chunk))
         xd = x[sl].double()
         z = xd @ wd.t()
-        lse = torch.logsumexp(z, 1)
-        loss += (lse - z.gather(1, y[sl, None]).squeeze(1)).sum()
-        g = z.sub_(lse[:, None]).exp_()
-        g.scatter_add_(1, y[sl, None], torch.full_like(lse[:, None], -1.0))
+        m = z.amax(1)
+        if group is not None:
+            dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+        local = y[sl] - start
+        owns = (local >= 0) & (local < rows)
+        idx = local.clamp(0, rows - 1)[:, None]
+        zt = torch.where(owns, z.gather(1, idx).squeeze(1), 0.0)
+        g = z.sub_(m[:, None]).exp_()  # exp(z - m), in place
+        sums = torch.stack([g.sum(1), zt])
+        if group is not None:
+            dist.all_reduce(sums, group=group)
+        lse = m + torch.log(sums[0])
+        loss += (lse - sums[1]).sum()
+        g.mul_(torch.exp(m - lse)[:, None])  # exp(z - lse)
+        g.scatter_add_(1, idx, -owns.to(g.dtype)[:, None])
         g.div_(n)
-        dx[sl] = (g @ wd).float()
+        dxc = g @ wd
+        if group is not None:
+            dist.all_reduce(dxc, group=group)
+        dx[sl] = dxc.float()
         dw.addmm_(g.t(), xd)
-        del z, g, xd
+        del z, g, xd, dxc
     ref = Reference(loss=loss.item() / n, dx=dx, dw=dw.float())
     del wd, dw
     synchronize(x.device)
@@ -180,8 +200,9 @@ def float64_reference(prob: Problem, chunk_gib: float = 1.0) -> Reference:
     return ref
 
 
-def rel_err(a: torch.Tensor | None, b: torch.Tensor, rows: int = 4096) -> float | None:
-    """``||a - b|| / ||b||`` in float64, a block of rows at a time (no float64 copy of a whole ``[V, D]``)."""
+def sq_err(a: torch.Tensor | None, b: torch.Tensor, rows: int = 4096) -> tuple[float, float] | None:
+    """``(||a - b||^2, ||b||^2)`` in float64, a block of rows at a time (no float64 copy of a whole ``[V, D]``);
+    sums of these combine over ranks."""
     if a is None:
         return None
     if a.shape != b.shape:
@@ -192,7 +213,15 @@ def rel_err(a: torch.Tensor | None, b: torch.Tensor, rows: int = 4096) -> float 
         bb = b[r0:r0 + rows].double()
         num += (a[r0:r0 + rows].double() - bb).square().sum()
         den += bb.square().sum()
-    return math.sqrt(num.item() / den.item()) if den.item() > 0 else math.inf
+    return num.item(), den.item()
+
+
+def rel_err(a: torch.Tensor | None, b: torch.Tensor, rows: int = 4096) -> float | None:
+    """``||a - b|| / ||b||`` in float64."""
+    sq = sq_err(a, b, rows)
+    if sq is None:
+        return None
+    return math.sqrt(sq[0] / sq[1]) if sq[1] > 0 else math.inf
 
 
 def measure(fn: Callable[[], Any], device: torch.device, settings: Settings,

@@ -80,8 +80,8 @@ import torch
 import torch.distributed as dist
 
 from . import methods as methods_mod
-from .harness import (GiB, Env, Problem, Reference, Settings, Shape, free_memory, make_problem, measure,
-                      peak_extra_bytes, synchronize)
+from .harness import (GiB, Env, Problem, Reference, Settings, Shape, float64_reference, free_memory, make_problem,
+                      measure, peak_extra_bytes, sq_err, synchronize)
 from .methods import FLOOR, METHODS, Unavailable
 from .report import Progress, format_tp_shape, write_json
 from .runner import _reason, _row, make_step, measure_floor
@@ -170,66 +170,11 @@ def _shard_problem(shape: Shape, env: Env, settings: Settings, split: list[int])
 
 def sharded_float64_reference(prob: Problem, start: int, max_rows: int, env: Env,
                               chunk_gib: float = 1.0) -> Reference:
-    """Mean cross-entropy over the whole vocab and its gradients in float64, each rank on its shard.
-
-    ``prob.w`` is this rank's rows ``[start, start + rows)``. Per chunk of ``C`` tokens: the shard's float64
-    logits; their max all-reduced (MAX); ``sum exp(z - max)`` and the target logit (0 where another rank holds
-    the target) all-reduced (SUM); ``lse``; ``g = (exp(z - lse) - onehot) / N``; the shard's part of ``dX``
-    all-reduced (SUM, float64); ``dW += g.T @ x``. Every rank uses the same ``C`` (from ``max_rows``), so the
-    collectives line up. Returns the loss, the complete ``dX`` and this shard's ``dW`` (both stored in fp32).
-    """
-    t0 = time.perf_counter()
-    x, w, y = prob.x, prob.w, prob.y
-    n, d = x.shape
-    rows = w.shape[0]
-    chunk = max(1, int(chunk_gib * GiB) // (8 * max_rows))
-    wd = w.double()
-    dw = torch.zeros_like(wd)
-    dx = torch.empty(n, d, dtype=torch.float32, device=x.device)
-    loss = torch.zeros((), dtype=torch.float64, device=x.device)
-    for c0 in range(0, n, chunk):
-        sl = slice(c0, min(n, c0 + chunk))
-        xd = x[sl].double()
-        z = xd @ wd.t()
-        m = z.amax(1)
-        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=env.group)
-        local = y[sl] - start
-        owns = (local >= 0) & (local < rows)
-        idx = local.clamp(0, rows - 1)[:, None]
-        zt = torch.where(owns, z.gather(1, idx).squeeze(1), 0.0)
-        g = z.sub_(m[:, None]).exp_()  # exp(z - m), in place
-        sums = torch.stack([g.sum(1), zt])
-        dist.all_reduce(sums, group=env.group)
-        lse = m + torch.log(sums[0])
-        loss += (lse - sums[1]).sum()
-        g.mul_(torch.exp(m - lse)[:, None])  # exp(z - lse)
-        g.scatter_add_(1, idx, -owns.to(g.dtype)[:, None])
-        g.div_(n)
-        dxc = g @ wd
-        dist.all_reduce(dxc, group=env.group)
-        dx[sl] = dxc.float()
-        dw.addmm_(g.t(), xd)
-        del z, g, xd, dxc
-    ref = Reference(loss=loss.item() / n, dx=dx, dw=dw.float())
-    del wd, dw
-    synchronize(x.device)
-    ref.seconds = time.perf_counter() - t0
-    return ref
+    """The float64 reference over the whole vocab, each rank on its shard (``harness.float64_reference``)."""
+    return float64_reference(prob, chunk_gib, group=env.group, start=start, max_rows=max_rows)
 
 
-def _sq_err(a: torch.Tensor | None, b: torch.Tensor, rows: int = 4096) -> tuple[float, float] | None:
-    """``(||a - b||^2, ||b||^2)`` in float64, a block of rows at a time; combined over ranks by summing."""
-    if a is None:
-        return None
-    if a.shape != b.shape:
-        raise ValueError(f"gradient: expected shape {tuple(b.shape)}, got {tuple(a.shape)}")
-    num = torch.zeros((), dtype=torch.float64, device=b.device)
-    den = torch.zeros((), dtype=torch.float64, device=b.device)
-    for r0 in range(0, b.shape[0], rows):
-        bb = b[r0:r0 + rows].double()
-        num += (a[r0:r0 + rows].double() - bb).square().sum()
-        den += bb.square().sum()
-    return num.item(), den.item()
+_sq_err = sq_err
 
 
 def _ratio(sq: tuple[float, float] | None) -> float | None:
