@@ -182,8 +182,10 @@ def _check_token_weight(token_weight, target: torch.Tensor):
 
 def _prepare(hidden, weight, target, bias, *, ignore_index, group, vocab_start, vocab_size, sequence_parallel,
              backend, validate):
-    """Shared checks and set-up: (2-D hidden in the vocab-parallel region, local weight, local bias, target,
-    shard, backend, needs); DTensor inputs are unwrapped to this rank's tensors."""
+    """Shared checks and set-up: (this rank's hidden as 2-D, not yet in the vocab-parallel region (see
+    ``parallel.enter_vocab_parallel``), local weight, local bias, target, shard, backend, needs, sequence
+    parallel); DTensor inputs are unwrapped to this rank's tensors (a ``Shard(0)`` hidden means sequence
+    parallel)."""
     if not isinstance(hidden, torch.Tensor):
         raise TypeError(f"hidden: expected a torch.Tensor, got {type(hidden).__name__}")
     hidden, weight, bias, target, group, vocab_start, vocab_size, sequence_parallel = parallel.from_dtensors(
@@ -205,10 +207,9 @@ def _prepare(hidden, weight, target, bias, *, ignore_index, group, vocab_start, 
     # the eager range check syncs with the host: under torch.compile an out-of-range target gives NaN instead
     if (validate or not target.is_cuda) and not torch.compiler.is_compiling():
         _check_target_values(target, ignore_index, shard.vocab_size)
-    h2 = parallel.enter_vocab_parallel(hidden, shard, sequence_parallel).reshape(-1, hidden.shape[-1])
     needs_grad = tuple(torch.is_grad_enabled() and t is not None and t.requires_grad
                        for t in (hidden, weight, bias))
-    return h2, weight, bias, target, shard, backend, needs_grad
+    return hidden.reshape(-1, hidden.shape[-1]), weight, bias, target, shard, backend, needs_grad, sequence_parallel
 
 
 def _linear_cross_entropy(hidden, weight, target, bias, opts: LossOptions, *, token_weight=None, group,
@@ -216,7 +217,7 @@ def _linear_cross_entropy(hidden, weight, target, bias, opts: LossOptions, *, to
                           accumulate_main_grad=False):
     if not isinstance(accumulate_main_grad, bool):
         raise TypeError(f"accumulate_main_grad: expected a bool, got {type(accumulate_main_grad).__name__}")
-    h2, weight, bias, target, shard, backend, needs_grad = _prepare(
+    h2, weight, bias, target, shard, backend, needs_grad, sp = _prepare(
         hidden, weight, target, bias, ignore_index=opts.ignore_index, group=group, vocab_start=vocab_start,
         vocab_size=vocab_size, sequence_parallel=sequence_parallel, backend=backend, validate=validate)
     t1 = target.reshape(-1)
@@ -233,10 +234,19 @@ def _linear_cross_entropy(hidden, weight, target, bias, opts: LossOptions, *, to
         loss = library.linear_cross_entropy(h2, weight, bias, t1, tw1, backend, opts, shard.vocab_size, needs_grad)
         return loss.reshape(target.shape) if opts.reduction == "none" else loss
     if backend == "triton":
-        from .triton_backend import TritonLinearCrossEntropy as Fn
+        from .triton_backend import TritonLinearCrossEntropy, fast_route
+        dx_comm = None
+        if shard.sharded and fast_route(opts, needs_grad, h2.dtype):
+            # the fast route sums dX over the group itself, in forward, overlapped with its dW GEMMs
+            dx_comm = "sequence_parallel" if sp else "all_reduce"
+        else:
+            h2 = parallel.enter_vocab_parallel(h2, shard, sp)
+        loss = TritonLinearCrossEntropy.apply(h2, weight, bias, t1, tw1, shard, opts, needs_grad,
+                                              accumulate_main_grad, dx_comm)
     else:
-        Fn = TorchLinearCrossEntropy
-    loss = Fn.apply(h2, weight, bias, t1, tw1, shard, opts, needs_grad, accumulate_main_grad)
+        h2 = parallel.enter_vocab_parallel(h2, shard, sp)
+        loss = TorchLinearCrossEntropy.apply(h2, weight, bias, t1, tw1, shard, opts, needs_grad,
+                                             accumulate_main_grad)
     return loss.reshape(target.shape) if opts.reduction == "none" else loss
 
 
@@ -256,9 +266,10 @@ def linear_log_probs(hidden, weight, target, bias=None, *, temperature=1.0, soft
     _check_number("softcap", softcap, low=0.0, low_open=True, allow_none=True)
     if not isinstance(return_entropy, bool):
         raise TypeError(f"return_entropy: expected a bool, got {type(return_entropy).__name__}")
-    h2, weight, bias, target, shard, backend, needs_grad = _prepare(
+    h2, weight, bias, target, shard, backend, needs_grad, sp = _prepare(
         hidden, weight, target, bias, ignore_index=ignore_index, group=group, vocab_start=vocab_start,
         vocab_size=vocab_size, sequence_parallel=sequence_parallel, backend=backend, validate=validate)
+    h2 = parallel.enter_vocab_parallel(h2, shard, sp)
     t1 = target.reshape(-1)
     if backend == "triton":
         from .triton_backend import TritonLinearLogProbs as Fn

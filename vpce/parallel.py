@@ -21,10 +21,16 @@ single all-gather; every rank then combines them identically::
 so every rank holds the same global ``lse`` and returns the same loss. One collective per chunk; O(chunk * k *
 world) bytes; no logits or weights are ever gathered.
 
-Gradient of the hidden states. Each rank's backend produces only its vocab shard's contribution to ``dX``. The
-hidden states enter the vocab-parallel region through ``enter_vocab_parallel``: identity in forward and an
-all-reduce of ``dX`` in backward (hidden replicated), or, with ``sequence_parallel=True``, an all-gather along
-dim 0 in forward and a reduce-scatter of ``dX`` in backward (Megatron's sequence parallelism).
+Overlap. ``exchange_softmax_stats`` starts the all-gather with an async work handle and returns a
+``PendingStats``; the Triton backend runs each chunk's GEMM as two halves so that the first half's exchange runs
+under the second half's GEMM. ``combine_softmax_stats`` is the start-and-wait form.
+
+Gradient of the hidden states. Each rank's backend produces only its vocab shard's contribution to ``dX``. On
+the lean and torch routes the hidden states enter the vocab-parallel region through ``enter_vocab_parallel``:
+identity in forward and an all-reduce of ``dX`` in backward (hidden replicated), or, with
+``sequence_parallel=True``, an all-gather along dim 0 in forward and a reduce-scatter of ``dX`` in backward
+(Megatron's sequence parallelism). The Triton fast route has each chunk's final ``dX`` rows in forward and sums
+them there, overlapped with its dW GEMMs (``HiddenGradReduce``; SP input through ``gather_sequence``).
 """
 
 from __future__ import annotations
@@ -39,6 +45,10 @@ __all__ = [
     "VocabShard",
     "resolve_shard",
     "combine_softmax_stats",
+    "exchange_softmax_stats",
+    "PendingStats",
+    "HiddenGradReduce",
+    "gather_sequence",
     "enter_vocab_parallel",
     "group_rank_and_size",
     "from_dtensors",
@@ -128,11 +138,38 @@ def resolve_shard(group, rows: int, vocab_start: int | None, vocab_size: int | N
     return VocabShard(group, rank, world, start, rows, size)
 
 
-def _exchange(packed: torch.Tensor, shard: VocabShard) -> torch.Tensor:
-    """All-gather a ``[k, c]`` tensor from every rank into ``[world, k, c]`` (one collective)."""
+class PendingStats:
+    """One token chunk's softmax statistics on their way to every rank of the group (an async all-gather);
+    ``wait()`` gives the global ``(lse, sums, expectations)``. Work queued between the exchange and ``wait()``
+    (the next chunk's GEMM) overlaps the collective: on NCCL ``wait()`` only orders the streams, no host sync."""
+
+    def __init__(self, shard: VocabShard, k: int, local=None, every=None, work=None):
+        self.shard, self.k, self.local, self.every, self.work = shard, k, local, every, work
+
+    def wait(self) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+        if self.local is not None:
+            return self.local
+        self.work.wait()
+        k, every = self.k, self.every
+        m_all, s_all = every[:, 0], every[:, 1]
+        m = m_all.amax(0)
+        # Ranks with m_r = -inf contribute exp(-inf) * 0 = 0; a rank with m_r = +inf or NaN makes lse NaN.
+        rescale = torch.exp(m_all - m)
+        s = (s_all * rescale).sum(0)
+        expect = [(every[:, 2 + k + i] * rescale).sum(0) / s for i in range(every.shape[1] - 2 - k)]
+        return m + torch.log(s), [every[:, 2 + i].sum(0) for i in range(k)], expect
+
+
+def exchange_softmax_stats(local_max: torch.Tensor, local_sumexp: torch.Tensor, sums: list[torch.Tensor],
+                           shard: VocabShard, weighted: list[torch.Tensor] = ()) -> PendingStats:
+    """Start the exchange of one chunk's statistics (see ``combine_softmax_stats``); one packed all-gather."""
+    if not shard.sharded:
+        return PendingStats(shard, len(sums), local=(local_max + torch.log(local_sumexp), list(sums),
+                                                     [f / local_sumexp for f in weighted]))
+    packed = torch.stack([local_max, local_sumexp, *sums, *weighted])
     out = packed.new_empty((shard.world * packed.shape[0],) + tuple(packed.shape[1:]))
-    _all_gather(out, packed.contiguous(), group=shard.group)
-    return out.view((shard.world,) + tuple(packed.shape))
+    work = _all_gather(out, packed, group=shard.group, async_op=True)
+    return PendingStats(shard, len(sums), every=out.view((shard.world,) + tuple(packed.shape)), work=work)
 
 
 def combine_softmax_stats(local_max: torch.Tensor, local_sumexp: torch.Tensor, sums: list[torch.Tensor],
@@ -144,17 +181,52 @@ def combine_softmax_stats(local_max: torch.Tensor, local_sumexp: torch.Tensor, s
     ``local_max`` may be ``-inf`` (with ``local_sumexp == 0``) on a rank whose shard is all padding.
     NaN or inf in any rank's statistics propagates into ``lse``.
     """
-    k = len(sums)
-    if not shard.sharded:
-        return local_max + torch.log(local_sumexp), sums, [f / local_sumexp for f in weighted]
-    every = _exchange(torch.stack([local_max, local_sumexp, *sums, *weighted]), shard)
-    m_all, s_all = every[:, 0], every[:, 1]
-    m = m_all.amax(0)
-    # Ranks with m_r = -inf contribute exp(-inf) * 0 = 0; a rank with m_r = +inf or NaN makes lse NaN.
-    rescale = torch.exp(m_all - m)
-    s = (s_all * rescale).sum(0)
-    expect = [(every[:, 2 + k + i] * rescale).sum(0) / s for i in range(len(weighted))]
-    return m + torch.log(s), [every[:, 2 + i].sum(0) for i in range(k)], expect
+    return exchange_softmax_stats(local_max, local_sumexp, sums, shard, weighted).wait()
+
+
+def gather_sequence(hidden: torch.Tensor, shard: VocabShard) -> torch.Tensor:
+    """Every rank's ``[N / world, D]`` slice concatenated along dim 0 (no autograd: see ``HiddenGradReduce``)."""
+    out = hidden.new_empty((hidden.shape[0] * shard.world,) + tuple(hidden.shape[1:]))
+    _all_gather(out, hidden.contiguous(), group=shard.group)
+    return out
+
+
+class HiddenGradReduce:
+    """Sums a ``dX`` that is formed chunk by chunk in forward (the Triton fast route) over the group while later
+    chunks compute: ``add(rows)`` starts an async all-reduce of those rows (hidden replicated) or, with sequence
+    parallelism, an async reduce of each piece of them to the rank whose slice holds it; ``finish()`` orders the
+    current stream after all of them and returns the summed ``dX`` (or this rank's slice).
+
+    The loss's upstream gradient is applied afterwards, in backward: this assumes it is the same on every rank,
+    as it is when each rank uses the (replicated) loss the same way.
+    """
+
+    def __init__(self, dx: torch.Tensor, shard: VocabShard, sequence_parallel: bool):
+        self.dx, self.shard, self.sp = dx, shard, sequence_parallel
+        self.local = dx.shape[0] // shard.world
+        self.works = []
+
+    def add(self, rows: slice):
+        g = self.shard.group
+        if not self.sp:
+            self.works.append(dist.all_reduce(self.dx[rows], group=g, async_op=True))
+            return
+        a = rows.start
+        while a < rows.stop:
+            owner = a // self.local
+            b = min(rows.stop, (owner + 1) * self.local)
+            dst = dist.get_global_rank(g, owner) if g is not None else owner
+            self.works.append(dist.reduce(self.dx[a:b], dst=dst, group=g, async_op=True))
+            a = b
+
+    def finish(self) -> torch.Tensor:
+        for work in self.works:
+            work.wait()
+        self.works = []
+        if not self.sp:
+            return self.dx
+        r = self.shard.rank
+        return self.dx[r * self.local:(r + 1) * self.local]
 
 
 class _CopyToVocabParallel(torch.autograd.Function):

@@ -6,12 +6,15 @@ Fast route (default; cross-entropy with ``mean``/``sum`` and gradients), 6NDV. P
    max/sum-exp, the target logit and (label smoothing) the row sum of logits, and writes ``P = exp(z - m_t)``
    in the inputs' dtype: the logits themselves are never written;
 2. per-row reduction of the tile statistics; under a group, one packed all-gather of (max, sum, target logit,
-   sum of logits) per chunk (``vpce.parallel``) gives every rank the global ``lse``;
+   sum of logits) (``vpce.parallel``) gives every rank the global ``lse``; the chunk runs as two halves so that
+   the first half's all-gather overlaps the second half's GEMM;
 3. ``kernels.probs_to_grad_`` rescales ``P`` in place into the gradient at unit upstream scale;
-4. cuBLAS: ``dX[chunk] = dz @ W`` (fp32 out) and ``dW += dz.T @ X[chunk]`` into an fp32 accumulator.
+4. cuBLAS: ``dX[chunk] = dz @ W`` (fp32 out) and ``dW += dz.T @ X[chunk]`` into an fp32 accumulator; under a
+   group the chunk's ``dX`` rows are summed over the group (async, under the dW GEMM; ``HiddenGradReduce``).
 
 Backward scales the held ``dX``, ``dW``, ``db`` by the upstream gradient (and ``1/count`` for ``mean``) and casts
-them in one pass. Memory: ``P`` (``C * V_local`` values), the fp32 ``dW`` accumulator, fp32 ``dX``.
+them in one pass. Memory: ``P`` (``C * V_local`` values; by default 1.5 GiB but at most the fp32 ``dW``
+accumulator's size), the fp32 ``dW`` accumulator, fp32 ``dX``.
 
 Lean route (``memory_budget="lean"``, ``reduction="none"``, a second backward, and ``linear_log_probs``), 8NDV.
 Forward runs the GEMM in stats mode only (no ``P``) and keeps the global ``lse`` (and ``E[z]`` for the entropy)
@@ -40,26 +43,35 @@ from .formulas import Coefficients, ce_coefficients, ce_loss, logprob_coefficien
 from .gemm import addmm_out_, mm_out
 from .grads import pad_rows, weight_grad
 from .options import LossOptions
-from .parallel import VocabShard, combine_softmax_stats
+from .parallel import HiddenGradReduce, VocabShard, exchange_softmax_stats, gather_sequence
 from .targets import TokenTargets
 
 __all__ = ["TritonLinearCrossEntropy", "TritonLinearLogProbs", "fast_route", "FAST_P_GIB", "LEAN_BLOCK_GIB"]
 
 FAST_P_GIB = 1.5     # default size of the fast route's 16-bit P chunk (freed before backward's peak)
+MIN_P_GIB = 0.25     # ... and its floor when the fp32 dW accumulator is smaller than FAST_P_GIB
 LEAN_BLOCK_GIB = 0.2  # default size of the lean route's [N, Vb] block
 STATS_TOKENS = 8192  # tokens per stats-only launch (bounds the per-tile statistics buffers)
+ROW_ALIGN = 128      # chunk and sub-chunk boundaries are multiples of the kernel's largest BLOCK_M
 
 
 def _round_to(x: int, m: int) -> int:
     return max(m, (x // m) * m)
 
 
-def _fast_chunk(opts: LossOptions, shard: VocabShard, dtype: torch.dtype, tile_m: int) -> int:
-    """Tokens per fast-route chunk; equal on every rank (depends on vocab_size / world, not V_local)."""
-    gib = opts.memory_budget if isinstance(opts.memory_budget, float) else FAST_P_GIB
+def _fast_chunk(opts: LossOptions, shard: VocabShard, dtype: torch.dtype, d: int) -> int:
+    """Tokens per fast-route chunk; equal on every rank (depends on vocab_size / world, not V_local).
+
+    By default ``P`` gets ``FAST_P_GIB``, but never more than the fp32 dW accumulator (at least
+    ``MIN_P_GIB``): under tensor parallelism the shard's accumulator shrinks with the group and so does ``P``.
+    """
     cols = max(1, math.ceil(shard.vocab_size / shard.world))
+    if isinstance(opts.memory_budget, float):
+        gib = opts.memory_budget
+    else:
+        gib = min(FAST_P_GIB, max(MIN_P_GIB, cols * d * 4 / 2**30))
     per_tok = cols * torch.empty((), dtype=dtype).element_size()
-    return _round_to(int(gib * 2**30) // per_tok, tile_m)
+    return _round_to(int(gib * 2**30) // per_tok, ROW_ALIGN)
 
 
 def fast_route(opts: LossOptions, needs_grad, dtype: torch.dtype) -> bool:
@@ -75,7 +87,11 @@ def _local_targets(tg: TokenTargets) -> torch.Tensor:
 
 class _ChunkStats:
     """Per-tile statistics buffers for a chunk of tokens, and the pass that turns them into global per-token
-    statistics (one packed collective under a group)."""
+    statistics (one packed collective under a group).
+
+    ``parts`` runs a chunk as sub-chunks: under a group each sub-chunk's exchange is started asynchronously and
+    overlaps the next sub-chunk's GEMM; the results come back in order.
+    """
 
     def __init__(self, rows: int, v: int, x: torch.Tensor, sum_z: bool, sum_ez: bool):
         n_tiles = max(1, math.ceil(v / kernels.tile_n(x)))
@@ -86,28 +102,43 @@ class _ChunkStats:
         self.ez = torch.empty(rows, n_tiles, **f32) if sum_ez else None
         self.zt = torch.zeros(rows, **f32)
 
-    def run(self, h, w, b, tl_local, sl: slice, shard: VocabShard, softcap, inv_t=1.0, p=None):
-        """Global ``(lse, z_t, [sum z], [E z])`` of the rows ``sl``; ``p``: also write the fast route's P."""
+    def _launch(self, h, w, b, tl_local, sl: slice, r: slice, shard: VocabShard, softcap, inv_t, p):
+        """Kernel and local reduction for tokens ``sl`` into buffer rows ``r``; starts the exchange."""
         c = sl.stop - sl.start
         dev = h.device
         if shard.valid_rows > 0:
-            zt = self.zt[:c].zero_()
-            cut = lambda t: None if t is None else t[:c]  # noqa: E731
-            kernels.logits_tiles(h[sl], w, b, tl_local[sl], softcap=softcap, inv_t=inv_t, tile_m=self.m[:c],
-                                 tile_s=self.s[:c], tile_z=cut(self.z), tile_ez=cut(self.ez), zt=zt, p=p)
-            m_t = self.m[:c]
+            zt = self.zt[r].zero_()
+            cut = lambda t: None if t is None else t[r]  # noqa: E731
+            kernels.logits_tiles(h[sl], w, b, tl_local[sl], softcap=softcap, inv_t=inv_t, tile_m=self.m[r],
+                                 tile_s=self.s[r], tile_z=cut(self.z), tile_ez=cut(self.ez), zt=zt, p=p)
+            m_t = self.m[r]
             m = m_t.amax(1)
             rescale = torch.exp(m_t - m[:, None])
-            s = (self.s[:c] * rescale).sum(1)
-            sums = [zt] + ([self.z[:c].sum(1)] if self.z is not None else [])
-            weighted = [(self.ez[:c] * rescale).sum(1)] if self.ez is not None else []
+            s = (self.s[r] * rescale).sum(1)
+            sums = [zt] + ([self.z[r].sum(1)] if self.z is not None else [])
+            weighted = [(self.ez[r] * rescale).sum(1)] if self.ez is not None else []
         else:  # this rank's rows are all padding
             m = torch.full((c,), -math.inf, device=dev)
             s = torch.zeros(c, device=dev)
             sums = [torch.zeros(c, device=dev) for _ in range(2 if self.z is not None else 1)]
             weighted = [torch.zeros(c, device=dev)] if self.ez is not None else []
-        lse, sums, expect = combine_softmax_stats(m, s, sums, shard, weighted)
-        return lse, sums[0], sums[1] if len(sums) > 1 else None, expect[0] if expect else None
+        return exchange_softmax_stats(m, s, sums, shard, weighted)
+
+    def parts(self, h, w, b, tl_local, sl: slice, shard: VocabShard, softcap, inv_t=1.0, p=None):
+        """Yield ``(part, rows, lse, z_t, [sum z], [E z])`` for the sub-chunks of tokens ``sl`` (global
+        statistics); ``rows``: the part's rows in the chunk buffers (and in ``p``, the fast route's P)."""
+        c = sl.stop - sl.start
+        cuts = [0, c]
+        if shard.sharded and c >= 4 * ROW_ALIGN:  # two halves: the first's exchange hides behind the second's GEMM
+            cuts = [0, _round_to(c // 2, ROW_ALIGN), c]
+        pending = []
+        for lo, hi in zip(cuts[:-1], cuts[1:]):
+            part, r = slice(sl.start + lo, sl.start + hi), slice(lo, hi)
+            pending.append((part, r, self._launch(h, w, b, tl_local, part, r, shard, softcap, inv_t,
+                                                  None if p is None else p[r])))
+        for part, r, pend in pending:
+            lse, sums, expect = pend.wait()
+            yield part, r, lse, sums[0], sums[1] if len(sums) > 1 else None, expect[0] if expect else None
 
 
 def _recompute_grads(hidden, weight, bias, tl_local, lse, coef: Coefficients, shard: VocabShard, softcap,
@@ -145,11 +176,19 @@ def _recompute_grads(hidden, weight, bias, tl_local, lse, coef: Coefficients, sh
 
 class TritonLinearCrossEntropy(torch.autograd.Function):
     """Inputs are 2-D ``hidden [N, D]``, 1-D ``target [N]`` and optional ``token_weight [N]``; returns the fp32
-    loss per ``reduction``. ``main_grad``: add the weight gradient into ``weight.main_grad`` instead."""
+    loss per ``reduction``. ``main_grad``: add the weight gradient into ``weight.main_grad`` instead.
+
+    ``dx_comm`` (fast route under a group only): ``"all_reduce"`` (hidden replicated) or ``"sequence_parallel"``
+    (``hidden`` is this rank's ``[N / world, D]`` slice, gathered here): ``dX`` is then summed over the group in
+    forward, chunk by chunk, overlapped with the chunks' ``dW`` GEMMs (``vpce.parallel.HiddenGradReduce``), and
+    the caller puts no collective region in front. ``None``: ``dX`` is this rank's contribution only.
+    """
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, target, token_weight, shard: VocabShard, opts: LossOptions,
-                needs_grad: tuple[bool, bool, bool], main_grad: bool):
+                needs_grad: tuple[bool, bool, bool], main_grad: bool, dx_comm: str | None = None):
+        if dx_comm == "sequence_parallel":
+            hidden = gather_sequence(hidden, shard)
         n, d = hidden.shape
         dev = hidden.device
         v = shard.valid_rows
@@ -160,45 +199,54 @@ class TritonLinearCrossEntropy(torch.autograd.Function):
         tl_local = _local_targets(tg)
         smooth = opts.label_smoothing > 0
         fast = fast_route(opts, needs_grad, hidden.dtype)
+        if dx_comm is not None and not (fast and shard.sharded):
+            raise RuntimeError(f"vpce: dx_comm={dx_comm!r} needs the fast route under a group")
 
         loss_tok = torch.empty(n, dtype=torch.float32, device=dev)
         if fast:
-            chunk = min(max(n, 1), _fast_chunk(opts, shard, hidden.dtype, 128))
+            chunk = min(max(n, 1), _fast_chunk(opts, shard, hidden.dtype, d))
             stats = _ChunkStats(chunk, v, hidden, smooth, False)
             p = torch.empty(chunk, v, dtype=hidden.dtype, device=dev) if v > 0 else None
             unit = tg.row_scale(torch.ones((), device=dev).expand(n))
-            dx = torch.empty(n, d, dtype=torch.float32, device=dev) if needs_grad[0] else None
+            dx = None
+            if needs_grad[0]:  # fp32; an all-padding shard contributes zeros (and still joins the collectives)
+                dx = (torch.empty if v > 0 else torch.zeros)(n, d, dtype=torch.float32, device=dev)
+            reduce_dx = HiddenGradReduce(dx, shard, dx_comm == "sequence_parallel") \
+                if dx is not None and dx_comm is not None else None
             dw = None  # fp32 accumulator, allocated by the first chunk's GEMM (no zero fill)
             db = torch.zeros(v, dtype=torch.float32, device=dev) if needs_grad[2] else None
             for c0 in range(0, n, chunk):
                 sl = slice(c0, min(n, c0 + chunk))
                 pc = None if p is None else p[: sl.stop - sl.start]
-                lse, zt, sum_z, _ = stats.run(hidden, w, b, tl_local, sl, shard, opts.softcap, p=pc)
-                loss_tok[sl] = tg.token_loss(ce_loss(lse, zt, sum_z, opts, shard.vocab_size), sl)
+                for part, r, lse, zt, sum_z, _ in stats.parts(hidden, w, b, tl_local, sl, shard, opts.softcap, p=pc):
+                    loss_tok[part] = tg.token_loss(ce_loss(lse, zt, sum_z, opts, shard.vocab_size), part)
+                    if v > 0:
+                        co = ce_coefficients(unit[part], lse, opts, shard.vocab_size)
+                        kernels.probs_to_grad_(pc[r], pc[r], stats.m[r], lse, zt, tl_local[part],
+                                               (co.a, co.c, co.d), opts.softcap, kernels.tile_n(hidden))
+                if v > 0 and dx is not None:
+                    dx[sl] = mm_out(pc, w, torch.float32)
+                if reduce_dx is not None:  # overlaps this chunk's dW GEMM and the next chunk
+                    reduce_dx.add(sl)
                 if v == 0:
                     continue
-                co = ce_coefficients(unit[sl], lse, opts, shard.vocab_size)
-                kernels.probs_to_grad_(pc, pc, stats.m[: sl.stop - sl.start], lse, zt, tl_local[sl],
-                                       (co.a, co.c, co.d), opts.softcap, kernels.tile_n(hidden))
-                if dx is not None:
-                    dx[sl] = mm_out(pc, w, torch.float32)
                 if needs_grad[1]:
                     dw = mm_out(pc.t(), hidden[sl], torch.float32) if dw is None else addmm_out_(dw, pc.t(), hidden[sl])
                 if db is not None:
                     db += pc.sum(0, dtype=torch.float32)
             if needs_grad[1] and dw is None:  # no chunk ran (no tokens, or all-padding shard)
                 dw = torch.zeros(v, d, dtype=torch.float32, device=dev)
-            if dx is not None and n and v == 0:
-                dx.zero_()
+            if reduce_dx is not None:
+                dx = reduce_dx.finish()
             ctx.grads = [dx, dw, db]
         else:
             lse_all = torch.empty(n, dtype=torch.float32, device=dev)
             stats = _ChunkStats(min(max(n, 1), STATS_TOKENS), v, hidden, smooth, False)
             for c0 in range(0, n, STATS_TOKENS):
                 sl = slice(c0, min(n, c0 + STATS_TOKENS))
-                lse, zt, sum_z, _ = stats.run(hidden, w, b, tl_local, sl, shard, opts.softcap)
-                loss_tok[sl] = tg.token_loss(ce_loss(lse, zt, sum_z, opts, shard.vocab_size), sl)
-                lse_all[sl] = lse
+                for part, _, lse, zt, sum_z, _ in stats.parts(hidden, w, b, tl_local, sl, shard, opts.softcap):
+                    loss_tok[part] = tg.token_loss(ce_loss(lse, zt, sum_z, opts, shard.vocab_size), part)
+                    lse_all[part] = lse
             if any(needs_grad):
                 ctx.save_for_backward(hidden, weight, bias, target, token_weight, lse_all)
         ctx.fast, ctx.shard, ctx.opts = fast, shard, opts
@@ -221,7 +269,7 @@ class TritonLinearCrossEntropy(torch.autograd.Function):
             coef = ce_coefficients(scale, lse_all, opts, shard.vocab_size)
             grads = _recompute_grads(hidden, weight, bias, _local_targets(tg), lse_all, coef, shard, opts.softcap,
                                      1.0, ctx.needs_input_grad[:3], main)
-            return (*grads, None, None, None, None, None, None)
+            return (*grads, None, None, None, None, None, None, None)
         if ctx.grads is None:
             raise RuntimeError("vpce: this loss formed its gradients in forward and they were already "
                                "used; for a second backward pass use memory_budget='lean'")
@@ -233,7 +281,7 @@ class TritonLinearCrossEntropy(torch.autograd.Function):
             dw = weight_grad(None if dw is None else dw.mul_(g), main, dtype)
         else:
             dw = None if dw is None else pad_rows(kernels.scale_cast(dw, g, dtype), rows, dtype)
-        return dx, dw, db, None, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None, None
 
 
 class TritonLinearLogProbs(torch.autograd.Function):
@@ -257,10 +305,10 @@ class TritonLinearLogProbs(torch.autograd.Function):
         stats = _ChunkStats(min(max(n, 1), STATS_TOKENS), v, hidden, False, entropy)
         for c0 in range(0, n, STATS_TOKENS):
             sl = slice(c0, min(n, c0 + STATS_TOKENS))
-            lse, zt, _, ez = stats.run(hidden, w, b, tl_local, sl, shard, softcap, inv_t)
-            lse_all[sl], zt_all[sl] = lse, zt
-            if entropy:
-                mean_z[sl] = ez
+            for part, _, lse, zt, _, ez in stats.parts(hidden, w, b, tl_local, sl, shard, softcap, inv_t):
+                lse_all[part], zt_all[part] = lse, zt
+                if entropy:
+                    mean_z[part] = ez
         logp, ent = logprob_outputs(tg, lse_all, zt_all, mean_z)
         if any(needs_grad):
             ctx.save_for_backward(hidden, weight, bias, target, lse_all, mean_z)
