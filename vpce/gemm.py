@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["mm_out", "addmm_out_"]
+__all__ = ["mm_out", "mm_into", "addmm_out_"]
 
 _HAS_MIXED: dict[str, bool] = {}
+_HAS_INTO: dict[str, bool] = {}
 _UPCAST_ELEMS = 1 << 24  # elements of ``b`` upcast at a time on the fallback path
 
 
@@ -40,6 +41,21 @@ def mm_out(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Te
     out = a.new_zeros((a.shape[0], b.shape[1]), dtype=out_dtype)
     addmm_out_(out, a, b)
     return out
+
+
+def mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``out = a @ b`` written straight into ``out`` (e.g. a row slice of a bigger result), in ``out``'s dtype."""
+    if a.dtype == out.dtype:
+        return torch.mm(a, b, out=out)
+    dev = out.device.type
+    if _HAS_INTO.get(dev, True):
+        try:  # beta=0: cuBLAS does not read ``out`` (NaN or garbage in it never propagates)
+            torch.addmm(out, a, b, beta=0, out_dtype=out.dtype, out=out)
+            _HAS_INTO[dev] = True
+            return out
+        except (RuntimeError, TypeError, NotImplementedError):
+            _HAS_INTO[dev] = False
+    return out.copy_(mm_out(a, b, out.dtype))
 
 
 def addmm_out_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

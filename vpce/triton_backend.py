@@ -40,7 +40,7 @@ import torch
 
 from . import kernels
 from .formulas import Coefficients, ce_coefficients, ce_loss, logprob_coefficients, logprob_outputs
-from .gemm import addmm_out_, mm_out
+from .gemm import addmm_out_, mm_into, mm_out
 from .grads import pad_rows, weight_grad
 from .options import LossOptions
 from .parallel import HiddenGradReduce, VocabShard, exchange_softmax_stats, gather_sequence
@@ -53,6 +53,10 @@ MIN_P_GIB = 0.25     # ... and its floor when the fp32 dW accumulator is smaller
 LEAN_BLOCK_GIB = 0.2  # default size of the lean route's [N, Vb] block
 STATS_TOKENS = 8192  # tokens per stats-only launch (bounds the per-tile statistics buffers)
 ROW_ALIGN = 128      # chunk and sub-chunk boundaries are multiples of the kernel's largest BLOCK_M
+# Tuning switches (measured side by side by launch/profile_tp.py): under a group, run each chunk as two halves so
+# that the statistics exchange overlaps GEMM work, and sum the fast route's dX over the group in forward.
+SPLIT_FOR_OVERLAP = True
+REDUCE_DX_IN_FORWARD = True
 
 
 def _round_to(x: int, m: int) -> int:
@@ -129,7 +133,7 @@ class _ChunkStats:
         statistics); ``rows``: the part's rows in the chunk buffers (and in ``p``, the fast route's P)."""
         c = sl.stop - sl.start
         cuts = [0, c]
-        if shard.sharded and c >= 4 * ROW_ALIGN:  # two halves: the first's exchange hides behind the second's GEMM
+        if shard.sharded and SPLIT_FOR_OVERLAP and c >= 4 * ROW_ALIGN:  # two halves: the first's exchange hides behind the second's GEMM
             cuts = [0, _round_to(c // 2, ROW_ALIGN), c]
         pending = []
         for lo, hi in zip(cuts[:-1], cuts[1:]):
@@ -225,7 +229,7 @@ class TritonLinearCrossEntropy(torch.autograd.Function):
                         kernels.probs_to_grad_(pc[r], pc[r], stats.m[r], lse, zt, tl_local[part],
                                                (co.a, co.c, co.d), opts.softcap, kernels.tile_n(hidden))
                 if v > 0 and dx is not None:
-                    dx[sl] = mm_out(pc, w, torch.float32)
+                    mm_into(dx[sl], pc, w)
                 if reduce_dx is not None:  # overlaps this chunk's dW GEMM and the next chunk
                     reduce_dx.add(sl)
                 if v == 0:

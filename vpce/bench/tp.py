@@ -91,6 +91,10 @@ __all__ = ["main_tp", "shard_rows", "sharded_float64_reference"]
 #: Environment that keeps NVLink multicast off in NCCL, torch symmetric memory and NVSHMEM (it can take a shared
 #: host's GPUs down); set before the process group starts unless the caller set them.
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+# NCCL kernels on a high-priority stream get SMs while a GEMM's grid is still being scheduled, so that a collective
+# issued to overlap a GEMM (vpce's dX reduction) really runs under it. Same group, same setting for every row.
+BENCH_ENV = {**SAFE_ENV, "TORCH_NCCL_HIGH_PRIORITY": "1"}
+NCCL_ENV_KEYS = (*BENCH_ENV, "NCCL_ALGO", "NCCL_PROTO", "NCCL_MAX_NCHANNELS", "CUDA_DEVICE_MAX_CONNECTIONS")
 
 def shard_rows(v: int, tp: int) -> list[int]:
     """Rows of each rank's contiguous vocab shard: equal when ``tp`` divides ``v``, else off by one."""
@@ -108,7 +112,7 @@ def _free_port() -> int:
 def _init_group(args, dtype: torch.dtype) -> tuple[Env, bool]:
     """This rank's ``Env`` on the launch's process group (torchrun's environment, or one process); (env, whether
     this process created the group)."""
-    for key, value in SAFE_ENV.items():
+    for key, value in BENCH_ENV.items():
         os.environ.setdefault(key, value)
     device = torch.device(args.device)
     if device.type == "cuda":
@@ -460,7 +464,8 @@ def main_tp(args, parser, shapes: list[Shape], settings: Settings, command: str)
                       inputs="x ~ N(0,1), w ~ N(0, logit_scale^2/D), targets uniform over the vocab, none ignored; "
                              "x and targets broadcast from rank 0; rank r holds w rows "
                              "[sum(rows_per_rank[:r]), +rows_per_rank[r])",
-                      timeout_s=args.timeout),
+                      timeout_s=args.timeout,
+                      env={k: os.environ[k] for k in NCCL_ENV_KEYS if k in os.environ}),
         timing="a rank's ms is the median of its own timed steps (every rank runs the same steps); rows with "
                "rank 'max' take the maximum over ranks of ms, floor_ms and extra_gib",
         methods=args.methods,

@@ -1,0 +1,149 @@
+"""Where a tensor-parallel vpce step spends its time: variants timed side by side, and one step profiled.
+
+    torchrun --standalone --nproc-per-node 4 launch/profile_tp.py [--shape 16384x4096x128256] [--out DIR]
+
+Each rank holds ``W``'s rows ``V/tp`` (NCCL, one GPU per rank, hidden replicated; ``--sp`` for sequence
+parallelism). Rank 0 prints the median step time (CUDA events) of:
+
+- ``default``: ``vpce.linear_cross_entropy`` as shipped;
+- ``no-split``: the statistics exchange not overlapped (``triton_backend.SPLIT_FOR_OVERLAP = False``);
+- ``dx-in-backward``: dX summed in backward by the autograd region (``REDUCE_DX_IN_FORWARD = False``);
+- ``neither``: both of the above off (no overlap at all);
+- ``high-priority``: the default on a group whose NCCL stream has high priority (so that its kernels get SMs
+  while a GEMM's grid is still being scheduled);
+
+then profiles one default step under ``torch.profiler``: GPU time per kernel, and how much NCCL kernel time no
+other kernel overlaps (``exposed``). ``--out`` also gets a Chrome trace of rank 0. Tuning notes, not a benchmark:
+the numbers that count come from ``python -m vpce.bench --tp``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import vpce  # noqa: E402
+from vpce import triton_backend  # noqa: E402
+
+
+def _median_ms(step, reps: int) -> float:
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        step()
+        b.record()
+        times.append((a, b))
+    torch.cuda.synchronize()
+    return statistics.median(a.elapsed_time(b) for a, b in times)
+
+
+def _exposed(intervals_comm, intervals_other) -> float:
+    """Length of the union of ``intervals_comm`` not covered by the union of ``intervals_other`` (us)."""
+    def union(iv):
+        out = []
+        for s, e in sorted(iv):
+            if out and s <= out[-1][1]:
+                out[-1][1] = max(out[-1][1], e)
+            else:
+                out.append([s, e])
+        return out
+    other = union(intervals_other)
+    exposed = 0.0
+    for s, e in union(intervals_comm):
+        covered = sum(max(0.0, min(e, oe) - max(s, os_)) for os_, oe in other)
+        exposed += (e - s) - covered
+    return exposed
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="16384x4096x128256", help="NxDxV of the whole head")
+    ap.add_argument("--sp", action="store_true")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    n, d, v = (int(t) for t in args.shape.split("x"))
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(local)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+    rank, tp = dist.get_rank(), dist.get_world_size()
+    opts = dist.ProcessGroupNCCL.Options()
+    opts.is_high_priority_stream = True
+    hi = dist.new_group(list(range(tp)), pg_options=opts)
+
+    torch.manual_seed(0)
+    x = torch.randn(n, d, device="cuda", dtype=torch.bfloat16)
+    y = torch.randint(0, v, (n,), device="cuda")
+    dist.broadcast(x, 0)
+    dist.broadcast(y, 0)
+    rows = v // tp
+    w = (torch.randn(rows, d, device="cuda") / d**0.5).to(torch.bfloat16).requires_grad_()
+    xs = (x[rank * n // tp:(rank + 1) * n // tp] if args.sp else x).clone().requires_grad_()
+
+    def step(group=dist.group.WORLD):
+        xs.grad = w.grad = None
+        vpce.linear_cross_entropy(xs, w, y, group=group, sequence_parallel=args.sp).backward()
+
+    def with_flags(split=True, fwd=True, group=dist.group.WORLD):
+        def run():
+            triton_backend.SPLIT_FOR_OVERLAP, triton_backend.REDUCE_DX_IN_FORWARD = split, fwd
+            try:
+                step(group)
+            finally:
+                triton_backend.SPLIT_FOR_OVERLAP = triton_backend.REDUCE_DX_IN_FORWARD = True
+        return run
+
+    variants = {"default": with_flags(), "no-split": with_flags(split=False), "dx-in-backward": with_flags(fwd=False),
+                "neither": with_flags(split=False, fwd=False), "high-priority": with_flags(group=hi)}
+    results = {}
+    for name, fn in variants.items():
+        ms = _median_ms(fn, args.reps)
+        every = [None] * tp
+        dist.all_gather_object(every, ms)
+        results[name] = max(every)
+    if rank == 0:
+        print(f"tp={tp} N={n} D={d} V={v} sp={args.sp}: median step ms (max over ranks)")
+        for name, ms in results.items():
+            print(f"  {name:16s} {ms:8.3f}")
+
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(2):
+            step()
+        torch.cuda.synchronize()
+    if rank == 0:
+        cuda = torch.autograd.DeviceType.CUDA
+        events = [e for e in prof.key_averages() if e.device_type == cuda]
+        print("GPU ms per step by kernel (2 steps / 2):")
+        for e in sorted(events, key=lambda e: -e.self_device_time_total)[:16]:
+            print(f"  {e.self_device_time_total / 2e3:8.3f} ms  x{e.count // 2:<4d} {e.key[:90]}")
+        try:
+            kernels = [e for e in prof.events() if e.device_type == cuda]
+            comm = [(e.time_range.start, e.time_range.end) for e in kernels if "nccl" in e.name.lower()]
+            other = [(e.time_range.start, e.time_range.end) for e in kernels if "nccl" not in e.name.lower()]
+            print(f"NCCL kernels: {sum(e - s for s, e in comm) / 2e3:.3f} ms per step, of which not overlapped "
+                  f"by other kernels: {_exposed(comm, other) / 2e3:.3f} ms")
+        except Exception as exc:  # noqa: BLE001 - the interval view is a bonus
+            print(f"(no kernel intervals: {exc!r})")
+        if args.out:
+            args.out.mkdir(parents=True, exist_ok=True)
+            prof.export_chrome_trace(str(args.out / f"trace-tp{tp}{'-sp' if args.sp else ''}.json"))
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
