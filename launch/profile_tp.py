@@ -9,6 +9,7 @@ parallelism). Rank 0 prints the median step time (CUDA events) of:
 - ``no-split``: the statistics exchange not overlapped (``triton_backend.SPLIT_FOR_OVERLAP = False``);
 - ``dx-in-backward``: dX summed in backward by the autograd region (``REDUCE_DX_IN_FORWARD = False``);
 - ``neither``: both of the above off (no overlap at all);
+- ``unfused-stats``: the per-chunk statistics as torch ops instead of two Triton launches (``FUSED_STATS``);
 - ``high-priority``: the default on a group whose NCCL stream has high priority (so that its kernels get SMs
   while a GEMM's grid is still being scheduled);
 
@@ -96,17 +97,19 @@ def main() -> int:
         xs.grad = w.grad = None
         vpce.linear_cross_entropy(xs, w, y, group=group, sequence_parallel=args.sp).backward()
 
-    def with_flags(split=True, fwd=True, group=dist.group.WORLD):
+    def with_flags(split=True, fwd=True, fused=True, group=dist.group.WORLD):
         def run():
-            triton_backend.SPLIT_FOR_OVERLAP, triton_backend.REDUCE_DX_IN_FORWARD = split, fwd
+            tb = triton_backend
+            tb.SPLIT_FOR_OVERLAP, tb.REDUCE_DX_IN_FORWARD, tb.FUSED_STATS = split, fwd, fused
             try:
                 step(group)
             finally:
-                triton_backend.SPLIT_FOR_OVERLAP = triton_backend.REDUCE_DX_IN_FORWARD = True
+                tb.SPLIT_FOR_OVERLAP = tb.REDUCE_DX_IN_FORWARD = tb.FUSED_STATS = True
         return run
 
     variants = {"default": with_flags(), "no-split": with_flags(split=False), "dx-in-backward": with_flags(fwd=False),
-                "neither": with_flags(split=False, fwd=False), "high-priority": with_flags(group=hi)}
+                "neither": with_flags(split=False, fwd=False), "unfused-stats": with_flags(fused=False),
+                "high-priority": with_flags(group=hi)}
     results = {}
     for name, fn in variants.items():
         ms = _median_ms(fn, args.reps)

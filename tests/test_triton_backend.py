@@ -4,6 +4,8 @@ On a machine without CUDA the kernels run through Triton's CPU interpreter (fp32
 there); with CUDA the same tests run on the GPU, plus large-shape, int64-offset and determinism tests.
 """
 
+import math
+
 import pytest
 import torch
 
@@ -72,6 +74,17 @@ def test_multiple_chunks_and_tiny_p_budget():
     # a P budget of one tile row forces many fast-route chunks (statistics exchanged per chunk)
     p = make_problem(300, 24, 130, dtype=torch.float32, bias=True, ignore_frac=0.1, seed=9)
     check(p, reduction="mean", memory_budget=1e-7, label_smoothing=0.1)
+
+
+@pytest.mark.parametrize("budget", ["auto", "lean"])
+def test_unfused_statistics_switch(monkeypatch, budget):
+    """``triton_backend.FUSED_STATS = False`` (the torch-op form of the per-chunk statistics, kept for profiling
+    against the fused kernels) gives the same exact results."""
+    from vpce import triton_backend
+
+    monkeypatch.setattr(triton_backend, "FUSED_STATS", False)
+    p = make_problem(200, 24, 130, dtype=torch.float32, bias=True, ignore_frac=0.1, seed=11)
+    check(p, reduction="mean", memory_budget=budget, label_smoothing=0.1, z_loss=1e-3)
 
 
 def test_ignored_empty_and_no_grad():
@@ -162,3 +175,51 @@ def test_gpu_bitwise_deterministic(budget):
     a, b = run(p, memory_budget=budget), run(p, memory_budget=budget)
     for x, y in zip(a, b):
         assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("sum_z,sum_ez", [(False, False), (True, False), (False, True), (True, True)])
+@pytest.mark.parametrize("world", [1, 3])
+def test_statistics_kernels_match_the_torch_combine(sum_z, sum_ez, world):
+    """``kernels.reduce_tiles`` + ``kernels.combine_stats`` (the fused per-chunk statistics) against the plain
+    torch formulas of ``vpce.parallel.combine_packed``: odd row and tile counts, an all-padding rank (max -inf,
+    zero sums), NaN and +inf rows that must come out NaN."""
+    from vpce import kernels
+    from vpce.parallel import combine_packed
+
+    gen = torch.Generator().manual_seed(7)
+    c, t = 37, 45  # neither a multiple of the row nor the tile block
+    packs, packs_ref = [], []
+    for r in range(world):
+        tm = torch.randn(c, t, generator=gen) * 20
+        ts = torch.rand(c, t, generator=gen) * 5 + 1
+        tz = torch.randn(c, t, generator=gen) if sum_z else None
+        tez = torch.randn(c, t, generator=gen) if sum_ez else None
+        zt = torch.randn(c, generator=gen)
+        if r == 0:
+            tm[3, 7], tm[5, 0] = math.nan, math.inf
+        dev = lambda x: None if x is None else x.to(DEV)  # noqa: E731
+        packs.append(kernels.reduce_tiles(dev(tm), dev(ts), dev(tz), dev(tez), dev(zt)).cpu())
+        m = tm.amax(1)
+        if r == 0:
+            m[3] = math.nan
+        rescale = torch.exp(tm - m[:, None])
+        rows = [m, (ts * rescale).sum(1), zt] + ([tz.sum(1)] if sum_z else []) + \
+               ([(tez * rescale).sum(1)] if sum_ez else [])
+        packs_ref.append(torch.stack(rows))
+    n_sums = 1 + sum_z
+    if world > 1:  # rank 1's shard is all padding: it sends max -inf and zero sums (no kernel runs there)
+        packs_ref[1] = torch.zeros_like(packs_ref[1])
+        packs_ref[1][0] = -math.inf
+        packs[1] = packs_ref[1].clone()
+    for got, want in zip(packs, packs_ref):
+        assert got.shape == want.shape
+        assert torch.isnan(got[1, 3]) == torch.isnan(want[1, 3])  # a NaN tile makes the row's sum NaN
+        got[0, 3], want[0, 3] = 0.0, 0.0  # ... whether its max is NaN too does not matter (lse is NaN either way)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, equal_nan=True)
+    every = torch.stack(packs_ref)
+    lse, sums, expect = kernels.combine_stats(every.to(DEV), n_sums)
+    lse_r, sums_r, expect_r = combine_packed(every, n_sums)
+    for got, want in zip([lse, *sums, *expect], [lse_r, *sums_r, *expect_r]):
+        torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5, equal_nan=True)
+    assert torch.isnan(lse[3]) and torch.isnan(lse[5]), "NaN and +inf logits must give a NaN lse"
+    assert torch.isfinite(lse.cpu()[[i for i in range(c) if i not in (3, 5)]]).all()

@@ -37,7 +37,7 @@ try:  # host-side TMA descriptors (Triton >= 3.3)
 except ImportError:  # pragma: no cover - older Triton: pointer loads only
     TensorDescriptor = None
 
-__all__ = ["logits_tiles", "probs_to_grad_", "scale_cast", "tile_n", "INTERPRET"]
+__all__ = ["logits_tiles", "probs_to_grad_", "reduce_tiles", "combine_stats", "scale_cast", "tile_n", "INTERPRET"]
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -252,6 +252,72 @@ def _scale_cast_kernel(SRC, DST, G, numel, BLOCK: tl.constexpr):
     tl.store(DST + offs, (x * g).to(DST.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _reduce_tiles_kernel(TM, TS, TZ, TEZ, ZT, OUT, C, T, SUM_Z: tl.constexpr, SUM_EZ: tl.constexpr,
+                         BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Per row, over its ``T`` tiles: ``m = max m_t``, ``s = sum s_t exp(m_t - m)``, ``sum z``, ``sum ez_t exp(m_t
+    - m)``; packed with the target logit into ``OUT [k, C]`` as (m, s, zt[, sum z][, sum ez])."""
+    rows = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    ok = rows < C
+    base = rows.to(tl.int64) * T
+    m = tl.full([BLOCK_C], float("-inf"), tl.float32)
+    for t0 in range(0, T, BLOCK_T):
+        cols = t0 + tl.arange(0, BLOCK_T)
+        msk = ok[:, None] & (cols < T)[None, :]
+        mt = tl.load(TM + base[:, None] + cols[None, :], mask=msk, other=float("-inf"))
+        m = tl.maximum(m, tl.max(mt, 1))
+    s = tl.zeros([BLOCK_C], tl.float32)
+    z = tl.zeros([BLOCK_C], tl.float32)
+    ez = tl.zeros([BLOCK_C], tl.float32)
+    for t0 in range(0, T, BLOCK_T):
+        cols = t0 + tl.arange(0, BLOCK_T)
+        msk = ok[:, None] & (cols < T)[None, :]
+        offs = base[:, None] + cols[None, :]
+        mt = tl.load(TM + offs, mask=msk, other=float("-inf"))
+        r = tl.where(msk, tl.exp(mt - m[:, None]), 0.0)  # NaN in m_t (or s_t) stays NaN
+        s += tl.sum(tl.load(TS + offs, mask=msk, other=0.0) * r, 1)
+        if SUM_Z:
+            z += tl.sum(tl.load(TZ + offs, mask=msk, other=0.0), 1)
+        if SUM_EZ:
+            ez += tl.sum(tl.load(TEZ + offs, mask=msk, other=0.0) * r, 1)
+    tl.store(OUT + rows, m, mask=ok)
+    tl.store(OUT + C + rows, s, mask=ok)
+    tl.store(OUT + 2 * C + rows, tl.load(ZT + rows, mask=ok, other=0.0), mask=ok)
+    if SUM_Z:
+        tl.store(OUT + 3 * C + rows, z, mask=ok)
+        if SUM_EZ:
+            tl.store(OUT + 4 * C + rows, ez, mask=ok)
+    elif SUM_EZ:
+        tl.store(OUT + 3 * C + rows, ez, mask=ok)
+
+
+@triton.jit
+def _combine_stats_kernel(EVERY, OUT, C, W, R, N_SUMS: tl.constexpr, N_W: tl.constexpr, BLOCK_C: tl.constexpr):
+    """``EVERY [W, R, C]`` (each rank's packed statistics) -> ``OUT [R - 1, C]``: the global ``lse``, the summed
+    additive statistics, the softmax expectations (see ``vpce.parallel``)."""
+    rows = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    ok = rows < C
+    m = tl.full([BLOCK_C], float("-inf"), tl.float32)
+    for w in range(0, W):
+        m = tl.maximum(m, tl.load(EVERY + w * R * C + rows, mask=ok, other=0.0))
+    s = tl.zeros([BLOCK_C], tl.float32)
+    for w in range(0, W):
+        r = tl.exp(tl.load(EVERY + w * R * C + rows, mask=ok, other=0.0) - m)
+        s += tl.load(EVERY + (w * R + 1) * C + rows, mask=ok, other=0.0) * r
+    tl.store(OUT + rows, m + tl.log(s), mask=ok)
+    for i in tl.static_range(N_SUMS):
+        acc = tl.zeros([BLOCK_C], tl.float32)
+        for w in range(0, W):
+            acc += tl.load(EVERY + (w * R + 2 + i) * C + rows, mask=ok, other=0.0)
+        tl.store(OUT + (1 + i) * C + rows, acc, mask=ok)
+    for j in tl.static_range(N_W):
+        acc = tl.zeros([BLOCK_C], tl.float32)
+        for w in range(0, W):
+            r = tl.exp(tl.load(EVERY + w * R * C + rows, mask=ok, other=0.0) - m)
+            acc += tl.load(EVERY + (w * R + 2 + N_SUMS + j) * C + rows, mask=ok, other=0.0) * r
+        tl.store(OUT + (1 + N_SUMS + j) * C + rows, acc / s, mask=ok)
+
+
 # ------------------------------------------------------------------------------------------------------------
 # launchers
 
@@ -335,6 +401,32 @@ def probs_to_grad_(p, g, tile_m, lse, zt, t_local, coef, softcap, block_n: int):
         p.stride(0), p.stride(1), float(softcap or 1.0),
         SOFTCAP=softcap is not None, HAS_CD=cd is not None, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4,
     )
+
+
+def reduce_tiles(tile_m, tile_s, tile_z, tile_ez, zt) -> torch.Tensor:
+    """One chunk's per-tile statistics ``[C, n_tiles]`` (and ``zt [C]``) -> this rank's packed ``[k, C]`` fp32
+    (m, s, zt[, sum z][, sum ez]): one launch instead of a dozen small torch ops."""
+    c, t = tile_m.shape
+    k = 3 + (tile_z is not None) + (tile_ez is not None)
+    out = torch.empty(k, c, dtype=torch.float32, device=tile_m.device)
+    if c:
+        block_c = 16 if INTERPRET or not tile_m.is_cuda else 64
+        _reduce_tiles_kernel[(triton.cdiv(c, block_c),)](
+            tile_m, tile_s, tile_s if tile_z is None else tile_z, tile_s if tile_ez is None else tile_ez, zt, out,
+            c, t, SUM_Z=tile_z is not None, SUM_EZ=tile_ez is not None, BLOCK_C=block_c, BLOCK_T=32, num_warps=4)
+    return out
+
+
+def combine_stats(every: torch.Tensor, n_sums: int):
+    """Every rank's packed statistics ``[W, R, C]`` -> ``(lse, sums, expectations)`` in one launch (the same
+    formulas as ``vpce.parallel``'s torch combine)."""
+    w, r, c = every.shape
+    out = torch.empty(r - 1, c, dtype=torch.float32, device=every.device)
+    if c:
+        block_c = 16 if INTERPRET or not every.is_cuda else 256
+        _combine_stats_kernel[(triton.cdiv(c, block_c),)](
+            every.contiguous(), out, c, w, r, N_SUMS=n_sums, N_W=r - 2 - n_sums, BLOCK_C=block_c, num_warps=4)
+    return out[0], [out[1 + i] for i in range(n_sums)], [out[1 + n_sums + j] for j in range(r - 2 - n_sums)]
 
 
 def scale_cast(src: torch.Tensor, g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

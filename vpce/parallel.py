@@ -46,6 +46,8 @@ __all__ = [
     "resolve_shard",
     "combine_softmax_stats",
     "exchange_softmax_stats",
+    "exchange_packed",
+    "combine_packed",
     "PendingStats",
     "HiddenGradReduce",
     "gather_sequence",
@@ -138,38 +140,47 @@ def resolve_shard(group, rows: int, vocab_start: int | None, vocab_size: int | N
     return VocabShard(group, rank, world, start, rows, size)
 
 
+def combine_packed(every: torch.Tensor, n_sums: int) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+    """Every rank's packed statistics ``[W, R, C]`` (rows: max, sum of exp, ``n_sums`` additive statistics, then
+    the weighted sums) -> ``(lse, sums, expectations)``; the same bytes in the same order on every rank."""
+    m_all, s_all = every[:, 0], every[:, 1]
+    m = m_all.amax(0)
+    # Ranks with m_r = -inf contribute exp(-inf) * 0 = 0; a rank with m_r = +inf or NaN makes lse NaN.
+    rescale = torch.exp(m_all - m)
+    s = (s_all * rescale).sum(0)
+    expect = [(every[:, 2 + n_sums + i] * rescale).sum(0) / s for i in range(every.shape[1] - 2 - n_sums)]
+    return m + torch.log(s), [every[:, 2 + i].sum(0) for i in range(n_sums)], expect
+
+
 class PendingStats:
     """One token chunk's softmax statistics on their way to every rank of the group (an async all-gather);
     ``wait()`` gives the global ``(lse, sums, expectations)``. Work queued between the exchange and ``wait()``
     (the next chunk's GEMM) overlaps the collective: on NCCL ``wait()`` only orders the streams, no host sync."""
 
-    def __init__(self, shard: VocabShard, k: int, local=None, every=None, work=None):
-        self.shard, self.k, self.local, self.every, self.work = shard, k, local, every, work
+    def __init__(self, every: torch.Tensor, n_sums: int, work=None, combine=combine_packed):
+        self.every, self.n_sums, self.work, self.combine = every, n_sums, work, combine
 
     def wait(self) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
-        if self.local is not None:
-            return self.local
-        self.work.wait()
-        k, every = self.k, self.every
-        m_all, s_all = every[:, 0], every[:, 1]
-        m = m_all.amax(0)
-        # Ranks with m_r = -inf contribute exp(-inf) * 0 = 0; a rank with m_r = +inf or NaN makes lse NaN.
-        rescale = torch.exp(m_all - m)
-        s = (s_all * rescale).sum(0)
-        expect = [(every[:, 2 + k + i] * rescale).sum(0) / s for i in range(every.shape[1] - 2 - k)]
-        return m + torch.log(s), [every[:, 2 + i].sum(0) for i in range(k)], expect
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        return self.combine(self.every, self.n_sums)
+
+
+def exchange_packed(packed: torch.Tensor, n_sums: int, shard: VocabShard, combine=combine_packed) -> PendingStats:
+    """Start the exchange of this rank's packed ``[R, C]`` statistics (see ``combine_packed`` for the rows): one
+    async all-gather under a group; ``combine`` (a backend's fused form of ``combine_packed``) runs in ``wait``."""
+    if not shard.sharded:
+        return PendingStats(packed.unsqueeze(0), n_sums, combine=combine)
+    out = packed.new_empty((shard.world * packed.shape[0],) + tuple(packed.shape[1:]))
+    work = _all_gather(out, packed.contiguous(), group=shard.group, async_op=True)
+    return PendingStats(out.view((shard.world,) + tuple(packed.shape)), n_sums, work, combine)
 
 
 def exchange_softmax_stats(local_max: torch.Tensor, local_sumexp: torch.Tensor, sums: list[torch.Tensor],
                            shard: VocabShard, weighted: list[torch.Tensor] = ()) -> PendingStats:
     """Start the exchange of one chunk's statistics (see ``combine_softmax_stats``); one packed all-gather."""
-    if not shard.sharded:
-        return PendingStats(shard, len(sums), local=(local_max + torch.log(local_sumexp), list(sums),
-                                                     [f / local_sumexp for f in weighted]))
-    packed = torch.stack([local_max, local_sumexp, *sums, *weighted])
-    out = packed.new_empty((shard.world * packed.shape[0],) + tuple(packed.shape[1:]))
-    work = _all_gather(out, packed, group=shard.group, async_op=True)
-    return PendingStats(shard, len(sums), every=out.view((shard.world,) + tuple(packed.shape)), work=work)
+    return exchange_packed(torch.stack([local_max, local_sumexp, *sums, *weighted]), len(sums), shard)
 
 
 def combine_softmax_stats(local_max: torch.Tensor, local_sumexp: torch.Tensor, sums: list[torch.Tensor],

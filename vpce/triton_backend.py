@@ -43,7 +43,7 @@ from .formulas import Coefficients, ce_coefficients, ce_loss, logprob_coefficien
 from .gemm import addmm_out_, mm_into, mm_out
 from .grads import pad_rows, weight_grad
 from .options import LossOptions
-from .parallel import HiddenGradReduce, VocabShard, exchange_softmax_stats, gather_sequence
+from .parallel import HiddenGradReduce, VocabShard, combine_packed, exchange_packed, gather_sequence
 from .targets import TokenTargets
 
 __all__ = ["TritonLinearCrossEntropy", "TritonLinearLogProbs", "fast_route", "FAST_P_GIB", "LEAN_BLOCK_GIB"]
@@ -57,6 +57,7 @@ ROW_ALIGN = 128      # chunk and sub-chunk boundaries are multiples of the kerne
 # that the statistics exchange overlaps GEMM work, and sum the fast route's dX over the group in forward.
 SPLIT_FOR_OVERLAP = True
 REDUCE_DX_IN_FORWARD = True
+FUSED_STATS = True  # per-chunk tile reduction and combine as two Triton launches instead of ~20 torch ops
 
 
 def _round_to(x: int, m: int) -> int:
@@ -109,24 +110,25 @@ class _ChunkStats:
     def _launch(self, h, w, b, tl_local, sl: slice, r: slice, shard: VocabShard, softcap, inv_t, p):
         """Kernel and local reduction for tokens ``sl`` into buffer rows ``r``; starts the exchange."""
         c = sl.stop - sl.start
-        dev = h.device
+        n_sums = 2 if self.z is not None else 1
+        cut = lambda t: None if t is None else t[r]  # noqa: E731
         if shard.valid_rows > 0:
             zt = self.zt[r].zero_()
-            cut = lambda t: None if t is None else t[r]  # noqa: E731
             kernels.logits_tiles(h[sl], w, b, tl_local[sl], softcap=softcap, inv_t=inv_t, tile_m=self.m[r],
                                  tile_s=self.s[r], tile_z=cut(self.z), tile_ez=cut(self.ez), zt=zt, p=p)
-            m_t = self.m[r]
-            m = m_t.amax(1)
-            rescale = torch.exp(m_t - m[:, None])
-            s = (self.s[r] * rescale).sum(1)
-            sums = [zt] + ([self.z[r].sum(1)] if self.z is not None else [])
-            weighted = [(self.ez[r] * rescale).sum(1)] if self.ez is not None else []
-        else:  # this rank's rows are all padding
-            m = torch.full((c,), -math.inf, device=dev)
-            s = torch.zeros(c, device=dev)
-            sums = [torch.zeros(c, device=dev) for _ in range(2 if self.z is not None else 1)]
-            weighted = [torch.zeros(c, device=dev)] if self.ez is not None else []
-        return exchange_softmax_stats(m, s, sums, shard, weighted)
+            if FUSED_STATS:
+                packed = kernels.reduce_tiles(self.m[r], self.s[r], cut(self.z), cut(self.ez), zt)
+            else:
+                m_t = self.m[r]
+                m = m_t.amax(1)
+                rescale = torch.exp(m_t - m[:, None])
+                packed = torch.stack([m, (self.s[r] * rescale).sum(1), zt]
+                                     + ([self.z[r].sum(1)] if self.z is not None else [])
+                                     + ([(self.ez[r] * rescale).sum(1)] if self.ez is not None else []))
+        else:  # this rank's rows are all padding: max -inf, every sum 0
+            packed = torch.zeros(2 + n_sums + (self.ez is not None), c, dtype=torch.float32, device=h.device)
+            packed[0] = -math.inf
+        return exchange_packed(packed, n_sums, shard, combine=kernels.combine_stats if FUSED_STATS else combine_packed)
 
     def parts(self, h, w, b, tl_local, sl: slice, shard: VocabShard, softcap, inv_t=1.0, p=None):
         """Yield ``(part, rows, lse, z_t, [sum z], [E z])`` for the sub-chunks of tokens ``sl`` (global
