@@ -5,7 +5,8 @@
 For one token chunk of each head it times, with CUDA events (median of repeated runs): the plain cuBLAS
 logits GEMM (the reference for the fused kernel), the fused kernel in stats-only mode and with the 16-bit ``P``
 written, the probabilities -> gradient pass, and the two cuBLAS gradient GEMMs (fp32 outputs). Then it times the
-fused kernel over a list of block shapes. It prints TFLOP/s next to each so that the gap to cuBLAS is visible.
+probabilities -> gradient pass over a few launch shapes and the fused kernel over a list of block shapes. It
+prints TFLOP/s (GB/s for the memory-bound pass) next to each so that the gap to cuBLAS is visible.
 Notes for tuning, not a benchmark: the numbers that count come from ``python -m vpce.bench``.
 """
 
@@ -122,6 +123,10 @@ def main():
             t_ms = ms(fn)
             rate = f"{fl / t_ms / 1e9:7.1f} TFLOP/s" if fl else f"{2 * p.numel() * 2 / t_ms / 1e6:7.1f} GB/s"
             print(f"{label:34s} {t_ms:8.3f} ms  {rate}")
+        print("launch-shape sweep of P -> dL/dz (rows per program, warps), against HBM bandwidth:")
+        for bm, nw in itertools.product((16, 32, 64), (4, 8)):
+            t_ms = ms(lambda: kernels.probs_to_grad_(p, p, tm, lse, zt, t, coef, None, bn, block_m=bm, num_warps=nw))
+            print(f"  BLOCK_M={bm:3d} num_warps={nw}  {t_ms:8.3f} ms  {2 * p.numel() * 2 / t_ms / 1e6:7.1f} GB/s")
         print("block-shape sweep of the fused GEMM (stats + P):")
         for (bm, bn_, bk, gm, nw, ns), tma in itertools.product(CONFIGS, (True, False)):
             cfg = dict(BLOCK_M=bm, BLOCK_N=bn_, BLOCK_K=bk, GROUP_M=gm, num_warps=nw, num_stages=ns, TMA=tma)

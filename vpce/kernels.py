@@ -387,19 +387,20 @@ def logits_tiles(x, w, b, t_local, *, softcap=None, inv_t=1.0, tile_m=None, tile
     )
 
 
-def probs_to_grad_(p, g, tile_m, lse, zt, t_local, coef, softcap, block_n: int):
+def probs_to_grad_(p, g, tile_m, lse, zt, t_local, coef, softcap, block_n: int, block_m=None, num_warps=4):
     """The gradient from the fast route's ``p = exp(z - m_t)`` into ``g`` (may alias ``p``); ``coef = (a, c, d)``
-    per-row vectors (``d`` may be None), ``zt`` the global target logit per row (used with a soft cap)."""
+    per-row vectors (``d`` may be None), ``zt`` the global target logit per row (used with a soft cap).
+    ``block_m`` / ``num_warps`` override the launch shape (for ``launch/tune_kernels.py``)."""
     m, v = p.shape
     if m == 0 or v == 0:
         return
     ca, cc, cd = coef
-    block_m = 16 if INTERPRET or not p.is_cuda else 32
+    block_m = block_m or (16 if INTERPRET or not p.is_cuda else 32)
     grid = (triton.cdiv(m, block_m), triton.cdiv(v, block_n))
     _probs_to_grad_kernel[grid](
         p, g, tile_m, lse, ca, cc, ca if cd is None else cd, t_local, zt, m, v, tile_m.shape[1],
         p.stride(0), p.stride(1), float(softcap or 1.0),
-        SOFTCAP=softcap is not None, HAS_CD=cd is not None, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4,
+        SOFTCAP=softcap is not None, HAS_CD=cd is not None, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
     )
 
 
