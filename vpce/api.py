@@ -234,16 +234,15 @@ def _linear_cross_entropy(hidden, weight, target, bias, opts: LossOptions, *, to
         loss = library.linear_cross_entropy(h2, weight, bias, t1, tw1, backend, opts, shard.vocab_size, needs_grad)
         return loss.reshape(target.shape) if opts.reduction == "none" else loss
     if backend == "triton":
-        from . import triton_backend
-        from .triton_backend import TritonLinearCrossEntropy, fast_route
+        from . import triton_backend as tb
         dx_comm = None
-        if shard.sharded and triton_backend.REDUCE_DX_IN_FORWARD and fast_route(opts, needs_grad, h2.dtype):
+        if shard.sharded and tb.REDUCE_DX_IN_FORWARD and tb.fast_route(opts, needs_grad, h2.dtype):
             # the fast route sums dX over the group itself, in forward, overlapped with its dW GEMMs
             dx_comm = "sequence_parallel" if sp else "all_reduce"
         else:
             h2 = parallel.enter_vocab_parallel(h2, shard, sp)
-        loss = TritonLinearCrossEntropy.apply(h2, weight, bias, t1, tw1, shard, opts, needs_grad,
-                                              accumulate_main_grad, dx_comm)
+        loss = tb.TritonLinearCrossEntropy.apply(h2, weight, bias, t1, tw1, shard, opts, needs_grad,
+                                                 accumulate_main_grad, dx_comm)
     else:
         h2 = parallel.enter_vocab_parallel(h2, shard, sp)
         loss = TorchLinearCrossEntropy.apply(h2, weight, bias, t1, tw1, shard, opts, needs_grad,

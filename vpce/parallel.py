@@ -21,9 +21,9 @@ single all-gather; every rank then combines them identically::
 so every rank holds the same global ``lse`` and returns the same loss. One collective per chunk; O(chunk * k *
 world) bytes; no logits or weights are ever gathered.
 
-Overlap. ``exchange_softmax_stats`` starts the all-gather with an async work handle and returns a
-``PendingStats``; the Triton backend runs each chunk's GEMM as two halves so that the first half's exchange runs
-under the second half's GEMM. ``combine_softmax_stats`` is the start-and-wait form.
+Overlap. ``exchange_packed`` starts the all-gather of a rank's packed statistics with an async work handle and
+returns a ``PendingStats``; the Triton backend runs each chunk's GEMM as two halves so that the first half's
+exchange runs under the second half's GEMM. ``combine_softmax_stats`` is the start-and-wait form.
 
 Gradient of the hidden states. Each rank's backend produces only its vocab shard's contribution to ``dX``. On
 the lean and torch routes the hidden states enter the vocab-parallel region through ``enter_vocab_parallel``:
@@ -45,7 +45,6 @@ __all__ = [
     "VocabShard",
     "resolve_shard",
     "combine_softmax_stats",
-    "exchange_softmax_stats",
     "exchange_packed",
     "combine_packed",
     "PendingStats",
@@ -177,12 +176,6 @@ def exchange_packed(packed: torch.Tensor, n_sums: int, shard: VocabShard, combin
     return PendingStats(out.view((shard.world,) + tuple(packed.shape)), n_sums, work, combine)
 
 
-def exchange_softmax_stats(local_max: torch.Tensor, local_sumexp: torch.Tensor, sums: list[torch.Tensor],
-                           shard: VocabShard, weighted: list[torch.Tensor] = ()) -> PendingStats:
-    """Start the exchange of one chunk's statistics (see ``combine_softmax_stats``); one packed all-gather."""
-    return exchange_packed(torch.stack([local_max, local_sumexp, *sums, *weighted]), len(sums), shard)
-
-
 def combine_softmax_stats(local_max: torch.Tensor, local_sumexp: torch.Tensor, sums: list[torch.Tensor],
                           shard: VocabShard, weighted: list[torch.Tensor] = ()
                           ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
@@ -192,7 +185,7 @@ def combine_softmax_stats(local_max: torch.Tensor, local_sumexp: torch.Tensor, s
     ``local_max`` may be ``-inf`` (with ``local_sumexp == 0``) on a rank whose shard is all padding.
     NaN or inf in any rank's statistics propagates into ``lse``.
     """
-    return exchange_softmax_stats(local_max, local_sumexp, sums, shard, weighted).wait()
+    return exchange_packed(torch.stack([local_max, local_sumexp, *sums, *weighted]), len(sums), shard).wait()
 
 
 def gather_sequence(hidden: torch.Tensor, shard: VocabShard) -> torch.Tensor:
@@ -226,7 +219,7 @@ class HiddenGradReduce:
         while a < rows.stop:
             owner = a // self.local
             b = min(rows.stop, (owner + 1) * self.local)
-            dst = dist.get_global_rank(g, owner) if g is not None else owner
+            dst = dist.get_global_rank(g, owner)
             self.works.append(dist.reduce(self.dx[a:b], dst=dst, group=g, async_op=True))
             a = b
 

@@ -128,15 +128,16 @@ class _ChunkStats:
         else:  # this rank's rows are all padding: max -inf, every sum 0
             packed = torch.zeros(2 + n_sums + (self.ez is not None), c, dtype=torch.float32, device=h.device)
             packed[0] = -math.inf
-        return exchange_packed(packed, n_sums, shard, combine=kernels.combine_stats if FUSED_STATS else combine_packed)
+        combine = kernels.combine_stats if FUSED_STATS else combine_packed
+        return exchange_packed(packed, n_sums, shard, combine=combine)
 
     def parts(self, h, w, b, tl_local, sl: slice, shard: VocabShard, softcap, inv_t=1.0, p=None):
         """Yield ``(part, rows, lse, z_t, [sum z], [E z])`` for the sub-chunks of tokens ``sl`` (global
         statistics); ``rows``: the part's rows in the chunk buffers (and in ``p``, the fast route's P)."""
         c = sl.stop - sl.start
         cuts = [0, c]
-        if shard.sharded and SPLIT_FOR_OVERLAP and c >= 4 * ROW_ALIGN:  # two halves: the first's exchange hides behind the second's GEMM
-            cuts = [0, _round_to(c // 2, ROW_ALIGN), c]
+        if shard.sharded and SPLIT_FOR_OVERLAP and c >= 4 * ROW_ALIGN:
+            cuts = [0, _round_to(c // 2, ROW_ALIGN), c]  # the first half's exchange hides behind the second's GEMM
         pending = []
         for lo, hi in zip(cuts[:-1], cuts[1:]):
             part, r = slice(sl.start + lo, sl.start + hi), slice(lo, hi)
