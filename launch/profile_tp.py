@@ -10,12 +10,14 @@ parallelism). Rank 0 prints the median step time (CUDA events) of:
 - ``dx-in-backward``: dX summed in backward by the autograd region (``REDUCE_DX_IN_FORWARD = False``);
 - ``neither``: both of the above off (no overlap at all);
 - ``unfused-stats``: the per-chunk statistics as torch ops instead of two Triton launches (``FUSED_STATS``);
+- ``carveout-K``: the dW GEMM leaves ``K`` SMs to the dX reduction running beside it (``DW_SM_CARVEOUT``);
 - ``high-priority``: the default on a group whose NCCL stream has high priority (so that its kernels get SMs
   while a GEMM's grid is still being scheduled);
+- ``default-again``: the default once more, to show drift over the run;
 
-then profiles one default step under ``torch.profiler``: GPU time per kernel, and how much NCCL kernel time no
-other kernel overlaps (``exposed``). ``--out`` also gets a Chrome trace of rank 0. Tuning notes, not a benchmark:
-the numbers that count come from ``python -m vpce.bench --tp``.
+then profiles ``--profile-steps`` default steps under ``torch.profiler``: GPU time per kernel, and how much NCCL
+kernel time no other kernel overlaps (``exposed``). ``--out`` gets every rank's Chrome trace. Tuning notes, not a
+benchmark: the numbers that count come from ``python -m vpce.bench --tp``.
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import vpce  # noqa: E402
 from vpce import triton_backend  # noqa: E402
+
+
+SWITCHES = ("SPLIT_FOR_OVERLAP", "REDUCE_DX_IN_FORWARD", "FUSED_STATS", "DW_SM_CARVEOUT")
 
 
 def _median_ms(step, reps: int) -> float:
@@ -73,7 +78,10 @@ def main() -> int:
     ap.add_argument("--shape", default="16384x4096x128256", help="NxDxV of the whole head")
     ap.add_argument("--sp", action="store_true")
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--out", type=Path, default=None, help="each rank's Chrome trace goes here")
+    ap.add_argument("--carveouts", type=lambda t: [int(x) for x in t.split(",") if x], default=[8, 16, 32],
+                    help="SM carve-outs of the dW GEMM to time (comma-separated)")
+    ap.add_argument("--profile-steps", type=int, default=5)
     args = ap.parse_args()
     n, d, v = (int(t) for t in args.shape.split("x"))
     local = int(os.environ.get("LOCAL_RANK", 0))
@@ -97,52 +105,60 @@ def main() -> int:
         xs.grad = w.grad = None
         vpce.linear_cross_entropy(xs, w, y, group=group, sequence_parallel=args.sp).backward()
 
-    def with_flags(split=True, fwd=True, fused=True, group=dist.group.WORLD):
+    defaults = {name: getattr(triton_backend, name) for name in SWITCHES}
+
+    def with_flags(group=dist.group.WORLD, **switches):
         def run():
-            tb = triton_backend
-            tb.SPLIT_FOR_OVERLAP, tb.REDUCE_DX_IN_FORWARD, tb.FUSED_STATS = split, fwd, fused
+            for name, value in switches.items():
+                setattr(triton_backend, name, value)
             try:
                 step(group)
             finally:
-                tb.SPLIT_FOR_OVERLAP = tb.REDUCE_DX_IN_FORWARD = tb.FUSED_STATS = True
+                for name, value in defaults.items():
+                    setattr(triton_backend, name, value)
         return run
 
-    variants = {"default": with_flags(), "no-split": with_flags(split=False), "dx-in-backward": with_flags(fwd=False),
-                "neither": with_flags(split=False, fwd=False), "unfused-stats": with_flags(fused=False),
-                "high-priority": with_flags(group=hi)}
+    variants = {"default": with_flags(), "no-split": with_flags(SPLIT_FOR_OVERLAP=False),
+                "dx-in-backward": with_flags(REDUCE_DX_IN_FORWARD=False),
+                "neither": with_flags(SPLIT_FOR_OVERLAP=False, REDUCE_DX_IN_FORWARD=False),
+                "unfused-stats": with_flags(FUSED_STATS=False),
+                **{f"carveout-{k}": with_flags(DW_SM_CARVEOUT=k) for k in args.carveouts},
+                "high-priority": with_flags(group=hi), "default-again": with_flags()}
     results = {}
     for name, fn in variants.items():
         ms = _median_ms(fn, args.reps)
         every = [None] * tp
         dist.all_gather_object(every, ms)
-        results[name] = max(every)
+        results[name] = every
     if rank == 0:
-        print(f"tp={tp} N={n} D={d} V={v} sp={args.sp}: median step ms (max over ranks)")
-        for name, ms in results.items():
-            print(f"  {name:16s} {ms:8.3f}")
+        print(f"tp={tp} N={n} D={d} V={v} sp={args.sp}: median step ms, max over ranks (each rank's)")
+        for name, every in results.items():
+            print(f"  {name:16s} {max(every):8.3f}   ({' '.join(f'{x:.3f}' for x in every)})")
 
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    steps = args.profile_steps
     with torch.profiler.profile(activities=acts) as prof:
-        for _ in range(2):
-            step()
+        for i in range(steps):
+            with torch.profiler.record_function(f"vpce-step-{i}"):
+                step()
         torch.cuda.synchronize()
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(args.out / f"trace-tp{tp}{'-sp' if args.sp else ''}-rank{rank}.json"))
     if rank == 0:
         cuda = torch.autograd.DeviceType.CUDA
         events = [e for e in prof.key_averages() if e.device_type == cuda]
-        print("GPU ms per step by kernel (2 steps / 2):")
+        print(f"GPU ms per step by kernel ({steps} steps / {steps}):")
         for e in sorted(events, key=lambda e: -e.self_device_time_total)[:16]:
-            print(f"  {e.self_device_time_total / 2e3:8.3f} ms  x{e.count // 2:<4d} {e.key[:90]}")
+            print(f"  {e.self_device_time_total / steps / 1e3:8.3f} ms  x{e.count // steps:<4d} {e.key[:90]}")
         try:
             kernels = [e for e in prof.events() if e.device_type == cuda]
             comm = [(e.time_range.start, e.time_range.end) for e in kernels if "nccl" in e.name.lower()]
             other = [(e.time_range.start, e.time_range.end) for e in kernels if "nccl" not in e.name.lower()]
-            print(f"NCCL kernels: {sum(e - s for s, e in comm) / 2e3:.3f} ms per step, of which not overlapped "
-                  f"by other kernels: {_exposed(comm, other) / 2e3:.3f} ms")
+            print(f"NCCL kernels: {sum(e - s for s, e in comm) / steps / 1e3:.3f} ms per step, of which not "
+                  f"overlapped by other kernels: {_exposed(comm, other) / steps / 1e3:.3f} ms")
         except Exception as exc:  # noqa: BLE001 - the interval view is a bonus
             print(f"(no kernel intervals: {exc!r})")
-        if args.out:
-            args.out.mkdir(parents=True, exist_ok=True)
-            prof.export_chrome_trace(str(args.out / f"trace-tp{tp}{'-sp' if args.sp else ''}.json"))
     dist.barrier()
     dist.destroy_process_group()
     return 0

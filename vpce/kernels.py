@@ -40,6 +40,9 @@ except ImportError:  # pragma: no cover - older Triton: pointer loads only
 __all__ = ["logits_tiles", "probs_to_grad_", "reduce_tiles", "combine_stats", "scale_cast", "tile_n", "INTERPRET"]
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+# Write the fused GEMM's 16-bit P tiles with the copy engine (a tensor-descriptor store) where TMA loads are used;
+# under measurement (launch/tune_kernels.py sweeps both), off until it is shown faster.
+P_TMA_STORE = False
 
 
 @triton.jit
@@ -82,10 +85,11 @@ def _logits_tile(
     # meta
     HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, TEMPERATURE: tl.constexpr, GRAD: tl.constexpr,
     WRITE_P: tl.constexpr, SUM_Z: tl.constexpr, SUM_EZ: tl.constexpr, HAS_CB: tl.constexpr,
-    HAS_CD: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr,
+    HAS_CD: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr, P_DESC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
 ):
-    """One [BLOCK_M, BLOCK_N] tile: the GEMM over D, then the epilogue."""
+    """One [BLOCK_M, BLOCK_N] tile: the GEMM over D, then the epilogue. ``P_DESC``: ``P`` is a tensor descriptor
+    (the tile goes out as one bulk store, clipped to ``P``'s shape by the copy engine)."""
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
 
@@ -146,7 +150,10 @@ def _logits_tile(
             cd = tl.load(CD + rm, mask=row_ok, other=0.0)
         p = tl.exp(z - lse[:, None])
         g = _dlogits(p, acc, hit, col_ok, ca, cb, cc, cd, dcap, HAS_CB, HAS_CD, SOFTCAP)
-        tl.store(P + p_offs, g.to(P.dtype.element_ty), mask=p_mask)
+        if P_DESC:
+            P.store([pid_m * BLOCK_M, pid_n * BLOCK_N], g.to(P.dtype))
+        else:
+            tl.store(P + p_offs, g.to(P.dtype.element_ty), mask=p_mask)
     else:
         # -- online-softmax statistics of this tile --
         m_t = tl.max(z, axis=1)
@@ -162,7 +169,10 @@ def _logits_tile(
         mine = row_ok & (t >= pid_n * BLOCK_N) & (t < pid_n * BLOCK_N + BLOCK_N)
         tl.store(ZT + rm, zt, mask=mine)
         if WRITE_P:
-            tl.store(P + p_offs, e.to(P.dtype.element_ty), mask=p_mask)
+            if P_DESC:
+                P.store([pid_m * BLOCK_M, pid_n * BLOCK_N], e.to(P.dtype))
+            else:
+                tl.store(P + p_offs, e.to(P.dtype.element_ty), mask=p_mask)
 
 
 @triton.heuristics({"EVEN_K": lambda a: a["D"] % a["BLOCK_K"] == 0})
@@ -179,7 +189,7 @@ def _logits_tiles_kernel(
     # meta
     HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, TEMPERATURE: tl.constexpr, GRAD: tl.constexpr,
     WRITE_P: tl.constexpr, SUM_Z: tl.constexpr, SUM_EZ: tl.constexpr, HAS_CB: tl.constexpr,
-    HAS_CD: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr,
+    HAS_CD: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr, P_DESC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr,
 ):
@@ -194,7 +204,7 @@ def _logits_tiles_kernel(
                  X, W, BIAS, TL, TILE_M, TILE_S, TILE_Z, TILE_EZ, ZT, P, LSE, CA, CB, CC, CD,
                  M, V, D, n_tiles, stride_xm, stride_xk, stride_wv, stride_wk, stride_pm, stride_pn,
                  softcap, inv_t, HAS_BIAS, SOFTCAP, TEMPERATURE, GRAD, WRITE_P, SUM_Z, SUM_EZ, HAS_CB, HAS_CD,
-                 IEEE, TMA, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
+                 IEEE, TMA, P_DESC, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
 
 
 @triton.jit
@@ -260,26 +270,32 @@ def _reduce_tiles_kernel(TM, TS, TZ, TEZ, ZT, OUT, C, T, SUM_Z: tl.constexpr, SU
     rows = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     ok = rows < C
     base = rows.to(tl.int64) * T
-    m = tl.full([BLOCK_C], float("-inf"), tl.float32)
+    # Accumulated elementwise over [BLOCK_C, BLOCK_T] and reduced once after each loop: a row reduction inside
+    # the loop whose result is used again (the max) trips an assertion in Triton 3.6's thread-locality pass on
+    # sm_90 when T is a multiple of 16.
+    m2 = tl.full([BLOCK_C, BLOCK_T], float("-inf"), tl.float32)
     for t0 in range(0, T, BLOCK_T):
         cols = t0 + tl.arange(0, BLOCK_T)
         msk = ok[:, None] & (cols < T)[None, :]
-        mt = tl.load(TM + base[:, None] + cols[None, :], mask=msk, other=float("-inf"))
-        m = tl.maximum(m, tl.max(mt, 1))
-    s = tl.zeros([BLOCK_C], tl.float32)
-    z = tl.zeros([BLOCK_C], tl.float32)
-    ez = tl.zeros([BLOCK_C], tl.float32)
+        m2 = tl.maximum(m2, tl.load(TM + base[:, None] + cols[None, :], mask=msk, other=float("-inf")))
+    m = tl.max(m2, 1)
+    s2 = tl.zeros([BLOCK_C, BLOCK_T], tl.float32)
+    z2 = tl.zeros([BLOCK_C, BLOCK_T], tl.float32)
+    ez2 = tl.zeros([BLOCK_C, BLOCK_T], tl.float32)
     for t0 in range(0, T, BLOCK_T):
         cols = t0 + tl.arange(0, BLOCK_T)
         msk = ok[:, None] & (cols < T)[None, :]
         offs = base[:, None] + cols[None, :]
         mt = tl.load(TM + offs, mask=msk, other=float("-inf"))
         r = tl.where(msk, tl.exp(mt - m[:, None]), 0.0)  # NaN in m_t (or s_t) stays NaN
-        s += tl.sum(tl.load(TS + offs, mask=msk, other=0.0) * r, 1)
+        s2 += tl.load(TS + offs, mask=msk, other=0.0) * r
         if SUM_Z:
-            z += tl.sum(tl.load(TZ + offs, mask=msk, other=0.0), 1)
+            z2 += tl.load(TZ + offs, mask=msk, other=0.0)
         if SUM_EZ:
-            ez += tl.sum(tl.load(TEZ + offs, mask=msk, other=0.0) * r, 1)
+            ez2 += tl.load(TEZ + offs, mask=msk, other=0.0) * r
+    s = tl.sum(s2, 1)
+    z = tl.sum(z2, 1)
+    ez = tl.sum(ez2, 1)
     tl.store(OUT + rows, m, mask=ok)
     tl.store(OUT + C + rows, s, mask=ok)
     tl.store(OUT + 2 * C + rows, tl.load(ZT + rows, mask=ok, other=0.0), mask=ok)
@@ -337,8 +353,12 @@ def _use_tma(x: torch.Tensor, w: torch.Tensor) -> bool:
         return False
     if torch.cuda.get_device_capability(x.device)[0] < 9:
         return False
-    ok = lambda t: t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0  # noqa: E731
-    return ok(x) and ok(w)
+    return _tma_ok(x) and _tma_ok(w)
+
+
+def _tma_ok(t: torch.Tensor) -> bool:
+    """A 2-D tensor the copy engine can address: unit inner stride, 16-byte aligned base and row pitch."""
+    return t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
 
 
 def tile_n(x: torch.Tensor) -> int:
@@ -362,6 +382,7 @@ def logits_tiles(x, w, b, t_local, *, softcap=None, inv_t=1.0, tile_m=None, tile
         return
     cfg = dict(config or _config(x))
     tma = cfg.pop("TMA", _use_tma(x, w))
+    p_desc = cfg.pop("P_TMA_STORE", P_TMA_STORE) and tma and p is not None and p.element_size() == 2 and _tma_ok(p)
     bn = cfg["BLOCK_N"]
     n_tiles = triton.cdiv(v, bn)
     grad = lse is not None
@@ -370,12 +391,14 @@ def logits_tiles(x, w, b, t_local, *, softcap=None, inv_t=1.0, tile_m=None, tile
     pick = lambda t: dummy if t is None else t  # noqa: E731
     out = p if p is not None else x.new_empty(0)
     grid = (triton.cdiv(m, cfg["BLOCK_M"]) * n_tiles,)
-    xa, wa = x, w
+    xa, wa, pa = x, w, out
     if tma:
         xa = TensorDescriptor.from_tensor(x, [cfg["BLOCK_M"], cfg["BLOCK_K"]])
         wa = TensorDescriptor.from_tensor(w, [bn, cfg["BLOCK_K"]])
+    if p_desc:
+        pa = TensorDescriptor.from_tensor(p, [cfg["BLOCK_M"], bn])
     _logits_tiles_kernel[grid](
-        xa, wa, pick(b), t_local, pick(tile_m), pick(tile_s), pick(tile_z), pick(tile_ez), pick(zt), out,
+        xa, wa, pick(b), t_local, pick(tile_m), pick(tile_s), pick(tile_z), pick(tile_ez), pick(zt), pa,
         pick(lse), pick(ca), pick(cb), pick(cc), pick(cd),
         m, v, d, n_tiles,
         x.stride(0), x.stride(1), w.stride(0), w.stride(1),
@@ -383,11 +406,12 @@ def logits_tiles(x, w, b, t_local, *, softcap=None, inv_t=1.0, tile_m=None, tile
         float(softcap or 1.0), float(inv_t),
         HAS_BIAS=b is not None, SOFTCAP=softcap is not None, TEMPERATURE=inv_t != 1.0, GRAD=grad,
         WRITE_P=p is not None and not grad, SUM_Z=tile_z is not None, SUM_EZ=tile_ez is not None,
-        HAS_CB=cb is not None, HAS_CD=cd is not None, IEEE=x.dtype == torch.float32, TMA=tma, **cfg,
+        HAS_CB=cb is not None, HAS_CD=cd is not None, IEEE=x.dtype == torch.float32, TMA=tma, P_DESC=p_desc,
+        **cfg,
     )
 
 
-def probs_to_grad_(p, g, tile_m, lse, zt, t_local, coef, softcap, block_n: int, block_m=None, num_warps=4):
+def probs_to_grad_(p, g, tile_m, lse, zt, t_local, coef, softcap, block_n: int, block_m=None, num_warps=None):
     """The gradient from the fast route's ``p = exp(z - m_t)`` into ``g`` (may alias ``p``); ``coef = (a, c, d)``
     per-row vectors (``d`` may be None), ``zt`` the global target logit per row (used with a soft cap).
     ``block_m`` / ``num_warps`` override the launch shape (for ``launch/tune_kernels.py``)."""
@@ -395,7 +419,10 @@ def probs_to_grad_(p, g, tile_m, lse, zt, t_local, coef, softcap, block_n: int, 
     if m == 0 or v == 0:
         return
     ca, cc, cd = coef
-    block_m = block_m or (16 if INTERPRET or not p.is_cuda else 32)
+    # 16 rows x 256 columns per program, 8 warps: 3.75 TB/s on an H200 (launch/tune_kernels.py, 2026-11-21), against
+    # 3.2 TB/s for the 32-row, 4-warp shape used before.
+    block_m = block_m or 16
+    num_warps = num_warps or (4 if INTERPRET or not p.is_cuda else 8)
     grid = (triton.cdiv(m, block_m), triton.cdiv(v, block_n))
     _probs_to_grad_kernel[grid](
         p, g, tile_m, lse, ca, cc, ca if cd is None else cd, t_local, zt, m, v, tile_m.shape[1],

@@ -40,7 +40,7 @@ import torch
 
 from . import kernels
 from .formulas import Coefficients, ce_coefficients, ce_loss, logprob_coefficients, logprob_outputs
-from .gemm import addmm_out_, mm_into, mm_out
+from .gemm import addmm_out_, mm_into, mm_out, sm_carveout
 from .grads import pad_rows, weight_grad
 from .options import LossOptions
 from .parallel import HiddenGradReduce, VocabShard, combine_packed, exchange_packed, gather_sequence
@@ -58,6 +58,7 @@ ROW_ALIGN = 128      # chunk and sub-chunk boundaries are multiples of the kerne
 SPLIT_FOR_OVERLAP = True
 REDUCE_DX_IN_FORWARD = True
 FUSED_STATS = True  # per-chunk tile reduction and combine as two Triton launches instead of ~20 torch ops
+DW_SM_CARVEOUT: int | None = None  # SMs the dW GEMM leaves to the dX reduction beside it (gemm.sm_carveout)
 
 
 def _round_to(x: int, m: int) -> int:
@@ -237,8 +238,10 @@ class TritonLinearCrossEntropy(torch.autograd.Function):
                     reduce_dx.add(sl)
                 if v == 0:
                     continue
-                if needs_grad[1]:
-                    dw = mm_out(pc.t(), hidden[sl], torch.float32) if dw is None else addmm_out_(dw, pc.t(), hidden[sl])
+                if needs_grad[1]:  # leaves SMs to this chunk's dX reduction, which runs beside it
+                    with sm_carveout(DW_SM_CARVEOUT if reduce_dx is not None else None, dev):
+                        dw = mm_out(pc.t(), hidden[sl], torch.float32) if dw is None \
+                            else addmm_out_(dw, pc.t(), hidden[sl])
                 if db is not None:
                     db += pc.sum(0, dtype=torch.float32)
             if needs_grad[1] and dw is None:  # no chunk ran (no tokens, or all-padding shard)
