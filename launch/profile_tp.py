@@ -11,6 +11,7 @@ parallelism). Rank 0 prints the median step time (CUDA events) of:
 - ``neither``: both of the above off (no overlap at all);
 - ``unfused-stats``: the per-chunk statistics as torch ops instead of two Triton launches (``FUSED_STATS``);
 - ``carveout-K``: the dW GEMM leaves ``K`` SMs to the dX reduction running beside it (``DW_SM_CARVEOUT``);
+- ``p-tma-store``: the fused GEMM's P tiles written by tensor-descriptor stores (``kernels.P_TMA_STORE``);
 - ``high-priority``: the default on a group whose NCCL stream has high priority (so that its kernels get SMs
   while a GEMM's grid is still being scheduled);
 - ``default-again``: the default once more, to show drift over the run;
@@ -34,10 +35,12 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import vpce  # noqa: E402
-from vpce import triton_backend  # noqa: E402
+from vpce import kernels, triton_backend  # noqa: E402
 
 
-SWITCHES = ("SPLIT_FOR_OVERLAP", "REDUCE_DX_IN_FORWARD", "FUSED_STATS", "DW_SM_CARVEOUT")
+SWITCHES = {name: triton_backend for name in ("SPLIT_FOR_OVERLAP", "REDUCE_DX_IN_FORWARD", "FUSED_STATS",
+                                               "DW_SM_CARVEOUT")}
+SWITCHES["P_TMA_STORE"] = kernels
 
 
 def _median_ms(step, reps: int) -> float:
@@ -105,17 +108,17 @@ def main() -> int:
         xs.grad = w.grad = None
         vpce.linear_cross_entropy(xs, w, y, group=group, sequence_parallel=args.sp).backward()
 
-    defaults = {name: getattr(triton_backend, name) for name in SWITCHES}
+    defaults = {name: getattr(module, name) for name, module in SWITCHES.items()}
 
     def with_flags(group=dist.group.WORLD, **switches):
         def run():
             for name, value in switches.items():
-                setattr(triton_backend, name, value)
+                setattr(SWITCHES[name], name, value)
             try:
                 step(group)
             finally:
                 for name, value in defaults.items():
-                    setattr(triton_backend, name, value)
+                    setattr(SWITCHES[name], name, value)
         return run
 
     variants = {"default": with_flags(), "no-split": with_flags(SPLIT_FOR_OVERLAP=False),
@@ -123,6 +126,7 @@ def main() -> int:
                 "neither": with_flags(SPLIT_FOR_OVERLAP=False, REDUCE_DX_IN_FORWARD=False),
                 "unfused-stats": with_flags(FUSED_STATS=False),
                 **{f"carveout-{k}": with_flags(DW_SM_CARVEOUT=k) for k in args.carveouts},
+                "p-tma-store": with_flags(P_TMA_STORE=True),
                 "high-priority": with_flags(group=hi), "default-again": with_flags()}
     results = {}
     for name, fn in variants.items():
@@ -152,9 +156,9 @@ def main() -> int:
         for e in sorted(events, key=lambda e: -e.self_device_time_total)[:16]:
             print(f"  {e.self_device_time_total / steps / 1e3:8.3f} ms  x{e.count // steps:<4d} {e.key[:90]}")
         try:
-            kernels = [e for e in prof.events() if e.device_type == cuda]
-            comm = [(e.time_range.start, e.time_range.end) for e in kernels if "nccl" in e.name.lower()]
-            other = [(e.time_range.start, e.time_range.end) for e in kernels if "nccl" not in e.name.lower()]
+            gpu_kernels = [e for e in prof.events() if e.device_type == cuda]
+            comm = [(e.time_range.start, e.time_range.end) for e in gpu_kernels if "nccl" in e.name.lower()]
+            other = [(e.time_range.start, e.time_range.end) for e in gpu_kernels if "nccl" not in e.name.lower()]
             print(f"NCCL kernels: {sum(e - s for s, e in comm) / steps / 1e3:.3f} ms per step, of which not "
                   f"overlapped by other kernels: {_exposed(comm, other) / steps / 1e3:.3f} ms")
         except Exception as exc:  # noqa: BLE001 - the interval view is a bonus
