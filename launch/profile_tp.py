@@ -10,15 +10,15 @@ parallelism). Rank 0 prints the median step time (CUDA events) of:
 - ``dx-in-backward``: dX summed in backward by the autograd region (``REDUCE_DX_IN_FORWARD = False``);
 - ``neither``: both of the above off (no overlap at all);
 - ``unfused-stats``: the per-chunk statistics as torch ops instead of two Triton launches (``FUSED_STATS``);
-- ``carveout-K``: the dW GEMM leaves ``K`` SMs to the dX reduction running beside it (``DW_SM_CARVEOUT``);
-- ``p-tma-store``: the fused GEMM's P tiles written by tensor-descriptor stores (``kernels.P_TMA_STORE``);
+- ``beside-dw`` / ``beside-next`` / ``beside-next-all``: what each chunk's dX reduction runs beside
+  (``DX_REDUCE_BESIDE``: that chunk's dW GEMM, or the next chunk's fused GEMM);
 - ``high-priority``: the default on a group whose NCCL stream has high priority (so that its kernels get SMs
-  while a GEMM's grid is still being scheduled);
-- ``default-again``: the default once more, to show drift over the run;
+  while a GEMM's grid is still being scheduled).
 
-then profiles ``--profile-steps`` default steps under ``torch.profiler``: GPU time per kernel, and how much NCCL
-kernel time no other kernel overlaps (``exposed``). ``--out`` gets every rank's Chrome trace. Tuning notes, not a
-benchmark: the numbers that count come from ``python -m vpce.bench --tp``.
+Variants are timed in interleaved rounds (each variant's steps once per round), so that clock drift under
+sustained load spreads over all of them. Then ``--profile-steps`` default steps run under ``torch.profiler``: GPU
+time per kernel, and how much NCCL kernel time no other kernel overlaps (``exposed``); ``--out`` gets every rank's
+Chrome trace. Tuning notes, not a benchmark: the numbers that count come from ``python -m vpce.bench --tp``.
 """
 
 from __future__ import annotations
@@ -35,27 +35,21 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import vpce  # noqa: E402
-from vpce import kernels, triton_backend  # noqa: E402
+from vpce import triton_backend  # noqa: E402
+
+SWITCHES = ("SPLIT_FOR_OVERLAP", "REDUCE_DX_IN_FORWARD", "FUSED_STATS", "DX_REDUCE_BESIDE")
 
 
-SWITCHES = {name: triton_backend for name in ("SPLIT_FOR_OVERLAP", "REDUCE_DX_IN_FORWARD", "FUSED_STATS",
-                                               "DW_SM_CARVEOUT")}
-SWITCHES["P_TMA_STORE"] = kernels
-
-
-def _median_ms(step, reps: int) -> float:
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+def _timed_ms(step, reps: int) -> list[float]:
+    """One warm-up step, then ``reps`` steps back to back, each bracketed by CUDA events."""
+    step()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for a, b in events:
         a.record()
         step()
         b.record()
-        times.append((a, b))
     torch.cuda.synchronize()
-    return statistics.median(a.elapsed_time(b) for a, b in times)
+    return [a.elapsed_time(b) for a, b in events]
 
 
 def _exposed(intervals_comm, intervals_other) -> float:
@@ -80,10 +74,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="16384x4096x128256", help="NxDxV of the whole head")
     ap.add_argument("--sp", action="store_true")
-    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--reps", type=int, default=5, help="timed steps per variant per round")
+    ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--out", type=Path, default=None, help="each rank's Chrome trace goes here")
-    ap.add_argument("--carveouts", type=lambda t: [int(x) for x in t.split(",") if x], default=[8, 16, 32],
-                    help="SM carve-outs of the dW GEMM to time (comma-separated)")
     ap.add_argument("--profile-steps", type=int, default=5)
     args = ap.parse_args()
     n, d, v = (int(t) for t in args.shape.split("x"))
@@ -108,36 +101,39 @@ def main() -> int:
         xs.grad = w.grad = None
         vpce.linear_cross_entropy(xs, w, y, group=group, sequence_parallel=args.sp).backward()
 
-    defaults = {name: getattr(module, name) for name, module in SWITCHES.items()}
+    defaults = {name: getattr(triton_backend, name) for name in SWITCHES}
 
     def with_flags(group=dist.group.WORLD, **switches):
         def run():
             for name, value in switches.items():
-                setattr(SWITCHES[name], name, value)
+                setattr(triton_backend, name, value)
             try:
                 step(group)
             finally:
                 for name, value in defaults.items():
-                    setattr(SWITCHES[name], name, value)
+                    setattr(triton_backend, name, value)
         return run
 
     variants = {"default": with_flags(), "no-split": with_flags(SPLIT_FOR_OVERLAP=False),
                 "dx-in-backward": with_flags(REDUCE_DX_IN_FORWARD=False),
                 "neither": with_flags(SPLIT_FOR_OVERLAP=False, REDUCE_DX_IN_FORWARD=False),
                 "unfused-stats": with_flags(FUSED_STATS=False),
-                **{f"carveout-{k}": with_flags(DW_SM_CARVEOUT=k) for k in args.carveouts},
-                "p-tma-store": with_flags(P_TMA_STORE=True),
-                "high-priority": with_flags(group=hi), "default-again": with_flags()}
-    results = {}
-    for name, fn in variants.items():
-        ms = _median_ms(fn, args.reps)
-        every = [None] * tp
-        dist.all_gather_object(every, ms)
-        results[name] = every
+                **{f"beside-{k}": with_flags(DX_REDUCE_BESIDE=k) for k in ("dw", "next", "next-all")},
+                "high-priority": with_flags(group=hi)}
+    # Interleaved rounds (every variant once per round): the GPUs' clocks drift under sustained load, and a
+    # variant timed in one block would carry that drift.
+    samples = {name: [] for name in variants}
+    for _ in range(args.rounds):
+        for name, fn in variants.items():
+            samples[name] += _timed_ms(fn, args.reps)
+    every = [None] * tp
+    dist.all_gather_object(every, {name: statistics.median(x) for name, x in samples.items()})
     if rank == 0:
-        print(f"tp={tp} N={n} D={d} V={v} sp={args.sp}: median step ms, max over ranks (each rank's)")
-        for name, every in results.items():
-            print(f"  {name:16s} {max(every):8.3f}   ({' '.join(f'{x:.3f}' for x in every)})")
+        print(f"tp={tp} N={n} D={d} V={v} sp={args.sp}: median step ms over {args.rounds} interleaved rounds of "
+              f"{args.reps} steps, max over ranks (each rank's)")
+        for name in variants:
+            per_rank = [e[name] for e in every]
+            print(f"  {name:16s} {max(per_rank):8.3f}   ({' '.join(f'{x:.3f}' for x in per_rank)})")
 
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     steps = args.profile_steps

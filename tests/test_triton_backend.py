@@ -177,38 +177,6 @@ def test_gpu_bitwise_deterministic(budget):
         assert torch.equal(x, y)
 
 
-@gpu_only
-@pytest.mark.parametrize("budget", ["auto", "lean"])
-def test_gpu_p_tile_store_paths_agree_bitwise(budget, monkeypatch):
-    """The fused GEMM's P tiles written by the copy engine (tensor-descriptor store) or by plain stores: the same
-    bits (V not a multiple of the tile width: the copy engine clips the last tile)."""
-    from vpce import kernels
-
-    p = make_problem(2000, 512, 30016, dtype=torch.bfloat16, ignore_frac=0.1, seed=5)
-    monkeypatch.setattr(kernels, "P_TMA_STORE", False)
-    plain = run(p, memory_budget=budget)
-    monkeypatch.setattr(kernels, "P_TMA_STORE", True)
-    bulk = run(p, memory_budget=budget)
-    for x, y in zip(plain, bulk):
-        assert (x is None and y is None) or torch.equal(x, y)
-
-
-@gpu_only
-def test_gpu_sm_carveout_keeps_the_product_and_restores_settings():
-    from vpce.gemm import addmm_out_, sm_carveout
-
-    gen = torch.Generator(device="cuda").manual_seed(3)
-    a = torch.randn(1000, 3000, device="cuda", dtype=torch.bfloat16, generator=gen)
-    b = torch.randn(3000, 700, device="cuda", dtype=torch.bfloat16, generator=gen)
-    before = (torch.backends.cuda.preferred_blas_library(), torch._C._get_sm_carveout_experimental())
-    acc = torch.ones(1000, 700, device="cuda", dtype=torch.float32)
-    with sm_carveout(16, a.device):
-        assert torch._C._get_sm_carveout_experimental() == 16
-        addmm_out_(acc, a, b)
-    assert (torch.backends.cuda.preferred_blas_library(), torch._C._get_sm_carveout_experimental()) == before
-    assert rel_err(acc.double(), 1 + a.double() @ b.double()) < 1e-6
-
-
 @pytest.mark.parametrize("sum_z,sum_ez", [(False, False), (True, False), (False, True), (True, True)])
 @pytest.mark.parametrize("world", [1, 3])
 def test_statistics_kernels_match_the_torch_combine(sum_z, sum_ez, world):

@@ -8,11 +8,9 @@ reduction dimension, so the extra memory stays bounded.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
-__all__ = ["mm_out", "mm_into", "addmm_out_", "sm_carveout"]
+__all__ = ["mm_out", "mm_into", "addmm_out_"]
 
 _HAS_MIXED: dict[str, bool] = {}
 _HAS_INTO: dict[str, bool] = {}
@@ -70,27 +68,3 @@ def addmm_out_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Ten
     for k0 in range(0, a.shape[1], step):
         acc.addmm_(a[:, k0:k0 + step].to(acc.dtype), b[k0:k0 + step].to(acc.dtype))
     return acc
-
-
-@contextlib.contextmanager
-def sm_carveout(sms: int | None, device: torch.device):
-    """cuBLAS GEMMs issued inside leave ``sms`` SMs of a CUDA ``device`` free, so that a collective's kernels on
-    another stream get SMs while the GEMM runs (a persistent GEMM holds every SM until its last tile otherwise).
-
-    Uses torch's experimental carve-out (``CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET``), which only the cuBLASLt path
-    reads, so cuBLASLt is the preferred BLAS library inside too; both process-wide settings are restored on exit.
-    A no-op for ``sms`` None or 0, on other devices, and on a torch without the carve-out.
-    """
-    setter = getattr(torch._C, "_set_sm_carveout_experimental", None)
-    if not sms or device.type != "cuda" or setter is None:
-        yield
-        return
-    library = torch.backends.cuda.preferred_blas_library()
-    before = torch._C._get_sm_carveout_experimental()
-    torch.backends.cuda.preferred_blas_library("cublaslt")
-    setter(int(sms))
-    try:
-        yield
-    finally:
-        setter(before)
-        torch.backends.cuda.preferred_blas_library(library)

@@ -40,9 +40,6 @@ except ImportError:  # pragma: no cover - older Triton: pointer loads only
 __all__ = ["logits_tiles", "probs_to_grad_", "reduce_tiles", "combine_stats", "scale_cast", "tile_n", "INTERPRET"]
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-# Write the fused GEMM's 16-bit P tiles with the copy engine (a tensor-descriptor store) where TMA loads are used;
-# under measurement (launch/tune_kernels.py sweeps both), off until it is shown faster.
-P_TMA_STORE = False
 
 
 @triton.jit
@@ -85,11 +82,10 @@ def _logits_tile(
     # meta
     HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, TEMPERATURE: tl.constexpr, GRAD: tl.constexpr,
     WRITE_P: tl.constexpr, SUM_Z: tl.constexpr, SUM_EZ: tl.constexpr, HAS_CB: tl.constexpr,
-    HAS_CD: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr, P_DESC: tl.constexpr,
+    HAS_CD: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
 ):
-    """One [BLOCK_M, BLOCK_N] tile: the GEMM over D, then the epilogue. ``P_DESC``: ``P`` is a tensor descriptor
-    (the tile goes out as one bulk store, clipped to ``P``'s shape by the copy engine)."""
+    """One [BLOCK_M, BLOCK_N] tile: the GEMM over D, then the epilogue."""
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
 
@@ -150,10 +146,7 @@ def _logits_tile(
             cd = tl.load(CD + rm, mask=row_ok, other=0.0)
         p = tl.exp(z - lse[:, None])
         g = _dlogits(p, acc, hit, col_ok, ca, cb, cc, cd, dcap, HAS_CB, HAS_CD, SOFTCAP)
-        if P_DESC:
-            P.store([pid_m * BLOCK_M, pid_n * BLOCK_N], g.to(P.dtype))
-        else:
-            tl.store(P + p_offs, g.to(P.dtype.element_ty), mask=p_mask)
+        tl.store(P + p_offs, g.to(P.dtype.element_ty), mask=p_mask)
     else:
         # -- online-softmax statistics of this tile --
         m_t = tl.max(z, axis=1)
@@ -169,10 +162,7 @@ def _logits_tile(
         mine = row_ok & (t >= pid_n * BLOCK_N) & (t < pid_n * BLOCK_N + BLOCK_N)
         tl.store(ZT + rm, zt, mask=mine)
         if WRITE_P:
-            if P_DESC:
-                P.store([pid_m * BLOCK_M, pid_n * BLOCK_N], e.to(P.dtype))
-            else:
-                tl.store(P + p_offs, e.to(P.dtype.element_ty), mask=p_mask)
+            tl.store(P + p_offs, e.to(P.dtype.element_ty), mask=p_mask)
 
 
 @triton.heuristics({"EVEN_K": lambda a: a["D"] % a["BLOCK_K"] == 0})
@@ -189,7 +179,7 @@ def _logits_tiles_kernel(
     # meta
     HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, TEMPERATURE: tl.constexpr, GRAD: tl.constexpr,
     WRITE_P: tl.constexpr, SUM_Z: tl.constexpr, SUM_EZ: tl.constexpr, HAS_CB: tl.constexpr,
-    HAS_CD: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr, P_DESC: tl.constexpr,
+    HAS_CD: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr,
 ):
@@ -204,7 +194,7 @@ def _logits_tiles_kernel(
                  X, W, BIAS, TL, TILE_M, TILE_S, TILE_Z, TILE_EZ, ZT, P, LSE, CA, CB, CC, CD,
                  M, V, D, n_tiles, stride_xm, stride_xk, stride_wv, stride_wk, stride_pm, stride_pn,
                  softcap, inv_t, HAS_BIAS, SOFTCAP, TEMPERATURE, GRAD, WRITE_P, SUM_Z, SUM_EZ, HAS_CB, HAS_CD,
-                 IEEE, TMA, P_DESC, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
+                 IEEE, TMA, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
 
 
 @triton.jit
@@ -382,7 +372,6 @@ def logits_tiles(x, w, b, t_local, *, softcap=None, inv_t=1.0, tile_m=None, tile
         return
     cfg = dict(config or _config(x))
     tma = cfg.pop("TMA", _use_tma(x, w))
-    p_desc = cfg.pop("P_TMA_STORE", P_TMA_STORE) and tma and p is not None and p.element_size() == 2 and _tma_ok(p)
     bn = cfg["BLOCK_N"]
     n_tiles = triton.cdiv(v, bn)
     grad = lse is not None
@@ -391,14 +380,12 @@ def logits_tiles(x, w, b, t_local, *, softcap=None, inv_t=1.0, tile_m=None, tile
     pick = lambda t: dummy if t is None else t  # noqa: E731
     out = p if p is not None else x.new_empty(0)
     grid = (triton.cdiv(m, cfg["BLOCK_M"]) * n_tiles,)
-    xa, wa, pa = x, w, out
+    xa, wa = x, w
     if tma:
         xa = TensorDescriptor.from_tensor(x, [cfg["BLOCK_M"], cfg["BLOCK_K"]])
         wa = TensorDescriptor.from_tensor(w, [bn, cfg["BLOCK_K"]])
-    if p_desc:
-        pa = TensorDescriptor.from_tensor(p, [cfg["BLOCK_M"], bn])
     _logits_tiles_kernel[grid](
-        xa, wa, pick(b), t_local, pick(tile_m), pick(tile_s), pick(tile_z), pick(tile_ez), pick(zt), pa,
+        xa, wa, pick(b), t_local, pick(tile_m), pick(tile_s), pick(tile_z), pick(tile_ez), pick(zt), out,
         pick(lse), pick(ca), pick(cb), pick(cc), pick(cd),
         m, v, d, n_tiles,
         x.stride(0), x.stride(1), w.stride(0), w.stride(1),
@@ -406,8 +393,7 @@ def logits_tiles(x, w, b, t_local, *, softcap=None, inv_t=1.0, tile_m=None, tile
         float(softcap or 1.0), float(inv_t),
         HAS_BIAS=b is not None, SOFTCAP=softcap is not None, TEMPERATURE=inv_t != 1.0, GRAD=grad,
         WRITE_P=p is not None and not grad, SUM_Z=tile_z is not None, SUM_EZ=tile_ez is not None,
-        HAS_CB=cb is not None, HAS_CD=cd is not None, IEEE=x.dtype == torch.float32, TMA=tma, P_DESC=p_desc,
-        **cfg,
+        HAS_CB=cb is not None, HAS_CD=cd is not None, IEEE=x.dtype == torch.float32, TMA=tma, **cfg,
     )
 
 

@@ -40,7 +40,7 @@ import torch
 
 from . import kernels
 from .formulas import Coefficients, ce_coefficients, ce_loss, logprob_coefficients, logprob_outputs
-from .gemm import addmm_out_, mm_into, mm_out, sm_carveout
+from .gemm import addmm_out_, mm_into, mm_out
 from .grads import pad_rows, weight_grad
 from .options import LossOptions
 from .parallel import HiddenGradReduce, VocabShard, combine_packed, exchange_packed, gather_sequence
@@ -58,7 +58,10 @@ ROW_ALIGN = 128      # chunk and sub-chunk boundaries are multiples of the kerne
 SPLIT_FOR_OVERLAP = True
 REDUCE_DX_IN_FORWARD = True
 FUSED_STATS = True  # per-chunk tile reduction and combine as two Triton launches instead of ~20 torch ops
-DW_SM_CARVEOUT: int | None = None  # SMs the dW GEMM leaves to the dX reduction beside it (gemm.sm_carveout)
+# What each chunk's dX reduction (under a group) runs beside: "dw", that chunk's dW GEMM (dX GEMM, reduce, dW
+# GEMM); "next", the next chunk's fused GEMM (dW GEMM first, then dX), the last chunk as "dw"; "next-all", "next"
+# for the last chunk too (its reduction then overlaps nothing).
+DX_REDUCE_BESIDE = "dw"
 
 
 def _round_to(x: int, m: int) -> int:
@@ -182,6 +185,16 @@ def _recompute_grads(hidden, weight, bias, tl_local, lse, coef: Coefficients, sh
     return (None if dx is None else dx.to(dtype), dw, None if db is None else db.to(dtype))
 
 
+def _weight_grads(pc, x, dw, db, want_dw: bool):
+    """One chunk's ``dW += P^T x`` into the fp32 accumulator (allocated by the first chunk: no zero fill) and
+    ``db += column sums of P``; returns the accumulator."""
+    if want_dw:
+        dw = mm_out(pc.t(), x, torch.float32) if dw is None else addmm_out_(dw, pc.t(), x)
+    if db is not None:
+        db += pc.sum(0, dtype=torch.float32)
+    return dw
+
+
 class TritonLinearCrossEntropy(torch.autograd.Function):
     """Inputs are 2-D ``hidden [N, D]``, 1-D ``target [N]`` and optional ``token_weight [N]``; returns the fp32
     loss per ``reduction``. ``main_grad``: add the weight gradient into ``weight.main_grad`` instead.
@@ -232,18 +245,17 @@ class TritonLinearCrossEntropy(torch.autograd.Function):
                         co = ce_coefficients(unit[part], lse, opts, shard.vocab_size)
                         kernels.probs_to_grad_(pc[r], pc[r], stats.m[r], lse, zt, tl_local[part],
                                                (co.a, co.c, co.d), opts.softcap, kernels.tile_n(hidden))
+                # dW first where the chunk's dX reduction should run beside the next chunk's fused GEMM
+                dw_first = reduce_dx is not None and v > 0 and (
+                    DX_REDUCE_BESIDE == "next-all" or (DX_REDUCE_BESIDE == "next" and sl.stop < n))
+                if dw_first:
+                    dw = _weight_grads(pc, hidden[sl], dw, db, needs_grad[1])
                 if v > 0 and dx is not None:
                     mm_into(dx[sl], pc, w)
-                if reduce_dx is not None:  # overlaps this chunk's dW GEMM and the next chunk
+                if reduce_dx is not None:
                     reduce_dx.add(sl)
-                if v == 0:
-                    continue
-                if needs_grad[1]:  # leaves SMs to this chunk's dX reduction, which runs beside it
-                    with sm_carveout(DW_SM_CARVEOUT if reduce_dx is not None else None, dev):
-                        dw = mm_out(pc.t(), hidden[sl], torch.float32) if dw is None \
-                            else addmm_out_(dw, pc.t(), hidden[sl])
-                if db is not None:
-                    db += pc.sum(0, dtype=torch.float32)
+                if v > 0 and not dw_first:
+                    dw = _weight_grads(pc, hidden[sl], dw, db, needs_grad[1])
             if needs_grad[1] and dw is None:  # no chunk ran (no tokens, or all-padding shard)
                 dw = torch.zeros(v, d, dtype=torch.float32, device=dev)
             if reduce_dx is not None:
