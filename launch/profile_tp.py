@@ -10,8 +10,7 @@ parallelism). Rank 0 prints the median step time (CUDA events) of:
 - ``dx-in-backward``: dX summed in backward by the autograd region (``REDUCE_DX_IN_FORWARD = False``);
 - ``neither``: both of the above off (no overlap at all);
 - ``unfused-stats``: the per-chunk statistics as torch ops instead of two Triton launches (``FUSED_STATS``);
-- ``beside-dw`` / ``beside-next`` / ``beside-next-all``: what each chunk's dX reduction runs beside
-  (``DX_REDUCE_BESIDE``: that chunk's dW GEMM, or the next chunk's fused GEMM);
+- ``default-again``: the default once more (the spread between the two is the noise);
 - ``high-priority``: the default on a group whose NCCL stream has high priority (so that its kernels get SMs
   while a GEMM's grid is still being scheduled).
 
@@ -37,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import vpce  # noqa: E402
 from vpce import triton_backend  # noqa: E402
 
-SWITCHES = ("SPLIT_FOR_OVERLAP", "REDUCE_DX_IN_FORWARD", "FUSED_STATS", "DX_REDUCE_BESIDE")
+SWITCHES = ("SPLIT_FOR_OVERLAP", "REDUCE_DX_IN_FORWARD", "FUSED_STATS")
 
 
 def _timed_ms(step, reps: int) -> list[float]:
@@ -118,7 +117,7 @@ def main() -> int:
                 "dx-in-backward": with_flags(REDUCE_DX_IN_FORWARD=False),
                 "neither": with_flags(SPLIT_FOR_OVERLAP=False, REDUCE_DX_IN_FORWARD=False),
                 "unfused-stats": with_flags(FUSED_STATS=False),
-                **{f"beside-{k}": with_flags(DX_REDUCE_BESIDE=k) for k in ("dw", "next", "next-all")},
+                "default-again": with_flags(),
                 "high-priority": with_flags(group=hi)}
     # Interleaved rounds (every variant once per round): the GPUs' clocks drift under sustained load, and a
     # variant timed in one block would carry that drift.

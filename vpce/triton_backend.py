@@ -58,10 +58,6 @@ ROW_ALIGN = 128      # chunk and sub-chunk boundaries are multiples of the kerne
 SPLIT_FOR_OVERLAP = True
 REDUCE_DX_IN_FORWARD = True
 FUSED_STATS = True  # per-chunk tile reduction and combine as two Triton launches instead of ~20 torch ops
-# What each chunk's dX reduction (under a group) runs beside: "dw", that chunk's dW GEMM (dX GEMM, reduce, dW
-# GEMM); "next", the next chunk's fused GEMM (dW GEMM first, then dX), the last chunk as "dw"; "next-all", "next"
-# for the last chunk too (its reduction then overlaps nothing).
-DX_REDUCE_BESIDE = "dw"
 
 
 def _round_to(x: int, m: int) -> int:
@@ -245,16 +241,11 @@ class TritonLinearCrossEntropy(torch.autograd.Function):
                         co = ce_coefficients(unit[part], lse, opts, shard.vocab_size)
                         kernels.probs_to_grad_(pc[r], pc[r], stats.m[r], lse, zt, tl_local[part],
                                                (co.a, co.c, co.d), opts.softcap, kernels.tile_n(hidden))
-                # dW first where the chunk's dX reduction should run beside the next chunk's fused GEMM
-                dw_first = reduce_dx is not None and v > 0 and (
-                    DX_REDUCE_BESIDE == "next-all" or (DX_REDUCE_BESIDE == "next" and sl.stop < n))
-                if dw_first:
-                    dw = _weight_grads(pc, hidden[sl], dw, db, needs_grad[1])
                 if v > 0 and dx is not None:
                     mm_into(dx[sl], pc, w)
-                if reduce_dx is not None:
+                if reduce_dx is not None:  # overlaps this chunk's dW GEMM and the next chunk
                     reduce_dx.add(sl)
-                if v > 0 and not dw_first:
+                if v > 0:
                     dw = _weight_grads(pc, hidden[sl], dw, db, needs_grad[1])
             if needs_grad[1] and dw is None:  # no chunk ran (no tokens, or all-padding shard)
                 dw = torch.zeros(v, d, dtype=torch.float32, device=dev)

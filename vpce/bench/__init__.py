@@ -61,7 +61,8 @@ Tensor parallelism: ``torchrun --nproc-per-node K -m vpce.bench --tp [--sp]`` (o
 the vocab over the K processes and measures, on every rank, the rows with a vocab-parallel form (``Method.tp``):
 the per-rank floor (the three GEMMs on the rank's shard), megatron-core's two vocab-parallel losses behind
 Megatron's copy (or sequence-parallel gather) region, liger-kernel's TP function, ``chunked-tp`` (the idea of
-liger-kernel's TP fallback in plain torch), torch ``loss_parallel`` (fp32 and bf16 logits) and vpce; the table
+liger-kernel's TP fallback in plain torch), torch ``loss_parallel`` (fp32 and bf16 logits) and vpce (also
+``vpce-triton-bwd-reduce``: dX summed in backward in 16 bits, as Megatron does, instead of in fp32); the table
 shows the maximum over ranks, and ``bench-tp<K>[-sp].json`` every rank's own row. ``vpce.bench.tp`` says how, and
 ``python -m vpce.bench.plots_tp`` plots several such runs against tp.
 """

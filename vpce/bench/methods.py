@@ -388,6 +388,22 @@ def _vpce(env: Env, *, backend: str, memory_budget: str = "auto") -> LossFn:
                              sequence_parallel=env.sequence_parallel)
 
 
+def _vpce_backward_reduce(env: Env) -> LossFn:
+    """vpce triton with dX summed over the group in backward, in the input dtype (one all-reduce, or reduce-scatter
+    with SP, of the 16-bit dX, as Megatron does), instead of chunk by chunk in forward in fp32 (the default)."""
+    from .. import linear_cross_entropy, triton_backend
+
+    def fn(x, w, y):
+        before = triton_backend.REDUCE_DX_IN_FORWARD
+        triton_backend.REDUCE_DX_IN_FORWARD = False  # read in forward only
+        try:
+            return linear_cross_entropy(x, w, y, backend="triton", group=env.group,
+                                        sequence_parallel=env.sequence_parallel)
+        finally:
+            triton_backend.REDUCE_DX_IN_FORWARD = before
+    return fn
+
+
 def _vpce_variant(env: Env, **options) -> LossFn:
     """vpce triton with loss options (``token_weight``: a fixed random weight per token)."""
     from .. import linear_cross_entropy
@@ -447,6 +463,8 @@ METHODS: dict[str, Method] = {m.name: m for m in [
            even_shards=True),
     Method(name="vpce-triton", label="vpce triton", build=functools.partial(_vpce, backend="triton"),
            package="vpce", needs_cuda=True, no_grad=True, tp=True),
+    Method(name="vpce-triton-bwd-reduce", label="vpce triton, 16-bit dX reduce in bwd", build=_vpce_backward_reduce,
+           package="vpce", needs_cuda=True, tp=True, tp_only=True),
     Method(name="vpce-triton-lean", label="vpce triton lean",
            build=functools.partial(_vpce, backend="triton", memory_budget="lean"), package="vpce",
            needs_cuda=True, tp=True),
