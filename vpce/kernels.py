@@ -343,12 +343,8 @@ def _use_tma(x: torch.Tensor, w: torch.Tensor) -> bool:
         return False
     if torch.cuda.get_device_capability(x.device)[0] < 9:
         return False
-    return _tma_ok(x) and _tma_ok(w)
-
-
-def _tma_ok(t: torch.Tensor) -> bool:
-    """A 2-D tensor the copy engine can address: unit inner stride, 16-byte aligned base and row pitch."""
-    return t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
+    ok = lambda t: t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0  # noqa: E731
+    return ok(x) and ok(w)
 
 
 def tile_n(x: torch.Tensor) -> int:

@@ -181,16 +181,6 @@ def _recompute_grads(hidden, weight, bias, tl_local, lse, coef: Coefficients, sh
     return (None if dx is None else dx.to(dtype), dw, None if db is None else db.to(dtype))
 
 
-def _weight_grads(pc, x, dw, db, want_dw: bool):
-    """One chunk's ``dW += P^T x`` into the fp32 accumulator (allocated by the first chunk: no zero fill) and
-    ``db += column sums of P``; returns the accumulator."""
-    if want_dw:
-        dw = mm_out(pc.t(), x, torch.float32) if dw is None else addmm_out_(dw, pc.t(), x)
-    if db is not None:
-        db += pc.sum(0, dtype=torch.float32)
-    return dw
-
-
 class TritonLinearCrossEntropy(torch.autograd.Function):
     """Inputs are 2-D ``hidden [N, D]``, 1-D ``target [N]`` and optional ``token_weight [N]``; returns the fp32
     loss per ``reduction``. ``main_grad``: add the weight gradient into ``weight.main_grad`` instead.
@@ -245,8 +235,12 @@ class TritonLinearCrossEntropy(torch.autograd.Function):
                     mm_into(dx[sl], pc, w)
                 if reduce_dx is not None:  # overlaps this chunk's dW GEMM and the next chunk
                     reduce_dx.add(sl)
-                if v > 0:
-                    dw = _weight_grads(pc, hidden[sl], dw, db, needs_grad[1])
+                if v == 0:
+                    continue
+                if needs_grad[1]:
+                    dw = mm_out(pc.t(), hidden[sl], torch.float32) if dw is None else addmm_out_(dw, pc.t(), hidden[sl])
+                if db is not None:
+                    db += pc.sum(0, dtype=torch.float32)
             if needs_grad[1] and dw is None:  # no chunk ran (no tokens, or all-padding shard)
                 dw = torch.zeros(v, d, dtype=torch.float32, device=dev)
             if reduce_dx is not None:
