@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import vpce
-from oracle import rel_err
+from vpce.reference import rel_err
 from problems import leaf, make_problem
 
 CUDA = torch.cuda.is_available()

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 import vpce
 from distributed import run_ranks
-from oracle import reference, rel_err
+from vpce.reference import reference, rel_err
 from problems import VARIANTS, leaf, make_problem
 
 

@@ -5,7 +5,7 @@ import torch
 
 import vpce
 from distributed import run_ranks
-from oracle import reference, rel_err
+from vpce.reference import reference, rel_err
 from problems import make_problem
 
 pytest.importorskip("torch.distributed.tensor")

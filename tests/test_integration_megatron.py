@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch.distributed.nn.functional import all_gather
 
 from distributed import run_ranks
-from oracle import reference, rel_err
+from vpce.reference import reference, rel_err
 from problems import leaf
 
 pytest.importorskip("megatron.core")

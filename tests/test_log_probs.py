@@ -5,7 +5,7 @@ import torch
 
 import vpce
 from distributed import run_ranks
-from oracle import reference_log_probs, rel_err
+from vpce.reference import reference_log_probs, rel_err
 from problems import leaf, make_problem
 
 CUDA = torch.cuda.is_available()

@@ -15,7 +15,7 @@ from torch.distributed.nn.functional import all_gather
 
 import vpce
 from distributed import run_ranks
-from oracle import rel_err
+from vpce.reference import rel_err
 from problems import leaf, make_problem
 
 pytest.importorskip("megatron.core")

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import vpce
-from oracle import describe, reference, rel_err, torch_eager
+from vpce.reference import describe, reference, rel_err, torch_eager
 from problems import VARIANTS, leaf, make_problem
 
 # (dtype, absolute bound on rel err vs float64). bf16/fp16 are also held to "no worse than torch eager's own".

@@ -11,7 +11,7 @@ import torch
 
 import vpce
 from distributed import run_ranks
-from oracle import describe, reference, rel_err, torch_eager
+from vpce.reference import describe, reference, rel_err, torch_eager
 from problems import VARIANTS, leaf, make_problem
 
 triton = pytest.importorskip("triton")

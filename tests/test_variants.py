@@ -9,7 +9,7 @@ import torch
 
 import vpce
 from distributed import run_ranks
-from oracle import reference, rel_err
+from vpce.reference import reference, rel_err
 from problems import VARIANTS, leaf, make_problem
 
 CUDA = torch.cuda.is_available()

@@ -1,4 +1,4 @@
-"""Float64 oracle: dense logits over the whole (unsharded) vocab, plain autograd. Deliberately naive.
+"""The float64 reference (one place): dense logits over the whole (unsharded) vocab, plain autograd. Deliberately naive.
 
 Independent of vpce's chunked backend: it materializes ``[N, V]`` in float64 and differentiates with torch's
 autograd, so it checks both the forward formulas and the hand-written gradients.
