@@ -53,6 +53,10 @@ __all__ = [
     "enter_vocab_parallel",
     "group_rank_and_size",
     "from_dtensors",
+    "all_gather_tensor",
+    "reduce_scatter_tensor",
+    "copy_to_vocab_parallel_region",
+    "gather_from_sequence_parallel_region",
 ]
 
 
@@ -93,8 +97,18 @@ def group_rank_and_size(group) -> tuple[int, int]:
 
 
 # torch >= 2.13 names these *_single and deprecates the *_tensor spellings that older releases have.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def all_gather_tensor(out: torch.Tensor, x: torch.Tensor, *, group, async_op: bool = False):
+    """Every rank's ``x`` concatenated along dim 0 into ``out`` (``world * x.shape[0]`` rows)."""
+    return _ALL_GATHER(out, x.contiguous(), group=group, async_op=async_op)
+
+
+def reduce_scatter_tensor(out: torch.Tensor, x: torch.Tensor, *, group):
+    """The sum over ranks of ``x``, this rank's ``out.shape[0]`` rows of it into ``out``."""
+    return _REDUCE_SCATTER(out, x.contiguous(), group=group)
 
 
 _SHARD_ROWS: dict[tuple[int, int], tuple[int, ...]] = {}
@@ -109,7 +123,7 @@ def _all_shard_rows(group, rows: int, device: torch.device) -> tuple[int, ...]:
         dev = device if dist.get_backend(group) != "gloo" else torch.device("cpu")
         mine = torch.tensor([rows], dtype=torch.int64, device=dev)
         every = torch.empty(world, dtype=torch.int64, device=dev)
-        _all_gather(every, mine, group=group)
+        all_gather_tensor(every, mine, group=group)
         hit = tuple(int(v) for v in every.tolist())
         _SHARD_ROWS[key] = hit
     return hit
@@ -172,7 +186,7 @@ def exchange_packed(packed: torch.Tensor, n_sums: int, shard: VocabShard, combin
     if not shard.sharded:
         return PendingStats(packed.unsqueeze(0), n_sums, combine=combine)
     out = packed.new_empty((shard.world * packed.shape[0],) + tuple(packed.shape[1:]))
-    work = _all_gather(out, packed.contiguous(), group=shard.group, async_op=True)
+    work = all_gather_tensor(out, packed, group=shard.group, async_op=True)
     return PendingStats(out.view((shard.world,) + tuple(packed.shape)), n_sums, work, combine)
 
 
@@ -191,7 +205,7 @@ def combine_softmax_stats(local_max: torch.Tensor, local_sumexp: torch.Tensor, s
 def gather_sequence(hidden: torch.Tensor, shard: VocabShard) -> torch.Tensor:
     """Every rank's ``[N / world, D]`` slice concatenated along dim 0 (no autograd: see ``HiddenGradReduce``)."""
     out = hidden.new_empty((hidden.shape[0] * shard.world,) + tuple(hidden.shape[1:]))
-    _all_gather(out, hidden.contiguous(), group=shard.group)
+    all_gather_tensor(out, hidden, group=shard.group)
     return out
 
 
@@ -255,23 +269,33 @@ class _GatherSequenceParallel(torch.autograd.Function):
     def forward(ctx, x, group, world):
         ctx.group, ctx.world = group, world
         out = x.new_empty((x.shape[0] * world,) + tuple(x.shape[1:]))
-        _all_gather(out, x.contiguous(), group=group)
+        all_gather_tensor(out, x, group=group)
         return out
 
     @staticmethod
     def backward(ctx, grad):
         grad = grad.contiguous()
         out = grad.new_empty((grad.shape[0] // ctx.world,) + tuple(grad.shape[1:]))
-        _reduce_scatter(out, grad, group=ctx.group)
+        reduce_scatter_tensor(out, grad, group=ctx.group)
         return out, None, None
+
+
+def copy_to_vocab_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
+    """Identity in forward; the gradient is summed over ``group`` in backward (hidden states replicated)."""
+    return _CopyToVocabParallel.apply(x, group)
+
+
+def gather_from_sequence_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
+    """All-gather along dim 0 in forward; reduce-scatter of the gradient along dim 0 in backward."""
+    return _GatherSequenceParallel.apply(x, group, dist.get_world_size(group))
 
 
 def enter_vocab_parallel(hidden: torch.Tensor, shard: VocabShard, sequence_parallel: bool) -> torch.Tensor:
     """Hidden states as every rank of the group needs them, with the matching gradient collective."""
     if sequence_parallel and shard.sharded:
-        return _GatherSequenceParallel.apply(hidden, shard.group, shard.world)
+        return gather_from_sequence_parallel_region(hidden, shard.group)
     if shard.sharded and torch.is_grad_enabled() and hidden.requires_grad:
-        return _CopyToVocabParallel.apply(hidden, shard.group)
+        return copy_to_vocab_parallel_region(hidden, shard.group)
     return hidden
 
 

@@ -202,8 +202,7 @@ def shutdown():
 
 # The collective spellings and the copy-to-region Function (identity forward, all-reduce of the gradient: what
 # Megatron's copy_to_tensor_model_parallel_region does) are vpce.parallel's own.
-_all_gather, _reduce_scatter = parallel._all_gather, parallel._reduce_scatter
-_AllReduceGrad = parallel._CopyToVocabParallel
+_all_gather, _reduce_scatter = parallel.all_gather_tensor, parallel.reduce_scatter_tensor
 
 
 class _GatherTokens(torch.autograd.Function):
@@ -254,7 +253,7 @@ def _hidden_entry(env: Env, *, megatron: bool = False, reduce_grad: bool = True)
         return _named(lambda x: _GatherTokens.apply(x, group, world, reduce_grad),
                       f"hidden: all-gather + {what} (torch autograd Function)")
     if reduce_grad:
-        return _named(lambda x: _AllReduceGrad.apply(x, group), "hidden: dX all-reduce (torch autograd Function)")
+        return _named(lambda x: parallel.copy_to_vocab_parallel_region(x, group), "hidden: dX all-reduce (torch autograd Function)")
     return _named(lambda x: x, "hidden: as is (the peer all-reduces dX)")
 
 
