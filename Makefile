@@ -3,11 +3,18 @@ PYTHON ?= python3
 PIP = $(PYTHON) -m pip install -q --disable-pip-version-check
 NPROC ?= 2
 
+# torch is installed by `setup` only when `import torch` fails, so a torch that is already there (a GPU image's
+# CUDA build, a CPU build, a nightly) is kept: it satisfies the package's `torch>=2.4`. A pin does not choose the
+# build: PyPI's x86-64 Linux wheel of every recent torch is the CUDA one (several GB with its nvidia-* packages). So
+# without an NVIDIA driver (no nvidia-smi) the wheel comes from PyTorch's CPU index, and with one from PyPI.
+# Override: `make setup TORCH_INDEX=https://download.pytorch.org/whl/cu128`, or `TORCH_INDEX=` for PyPI.
+TORCH ?= torch==2.13.0
+TORCH_INDEX ?= $(if $(shell command -v nvidia-smi 2>/dev/null),,https://download.pytorch.org/whl/cpu)
+
 .PHONY: setup setup-test test demo bench
 
-# torch only when missing: an unpinned torch requirement on a CPU machine would pull the CUDA wheels.
 setup:
-	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) torch==2.13.0
+	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) "$(TORCH)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	@$(PIP) -e .
 
 setup-test: setup
@@ -17,8 +24,10 @@ test: setup-test
 	$(PYTHON) -m pytest -q tests
 
 # The main job (launch/demo.py): a tiny causal LM trained with its lm_head vocab-sharded over $(NPROC) torchrun
-# ranks, its loss checked at every step against a 1-process unsharded baseline; fails if they disagree.
-demo: TORCHRUN = OMP_NUM_THREADS=1 $(PYTHON) -m torch.distributed.run --standalone
+# ranks, its loss checked at every step against a 1-process unsharded baseline; fails if they disagree. It needs
+# only torch and vpce; torch's import-time warning that numpy is missing is silenced (nothing here uses numpy).
+demo: TORCHRUN = OMP_NUM_THREADS=1 PYTHONWARNINGS="ignore:Failed to initialize NumPy" \
+	$(PYTHON) -m torch.distributed.run --standalone
 demo: setup
 	$(TORCHRUN) --nproc-per-node 1 launch/demo.py --baseline-out demo-out/baseline.json
 	$(TORCHRUN) --nproc-per-node $(NPROC) launch/demo.py --compare demo-out/baseline.json --report demo-out/report.json

@@ -291,12 +291,38 @@ def run_key(cfg: DemoConfig, vocab: int, tokens: torch.Tensor) -> dict:
     return {**asdict(cfg), "vocab": vocab, "tokens": len(tokens)}
 
 
-def read_baseline(path: str, key: dict, rank: int, group) -> dict:
+def broadcast_json(obj, rank: int, group, device: torch.device):
+    """Rank 0's JSON-serializable ``obj``, on every rank of ``group`` (``obj`` is ignored on the other ranks).
+
+    It travels as UTF-8 bytes in a uint8 tensor, its length first, rather than through ``broadcast_object_list``:
+    gloo's object collectives need numpy, which torch does not install and ``make demo`` does not either.
+    """
+    if group is None:
+        return obj
+    data = json.dumps(obj).encode() if rank == 0 else b""
+    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    dist.broadcast(size, src=0, group=group)
+    if rank == 0:
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+    else:
+        buf = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    dist.broadcast(buf, src=0, group=group)
+    return json.loads(bytes(buf.tolist()))
+
+
+def gather_ints(value: int, world: int, group, device: torch.device) -> list[int]:
+    """Every rank's ``value``, in rank order, on every rank (an int64 all-gather, no object collective)."""
+    if group is None:
+        return [value]
+    mine = torch.tensor([value], dtype=torch.int64, device=device)
+    every = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(every, mine, group=group)
+    return [int(t) for t in every]
+
+
+def read_baseline(path: str, key: dict, rank: int, group, device: torch.device) -> dict:
     """Rank 0 reads the baseline file and broadcasts it, so that every rank checks it and reaches one verdict."""
-    box = [json.loads(Path(path).read_text()) if rank == 0 else None]
-    if group is not None:
-        dist.broadcast_object_list(box, src=0, group=group)
-    base = box[0]
+    base = broadcast_json(json.loads(Path(path).read_text()) if rank == 0 else None, rank, group, device)
     if base["run"] != key:
         diff = {k: (v, base["run"].get(k)) for k, v in key.items() if base["run"].get(k) != v}
         raise SystemExit(f"--compare: {path} comes from another configuration ({{name: (this run, baseline)}}: "
@@ -305,17 +331,12 @@ def read_baseline(path: str, key: dict, rank: int, group) -> dict:
 
 
 def run_sharded(args, cfg: DemoConfig, tokens, vocab: int, rank: int, world: int, group, device) -> None:
-    base = read_baseline(args.compare, run_key(cfg, vocab, tokens), rank, group)
+    base = read_baseline(args.compare, run_key(cfg, vocab, tokens), rank, group, device)
     bounds = shard_bounds(padded_vocab(vocab, cfg), world)
     rows = slice(bounds[rank], bounds[rank + 1])
     model, head = build(cfg, vocab, rows, device)
     loss_fn = vpce_loss(group, vocab, cfg)
-    peak = loss_step_peak(model, head, loss_fn, tokens, cfg, device)
-    peaks = [None] * world
-    if group is None:
-        peaks[0] = peak
-    else:
-        dist.all_gather_object(peaks, peak, group=group)
+    peaks = gather_ints(loss_step_peak(model, head, loss_fn, tokens, cfg, device), world, group, device)
 
     def say(line: str = "") -> None:
         if rank == 0:
@@ -352,13 +373,14 @@ def run_sharded(args, cfg: DemoConfig, tokens, vocab: int, rank: int, world: int
         f"tokens, D={cfg.dim}; vpce chunk budget {cfg.loss_chunk_mib:g} MiB):")
     for label, nbytes in rows_mem:
         say(f"  {label:<{width}}  {nbytes / 2**20:6.2f} MiB")
-    say(f"\nmax rel diff of the loss, vpce vs baseline, over {cfg.steps} steps: {diffs[worst]:.2e} at step "
-        f"{worst + 1} (tolerance {REL_TOL:.0e}): {'OK' if ok else 'FAIL'}")
     if rank == 0 and args.report:
         write_json(args.report, {"run": run_key(cfg, vocab, tokens), "world": world, "device": device.type,
                                  "losses": losses, "baseline_losses": base["losses"], "rel_diffs": diffs,
                                  "max_rel_diff": diffs[worst], "tolerance": REL_TOL, "ok": ok,
                                  "peak_bytes": {"baseline": base["peak_bytes"], "vpce_per_rank": peaks}})
+        say(f"\nreport (both loss curves, per-step rel diffs, peak memory): {args.report}")
+    say(f"\nmax rel diff of the loss, vpce vs baseline, over {cfg.steps} steps: {diffs[worst]:.2e} at step "
+        f"{worst + 1} (tolerance {REL_TOL:.0e}): {'OK' if ok else 'FAIL'}")
     if not ok:
         raise SystemExit(1)
 

@@ -64,6 +64,7 @@ def test_sharded_matches_baseline(baseline, nproc, tmp_path):
     peaks = report["peak_bytes"]
     assert max(peaks["vpce_per_rank"]) < peaks["baseline"]["unfused"], peaks
     assert "OK" in run.stdout.splitlines()[-1], tail(run)
+    assert f"report (both loss curves, per-step rel diffs, peak memory): {report_path}" in run.stdout, tail(run)
 
 
 def test_disagreement_fails(baseline, tmp_path):
