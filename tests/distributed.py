@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import queue
-import socket
 import traceback
 from datetime import timedelta
 
@@ -13,17 +12,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from vpce.bench.launch_env import free_port, set_collective_env
 
 
 def _entry(fn, rank, world, port, out, args, backend):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    # never NVLink multicast (it can take a shared host's GPUs down): NCCL and torch symmetric memory off
-    os.environ.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
+    set_collective_env()  # never NVLink multicast (it can take a shared host's GPUs down)
     torch.set_num_threads(1)
     try:
         if backend == "nccl":
@@ -46,7 +40,7 @@ def run_ranks(fn, world: int, *args, timeout: float = 240.0, backend: str = "glo
     """
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_entry, args=(fn, r, world, port, out, args, backend), daemon=True)
              for r in range(world)]
     for p in procs:

@@ -1,8 +1,9 @@
 """Smoke test of the benchmark product: ``python -m vpce.bench`` on CPU with tiny shapes.
 
-The numbers are meaningless on CPU; what is checked is that the product runs end to end, prints its tables,
-writes a JSON with every requested row measured (finite time, memory and errors against float64), and reports
-rows it cannot run instead of dropping them.
+The numbers are meaningless on CPU; what is checked is that the product runs end to end, prints its tables (and
+says that CPU times mean nothing), writes a JSON with every requested row measured (finite time, memory and errors
+against float64) and a PNG per shape, reports rows it cannot run instead of dropping them, runs the loss-option
+and log-prob rows on the torch backend, and refuses the GPU-sized default shapes on a CPU.
 """
 
 import json
@@ -17,15 +18,27 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def quick_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("bench")
-    cmd = [sys.executable, "-m", "vpce.bench", "--device", "cpu", "--quick",
-           "--methods", "torch,vpce-torch,floor,vpce-triton", "--out", str(out)]
+PNG = b"\x89PNG\r\n\x1a\n"
+CPU_NOTE = "times are not meaningful"
+
+
+def _bench(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, "-m", "vpce.bench", *args], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def quick_out(tmp_path_factory):
+    return tmp_path_factory.mktemp("bench")
+
+
+@pytest.fixture(scope="module")
+def quick_run(quick_out):
+    proc = _bench("--device", "cpu", "--quick", "--methods", "torch,vpce-torch,floor,vpce-triton", "--out",
+                  str(quick_out))
     assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
-    return proc, json.loads((out / "bench.json").read_text())
+    return proc, json.loads((quick_out / "bench.json").read_text())
 
 
 def test_table_printed(quick_run):
@@ -75,3 +88,45 @@ def test_rows_measured(quick_run):
             assert r["floor_ms"] == s["floor"]["logits_ms"], r
         # a row that cannot run here is reported, not dropped
         assert rows[("vpce-triton", "fwd+bwd")]["status"].startswith("missing:"), rows[("vpce-triton", "fwd+bwd")]
+
+
+def test_cpu_run_says_times_mean_nothing(quick_run):
+    proc, _ = quick_run
+    assert CPU_NOTE in proc.stderr, proc.stderr
+    assert CPU_NOTE in proc.stdout.split("| method")[0], proc.stdout  # above the first table
+
+
+def test_quick_writes_a_plot_per_shape(quick_run, quick_out):
+    pytest.importorskip("matplotlib")
+    proc, doc = quick_run
+    for s in doc["shapes"]:
+        path = quick_out / f"bench-{s['name']}.png"
+        assert path.exists(), f"{path} not written; stderr:\n{proc.stderr}"
+        head = path.read_bytes()[:8]
+        assert head == PNG and path.stat().st_size > 10_000, (path, head, path.stat().st_size)
+
+
+@pytest.mark.parametrize("extra", [(), ("--sweep", "N"), ("--tp",)])
+def test_cpu_refuses_gpu_sized_defaults(tmp_path, extra):
+    """Without --quick and without --shapes, a CPU run stops at once with a one-line hint, and measures nothing."""
+    proc = _bench("--device", "cpu", "--out", str(tmp_path), *extra, timeout=60)
+    assert proc.returncode == 2, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--quick" in lines[0] and "GPU-sized" in lines[0], proc.stderr
+    assert not list(tmp_path.iterdir()), "a refused run wrote files"
+
+
+def test_loss_option_rows_run_on_cpu(tmp_path):
+    """The loss-option and log-prob rows use the backend that fits the device: torch on a CPU."""
+    names = ["vpce-smooth", "vpce-zloss", "vpce-softcap", "vpce-weights", "vpce-all", "vpce-logprobs",
+             "vpce-logprobs-entropy"]
+    proc = _bench("--device", "cpu", "--quick", "--shapes", "tiny", "--methods", ",".join(["floor", *names]),
+                  "--out", str(tmp_path), "--reps", "1", "--rep-time", "0")
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    rows = {r["method"]: r for r in json.loads((tmp_path / "bench.json").read_text())["rows"]}
+    for name in names:
+        r = rows[name]
+        assert r["status"] == "ok" and r["label"].startswith("vpce torch "), r
+        assert _finite(r["ms"]) and _finite(r["loss"]) and _finite(r["extra_gib"]), r
+    plain = rows["vpce-logprobs"]  # the mean negative log-probability is the plain loss: checked against float64
+    assert plain["loss_err"] < 1e-5 and plain["dx_err"] < 2e-2 and plain["dw_err"] < 2e-2, plain

@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from vpce.bench.harness import Env, Settings, Shape, float64_reference, make_problem
+from vpce.bench.harness import Env, Settings, Shape, make_problem
+from vpce.reference import chunked_reference
 
 REPO = Path(__file__).resolve().parents[1]
 METHODS = ["floor", "megatron", "liger-tp", "chunked-tp", "loss-parallel", "vpce-triton", "vpce-torch"]
@@ -92,8 +93,9 @@ def test_reference_is_the_single_process_one(runs, key):
     env = Env(device=torch.device("cpu"), dtype=torch.bfloat16)
     for s in doc["shapes"]:
         n, d, v = SHAPES[s["name"]]
-        ref = float64_reference(make_problem(Shape(name=s["name"], n=n, d=d, v=v), env, Settings()))
-        assert abs(s["ref_loss"] - ref.loss) <= 1e-12 * abs(ref.loss), (s["name"], s["ref_loss"], ref.loss)
+        prob = make_problem(Shape(name=s["name"], n=n, d=d, v=v), env, Settings())
+        ref = float(chunked_reference(prob.x, prob.w, prob.y).loss)
+        assert abs(s["ref_loss"] - ref) <= 1e-12 * abs(ref), (s["name"], s["ref_loss"], ref)
         assert sum(s["rows_per_rank"]) == v and len(s["rows_per_rank"]) == doc["tp"]
 
 
@@ -189,11 +191,23 @@ def test_plots_tp(runs, tmp_path):
     assert dup.returncode != 0 and "two runs at tp=2" in dup.stderr, dup.stderr
 
 
+@pytest.mark.parametrize("key", ["replicated", "one"])
+def test_cpu_note_and_plots(runs, key):
+    """A CPU run says that its times mean nothing, and rank 0 draws each shape's maxima over ranks."""
+    stdout, stderr, doc, path = runs[key]
+    assert "times are not meaningful" in stderr and "times are not meaningful" in stdout.split("| method")[0]
+    pytest.importorskip("matplotlib")
+    for s in doc["shapes"]:
+        png = path.parent / f"{path.stem}-{s['name']}.png"
+        assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", (png, stderr[-2000:])
+
+
 def _same_as_liger_fallback(rank, world):
     from liger_kernel.ops.fused_linear_scaled_cross_entropy import \
         _TensorParallelFusedLinearPPOFallbackFunction as LigerFallback
     import torch.distributed as dist
-    from vpce.bench.methods import _AllReduceGrad, _ChunkedVocabParallelNLL
+    from vpce.bench.peers import chunked_vocab_parallel_nll
+    from vpce.parallel import copy_to_vocab_parallel_region
 
     gen = torch.Generator().manual_seed(3)
     n, d, v = 1100, 40, 96 * world  # 1100 tokens: two full chunks of 512 and a partial one
@@ -204,7 +218,7 @@ def _same_as_liger_fallback(rank, world):
     x1, w1, x2, w2 = (t.clone().requires_grad_() for t in (x, w, x, w))
     loss1 = LigerFallback.apply(x1, w1, y, 1.0, -100, False, group).mean()
     loss1.backward()
-    loss2 = _ChunkedVocabParallelNLL.apply(_AllReduceGrad.apply(x2, group), w2, y, group, rank * 96).mean()
+    loss2 = chunked_vocab_parallel_nll(copy_to_vocab_parallel_region(x2, group), w2, y, group, rank * 96).mean()
     loss2.backward()
     return torch.equal(loss1, loss2), torch.equal(x1.grad, x2.grad), torch.equal(w1.grad, w2.grad)
 

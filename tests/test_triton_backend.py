@@ -76,17 +76,6 @@ def test_multiple_chunks_and_tiny_p_budget():
     check(p, reduction="mean", memory_budget=1e-7, label_smoothing=0.1)
 
 
-@pytest.mark.parametrize("budget", ["auto", "lean"])
-def test_unfused_statistics_switch(monkeypatch, budget):
-    """``triton_backend.FUSED_STATS = False`` (the torch-op form of the per-chunk statistics, kept for profiling
-    against the fused kernels) gives the same exact results."""
-    from vpce import triton_backend
-
-    monkeypatch.setattr(triton_backend, "FUSED_STATS", False)
-    p = make_problem(200, 24, 130, dtype=torch.float32, bias=True, ignore_frac=0.1, seed=11)
-    check(p, reduction="mean", memory_budget=budget, label_smoothing=0.1, z_loss=1e-3)
-
-
 def test_ignored_empty_and_no_grad():
     p = make_problem(13, 16, 40, ignore_frac=1.0)
     loss, dx, dw, _ = run(p)
@@ -179,22 +168,28 @@ def test_gpu_bitwise_deterministic(budget):
 
 @pytest.mark.parametrize("sum_z,sum_ez", [(False, False), (True, False), (False, True), (True, True)])
 @pytest.mark.parametrize("world", [1, 3])
-def test_statistics_kernels_match_the_torch_combine(sum_z, sum_ez, world):
-    """``kernels.reduce_tiles`` + ``kernels.combine_stats`` (the fused per-chunk statistics) against the plain
-    torch formulas of ``vpce.parallel.combine_packed``: odd row and tile counts, an all-padding rank (max -inf,
-    zero sums), NaN and +inf rows that must come out NaN."""
+@pytest.mark.parametrize("poisoned", [False, True])
+def test_statistics_kernels_match_the_torch_combine(sum_z, sum_ez, world, poisoned):
+    """``kernels.reduce_tiles`` + ``kernels.combine_rank_stats`` (the fused per-chunk statistics) against the
+    plain torch formulas of ``vpce.parallel.combine_rank_stats``: odd row and tile counts, an all-padding rank
+    (max -inf, zero sums, no target), tokens whose target is on no rank, all--inf tiles, NaN and +inf rows that
+    must come out NaN, and the agreement's poison (NaN everywhere)."""
     from vpce import kernels
-    from vpce.parallel import combine_packed
+    from vpce.parallel import combine_rank_stats
 
     gen = torch.Generator().manual_seed(7)
     c, t = 37, 45  # neither a multiple of the row nor the tile block
+    owner = torch.randint(0, world, (c,), generator=gen)
+    owner[::5] = -1  # no rank holds these tokens' targets (ignored tokens)
     packs, packs_ref = [], []
     for r in range(world):
         tm = torch.randn(c, t, generator=gen) * 20
-        ts = torch.rand(c, t, generator=gen) * 5 + 1
+        tm[:, 2] = -math.inf  # an all--inf tile in every row
+        tm[9] = -math.inf  # a row with every tile -inf on this rank
+        ts = torch.where(tm == -math.inf, 0.0, torch.rand(c, t, generator=gen) * 5 + 1)
         tz = torch.randn(c, t, generator=gen) if sum_z else None
         tez = torch.randn(c, t, generator=gen) if sum_ez else None
-        zt = torch.randn(c, generator=gen)
+        zt = torch.where((owner == r) & (tm.amax(1) > -math.inf), torch.randn(c, generator=gen), -math.inf)
         if r == 0:
             tm[3, 7], tm[5, 0] = math.nan, math.inf
         dev = lambda x: None if x is None else x.to(DEV)  # noqa: E731
@@ -202,14 +197,14 @@ def test_statistics_kernels_match_the_torch_combine(sum_z, sum_ez, world):
         m = tm.amax(1)
         if r == 0:
             m[3] = math.nan
-        rescale = torch.exp(tm - m[:, None])
+        rescale = torch.exp(tm - torch.where(m == -math.inf, 0.0, m)[:, None])
         rows = [m, (ts * rescale).sum(1), zt] + ([tz.sum(1)] if sum_z else []) + \
                ([(tez * rescale).sum(1)] if sum_ez else [])
         packs_ref.append(torch.stack(rows))
-    n_sums = 1 + sum_z
-    if world > 1:  # rank 1's shard is all padding: it sends max -inf and zero sums (no kernel runs there)
+    n_sums = int(sum_z)
+    if world > 1:  # rank 1's shard is all padding: it sends max -inf, no target and zero sums (no kernel runs)
         packs_ref[1] = torch.zeros_like(packs_ref[1])
-        packs_ref[1][0] = -math.inf
+        packs_ref[1][0] = packs_ref[1][2] = -math.inf
         packs[1] = packs_ref[1].clone()
     for got, want in zip(packs, packs_ref):
         assert got.shape == want.shape
@@ -217,9 +212,17 @@ def test_statistics_kernels_match_the_torch_combine(sum_z, sum_ez, world):
         got[0, 3], want[0, 3] = 0.0, 0.0  # ... whether its max is NaN too does not matter (lse is NaN either way)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, equal_nan=True)
     every = torch.stack(packs_ref)
-    lse, sums, expect = kernels.combine_stats(every.to(DEV), n_sums)
-    lse_r, sums_r, expect_r = combine_packed(every, n_sums)
-    for got, want in zip([lse, *sums, *expect], [lse_r, *sums_r, *expect_r]):
-        torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5, equal_nan=True)
+    poison = torch.full((), math.nan if poisoned else 0.0)
+    got = kernels.combine_rank_stats(every.to(DEV), n_sums, poison.to(DEV))
+    want = combine_rank_stats(every, n_sums, poison)
+    for a, b in zip([*got[:4], *got.sums, *got.expectations], [*want[:4], *want.sums, *want.expectations]):
+        torch.testing.assert_close(a.cpu(), b, rtol=1e-5, atol=1e-5, equal_nan=True)
+    lse = got.lse.cpu()
+    if poisoned:
+        assert torch.isnan(lse).all() and torch.isnan(got.nll.cpu()).all()
+        return
     assert torch.isnan(lse[3]) and torch.isnan(lse[5]), "NaN and +inf logits must give a NaN lse"
-    assert torch.isfinite(lse.cpu()[[i for i in range(c) if i not in (3, 5)]]).all()
+    assert torch.isinf(lse[9]), "a token whose logits are all -inf has no finite lse"
+    assert torch.isfinite(lse[[i for i in range(c) if i not in (3, 5, 9)]]).all()
+    nll = got.nll.cpu()
+    assert torch.isinf(nll[owner == -1]).all(), "a token whose target no rank holds has no finite -log p_t"

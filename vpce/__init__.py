@@ -9,4 +9,10 @@ from .api import LinearCrossEntropy, linear_cross_entropy, linear_log_probs
 from .options import LossOptions
 
 __all__ = ["linear_cross_entropy", "linear_log_probs", "LinearCrossEntropy", "LossOptions"]
-__version__ = "0.1.0"
+
+from importlib import metadata as _metadata
+
+try:
+    __version__ = _metadata.version("vpce")  # the installed distribution's: pyproject.toml's `version`
+except _metadata.PackageNotFoundError:  # a source tree on sys.path that was never pip-installed
+    __version__ = "0+unknown"

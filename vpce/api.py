@@ -1,33 +1,30 @@
-"""Public API: ``linear_cross_entropy`` and ``LinearCrossEntropy``.
+"""Public API: ``linear_cross_entropy``, ``linear_log_probs`` and ``LinearCrossEntropy``.
 
 This layer validates every argument (``ValueError``/``TypeError`` that name the argument, what was expected and
-what was given), flattens ``[..., D]`` inputs to 2-D, resolves where this rank's vocab shard sits
-(``vpce.parallel``), routes the hidden states through the group's collectives, and dispatches to a backend.
+what was given), flattens ``[..., D]`` inputs to 2-D, decides the route once (``vpce.routing``), agrees with the
+other ranks of ``group`` on the call and on where this rank's vocab shard sits (``vpce.parallel.agree``: under a
+group an argument error on any rank makes every rank raise it), routes the hidden states through the group's
+collectives, and calls the autograd shell (``vpce.autograd``) or, under ``torch.compile``, the registered op
+(``vpce.library``).
 """
 
 from __future__ import annotations
 
 import numbers
-import os
+from typing import Callable
 
 import torch
 
 from . import parallel
+from .autograd import LinearCrossEntropyFunction, LinearLogProbsFunction, accumulation_dtype
 from .grads import check_main_grad
-from .options import BACKENDS, BUDGET_NAMES, REDUCTIONS, LossOptions
-from .torch_backend import TorchLinearCrossEntropy, TorchLinearLogProbs
+from .options import BACKENDS, BUDGET_NAMES, REDUCTIONS, LogProbOptions, LossOptions
+from .parallel import CallFacts
+from .routing import Call, Plan, plan_cross_entropy, plan_log_probs, resolve_backend
 
 __all__ = ["linear_cross_entropy", "linear_log_probs", "LinearCrossEntropy"]
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
-
-
-def _triton_available() -> bool:
-    try:
-        from . import triton_backend  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def _check_number(name: str, value, *, low=None, low_open=False, high_open=None, allow_none=False):
@@ -52,6 +49,11 @@ def _check_int(name: str, value, *, low=None, allow_none=True):
         raise ValueError(f"{name}: expected an int >= {low}, got {value}")
 
 
+def _check_bool(name: str, value):
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}: expected a bool, got {type(value).__name__}")
+
+
 def make_options(*, ignore_index=-100, reduction="mean", label_smoothing=0.0, z_loss=0.0, softcap=None,
                  memory_budget="auto") -> LossOptions:
     """Validate the per-token options once and freeze them into ``LossOptions``."""
@@ -73,6 +75,10 @@ def make_options(*, ignore_index=-100, reduction="mean", label_smoothing=0.0, z_
                        softcap=None if softcap is None else float(softcap), memory_budget=memory_budget)
 
 
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 def _check_tensors(hidden, weight, target, bias, world: int, sequence_parallel: bool, backend: str):
     for name, t in (("hidden", hidden), ("weight", weight), ("target", target)):
         if not isinstance(t, torch.Tensor):
@@ -88,8 +94,12 @@ def _check_tensors(hidden, weight, target, bias, world: int, sequence_parallel: 
     if weight.dim() != 2:
         raise ValueError(f"weight: expected shape [V_local, D], got {tuple(weight.shape)}")
     if weight.shape[1] != hidden.shape[-1]:
+        hint = ""
+        if hidden.shape[-1] == weight.shape[0] != weight.shape[1]:
+            hint = (f" (hidden's last dim {hidden.shape[-1]} is the vocab size: pass the hidden states that go into "
+                    f"the lm_head, not its logits)")
         raise ValueError(f"weight: expected shape [V_local, {hidden.shape[-1]}] to match hidden's last dim, "
-                         f"got {tuple(weight.shape)}")
+                         f"got {tuple(weight.shape)}{hint}")
     if weight.shape[0] == 0 and world == 1:
         raise ValueError("weight: expected at least one row, got shape " f"{tuple(weight.shape)}")
     if weight.dtype != hidden.dtype:
@@ -116,53 +126,6 @@ def _check_tensors(hidden, weight, target, bias, world: int, sequence_parallel: 
         raise ValueError(f"target: expected shape {lead}{what}, got {tuple(target.shape)}")
 
 
-def _check_target_values(target: torch.Tensor, ignore_index: int, vocab_size: int):
-    """Eager range check (a host sync): ids in [0, vocab_size) or ignore_index."""
-    bad = (target != ignore_index) & ((target < 0) | (target >= vocab_size))
-    if bool(bad.any()):
-        pos = bad.nonzero()[0].tolist()
-        raise ValueError(f"target: expected ids in [0, {vocab_size}) or ignore_index={ignore_index}, "
-                         f"got {int(target[tuple(pos)])} at index {tuple(pos)}")
-
-
-def linear_cross_entropy(hidden, weight, target, bias=None, *, ignore_index=-100, reduction="mean",
-                         label_smoothing=0.0, z_loss=0.0, softcap=None, token_weight=None, group=None,
-                         vocab_start=None, vocab_size=None, sequence_parallel=False, backend="auto",
-                         memory_budget="auto", validate=False, accumulate_main_grad=False):
-    """Cross-entropy of ``hidden @ weight.T (+ bias)`` against ``target`` without materializing the logits.
-
-    ``weight`` is the whole lm_head ``[V, D]`` or, under ``group``, this rank's contiguous shard of rows; the
-    loss is the exact loss over the global vocab and is the same on every rank, and the gradient of ``hidden``
-    is already summed over the group. See ``docs/api.md`` for every option.
-
-    ``validate=True`` checks target ids eagerly on GPU too (a host sync); on CPU the check always runs. Without
-    it, an out-of-range target on GPU gives NaN for that token. ``token_weight`` (shape of ``target``) scales each
-    token's loss; ``mean`` then divides by the weights' sum over non-ignored tokens. ``accumulate_main_grad``
-    adds the weight gradient in fp32 into ``weight.main_grad`` (Megatron's gradient-accumulation fusion).
-    """
-    opts = make_options(ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
-                        z_loss=z_loss, softcap=softcap, memory_budget=memory_budget)
-    return _linear_cross_entropy(hidden, weight, target, bias, opts, token_weight=token_weight, group=group,
-                                 vocab_start=vocab_start, vocab_size=vocab_size,
-                                 sequence_parallel=sequence_parallel, backend=backend, validate=validate,
-                                 accumulate_main_grad=accumulate_main_grad)
-
-
-def _resolve_backend(backend, hidden: torch.Tensor) -> str:
-    if backend not in BACKENDS:
-        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
-    if backend == "auto":
-        return "triton" if hidden.is_cuda and _triton_available() else "torch"
-    if backend == "triton":
-        if not _triton_available():
-            raise ValueError("backend: 'triton' needs the Triton package and vpce's Triton kernels, which could "
-                             "not be imported here; use backend='torch' or 'auto'")
-        if not hidden.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1":
-            raise ValueError(f"backend: 'triton' expects CUDA tensors (or TRITON_INTERPRET=1 for the CPU "
-                             f"interpreter), got hidden on {hidden.device}")
-    return backend
-
-
 def _check_token_weight(token_weight, target: torch.Tensor):
     if token_weight is None:
         return
@@ -180,73 +143,150 @@ def _check_token_weight(token_weight, target: torch.Tensor):
                          "weights), got requires_grad=True; pass token_weight.detach()")
 
 
-def _prepare(hidden, weight, target, bias, *, ignore_index, group, vocab_start, vocab_size, sequence_parallel,
-             backend, validate):
-    """Shared checks and set-up: (this rank's hidden as 2-D, not yet in the vocab-parallel region (see
-    ``parallel.enter_vocab_parallel``), local weight, local bias, target, shard, backend, needs, sequence
-    parallel); DTensor inputs are unwrapped to this rank's tensors (a ``Shard(0)`` hidden means sequence
-    parallel)."""
-    if not isinstance(hidden, torch.Tensor):
-        raise TypeError(f"hidden: expected a torch.Tensor, got {type(hidden).__name__}")
+def _prepare(entry: str, hidden, weight, target, bias, *, group, vocab_start, vocab_size, sequence_parallel,
+             backend, validate, ignore_index: int, local_checks: Callable[[], None],
+             plan: Callable[[tuple, torch.dtype, str, bool, bool], Plan], fields: Callable[[], list]):
+    """Checks, the route, and the group's agreement: ``(hidden 2-D, weight, bias, target, Call)``.
+
+    DTensor inputs are unwrapped to this rank's tensors first (a ``Shard(0)`` hidden means sequence parallel).
+    Under a group, every check's error is exchanged in the agreement and raised on every rank.
+    """
     hidden, weight, bias, target, group, vocab_start, vocab_size, sequence_parallel = parallel.from_dtensors(
         hidden, weight, bias, target, group=group, vocab_start=vocab_start, vocab_size=vocab_size,
         sequence_parallel=sequence_parallel)
-    backend = _resolve_backend(backend, hidden)
-    if not isinstance(sequence_parallel, bool):
-        raise TypeError(f"sequence_parallel: expected a bool, got {type(sequence_parallel).__name__}")
-    if not isinstance(validate, bool):
-        raise TypeError(f"validate: expected a bool, got {type(validate).__name__}")
-    _check_int("vocab_start", vocab_start, low=0)
-    _check_int("vocab_size", vocab_size, low=1)
-    if sequence_parallel and group is None:
-        raise ValueError("sequence_parallel: expected a process group in `group` with sequence_parallel=True, "
-                         "got group=None")
     _, world = parallel.group_rank_and_size(group)
-    _check_tensors(hidden, weight, target, bias, world, sequence_parallel, backend)
-    shard = parallel.resolve_shard(group, weight.shape[0], vocab_start, vocab_size, hidden.device)
-    # the eager range check syncs with the host: under torch.compile an out-of-range target gives NaN instead
-    if (validate or not target.is_cuda) and not torch.compiler.is_compiling():
-        _check_target_values(target, ignore_index, shard.vocab_size)
-    needs_grad = tuple(torch.is_grad_enabled() and t is not None and t.requires_grad
-                       for t in (hidden, weight, bias))
-    return hidden.reshape(-1, hidden.shape[-1]), weight, bias, target, shard, backend, needs_grad, sequence_parallel
+    error, call_plan, needs, agreed = None, None, (False, False, False), []
+    try:
+        if not isinstance(hidden, torch.Tensor):
+            raise TypeError(f"hidden: expected a torch.Tensor, got {type(hidden).__name__}")
+        backend = resolve_backend(backend, hidden)
+        _check_bool("sequence_parallel", sequence_parallel)
+        _check_bool("validate", validate)
+        _check_int("vocab_start", vocab_start, low=0)
+        _check_int("vocab_size", vocab_size, low=1)
+        if sequence_parallel and group is None:
+            raise ValueError("sequence_parallel: expected a process group in `group` with sequence_parallel=True, "
+                             "got group=None")
+        _check_tensors(hidden, weight, target, bias, world, sequence_parallel, backend)
+        local_checks()
+        needs = tuple(torch.is_grad_enabled() and t is not None and t.requires_grad for t in (hidden, weight, bias))
+        call_plan = plan(needs, hidden.dtype, backend, world > 1, sequence_parallel)
+        agreed = [("hidden tokens", hidden.numel() // hidden.shape[-1]), ("hidden size", hidden.shape[-1]),
+                  ("hidden dtype", _dtype_name(hidden.dtype)), ("weight dtype", _dtype_name(weight.dtype)),
+                  ("bias", bias is not None), ("target dtype", _dtype_name(target.dtype)),
+                  ("sequence_parallel", sequence_parallel), ("requires_grad", sum(b << i for i, b in enumerate(needs))),
+                  ("backend", call_plan.backend), ("route", call_plan.route), ("dx_reduce", call_plan.dx_reduce),
+                  *fields()]
+    except (ValueError, TypeError) as e:
+        if world == 1:
+            raise
+        error = e
+    device = hidden.device if isinstance(hidden, torch.Tensor) else torch.device("cpu")
+    compiling = torch.compiler.is_compiling()
+    # read the agreement on the host where it costs nothing (CPU), where asked (validate), or where the layout must
+    # be learned; else it is decided on the device (NaN on disagreement, no sync)
+    read = not compiling and (device.type != "cuda" or validate is not False or vocab_start is None
+                              or vocab_size is None)
+    facts = CallFacts(entry=entry, fields=tuple(agreed), rows=weight.shape[0] if error is None else -1,
+                      vocab_start=vocab_start if error is None else None,
+                      vocab_size=vocab_size if error is None else None,
+                      target=target.reshape(-1) if error is None else None, ignore_index=ignore_index, error=error)
+    shard, poison = parallel.agree(group, facts, device, read=read)
+    call = Call(shard, call_plan, needs, poison=poison)
+    return hidden.reshape(-1, hidden.shape[-1]), weight, bias, target, call
 
 
-def _linear_cross_entropy(hidden, weight, target, bias, opts: LossOptions, *, token_weight=None, group,
-                          vocab_start, vocab_size, sequence_parallel, backend, validate,
-                          accumulate_main_grad=False):
-    if not isinstance(accumulate_main_grad, bool):
-        raise TypeError(f"accumulate_main_grad: expected a bool, got {type(accumulate_main_grad).__name__}")
-    h2, weight, bias, target, shard, backend, needs_grad, sp = _prepare(
-        hidden, weight, target, bias, ignore_index=opts.ignore_index, group=group, vocab_start=vocab_start,
-        vocab_size=vocab_size, sequence_parallel=sequence_parallel, backend=backend, validate=validate)
+def _enter(h2: torch.Tensor, call: Call) -> torch.Tensor:
+    """The hidden states as the backend needs them (``vpce.routing``: where dX is summed over the group)."""
+    if call.plan.dx_reduce == "region" or (call.shard.sharded and call.plan.route == "forward"):
+        return parallel.enter_vocab_parallel(h2, call.shard, call.plan.sequence_parallel)
+    return h2
+
+
+def linear_cross_entropy(hidden, weight, target, bias=None, *, ignore_index=-100, reduction="mean",
+                         label_smoothing=0.0, z_loss=0.0, softcap=None, token_weight=None, group=None,
+                         vocab_start=None, vocab_size=None, sequence_parallel=False, backend="auto",
+                         memory_budget="auto", validate=False, accumulate_main_grad=False):
+    """Cross-entropy of ``hidden @ weight.T (+ bias)`` against ``target`` without materializing the logits.
+
+    Args:
+        hidden: ``[..., D]`` fp32/fp16/bf16 (fp64 on the torch backend).
+        weight: ``[V_local, D]``, the whole lm_head or, under ``group``, this rank's contiguous shard of rows.
+        target: ``[...]`` int64/int32 global vocab ids, hidden's leading shape (under ``sequence_parallel``: the
+            full sequence); ``ignore_index`` marks tokens that count for nothing.
+        bias: ``[V_local]`` or None.
+        reduction: ``"mean"`` over non-ignored tokens (0 when there are none), ``"sum"``, or ``"none"``.
+        label_smoothing: in [0, 1), torch's definition over the real global vocab.
+        z_loss: adds ``z_loss * lse**2`` per token.
+        softcap: logits become ``softcap * tanh(logits / softcap)`` (Gemma 2).
+        token_weight: float, target's shape, no grad: scales each token's loss; ``mean`` divides by the weights'
+            sum over non-ignored tokens.
+        group: the process group the vocab is sharded over (None: not sharded). Every rank returns the same loss;
+            the gradient of ``hidden`` is already summed over the group.
+        vocab_start: global id of this shard's first row (default: rows of lower ranks). Passing it and
+            ``vocab_size`` keeps a CUDA call free of host syncs.
+        vocab_size: real vocab size; rows with global id >= it are padding (default: all rows).
+        sequence_parallel: ``hidden`` is this rank's slice along dim 0 (Megatron SP); ``target`` is full.
+        backend: ``"auto"`` (Triton on CUDA, torch otherwise), ``"triton"`` or ``"torch"``.
+        memory_budget: ``"auto"``/``"fast"`` (gradients formed in forward), ``"lean"`` (recomputed in backward),
+            or GiB of live chunk data on the fast route.
+        validate: check target ids and the group's agreement eagerly on GPU too (a host sync). On CPU they are
+            always checked; on GPU without it a bad target gives NaN for that token and a disagreement between
+            ranks NaN everywhere.
+        accumulate_main_grad: add the weight gradient in fp32 into ``weight.main_grad`` (Megatron).
+
+    Returns:
+        The fp32 loss (fp64 for fp64 inputs): a scalar, or target's shape for ``reduction="none"``. The full
+        contract is docs/api.md in the source distribution.
+    """
+    box = {}
+
+    def checks():
+        box["opts"] = make_options(ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
+                                   z_loss=z_loss, softcap=softcap, memory_budget=memory_budget)
+    return _cross_entropy(hidden, weight, target, bias, box, checks, token_weight=token_weight, group=group,
+                          vocab_start=vocab_start, vocab_size=vocab_size, sequence_parallel=sequence_parallel,
+                          backend=backend, validate=validate, accumulate_main_grad=accumulate_main_grad,
+                          ignore_index=ignore_index)
+
+
+def _cross_entropy(hidden, weight, target, bias, box: dict, make: Callable[[], None], *, token_weight, group,
+                   vocab_start, vocab_size, sequence_parallel, backend, validate, accumulate_main_grad,
+                   ignore_index):
+    def local_checks():
+        make()
+        _check_token_weight(token_weight, target)
+        _check_bool("accumulate_main_grad", accumulate_main_grad)
+        if accumulate_main_grad:
+            check_main_grad(weight)
+
+    def plan(needs, dtype, backend_name, sharded, sp):
+        return plan_cross_entropy(box["opts"], needs, dtype, backend_name, sharded, sp)
+
+    def fields():
+        o = box["opts"]
+        return [("reduction", o.reduction), ("ignore_index", o.ignore_index), ("label_smoothing", o.label_smoothing),
+                ("z_loss", o.z_loss), ("softcap", o.softcap), ("memory_budget", o.memory_budget),
+                ("token_weight", token_weight is not None), ("accumulate_main_grad", accumulate_main_grad)]
+
+    h2, weight, bias, target, call = _prepare(
+        "ce", hidden, weight, target, bias, group=group, vocab_start=vocab_start, vocab_size=vocab_size,
+        sequence_parallel=sequence_parallel, backend=backend, validate=validate,
+        ignore_index=ignore_index if isinstance(ignore_index, int) else -100, local_checks=local_checks,
+        plan=plan, fields=fields)
+    opts = box["opts"]
     t1 = target.reshape(-1)
-    _check_token_weight(token_weight, target)
-    if accumulate_main_grad:
-        check_main_grad(weight)
-    acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
-    tw1 = None if token_weight is None else token_weight.reshape(-1).to(acc)
+    tw1 = None if token_weight is None else token_weight.reshape(-1).to(accumulation_dtype(h2.dtype))
     if torch.compiler.is_compiling():
-        if shard.sharded or accumulate_main_grad:
+        if call.shard.sharded or accumulate_main_grad:
             raise NotImplementedError("vpce under torch.compile supports one process without "
                                       "accumulate_main_grad; call it outside the compiled region under a group")
         from . import library
-        loss = library.linear_cross_entropy(h2, weight, bias, t1, tw1, backend, opts, shard.vocab_size, needs_grad)
-        return loss.reshape(target.shape) if opts.reduction == "none" else loss
-    if backend == "triton":
-        from . import triton_backend as tb
-        dx_comm = None
-        if shard.sharded and tb.REDUCE_DX_IN_FORWARD and tb.fast_route(opts, needs_grad, h2.dtype):
-            # the fast route sums dX over the group itself, in forward, overlapped with its dW GEMMs
-            dx_comm = "sequence_parallel" if sp else "all_reduce"
-        else:
-            h2 = parallel.enter_vocab_parallel(h2, shard, sp)
-        loss = tb.TritonLinearCrossEntropy.apply(h2, weight, bias, t1, tw1, shard, opts, needs_grad,
-                                                 accumulate_main_grad, dx_comm)
+        loss = library.linear_cross_entropy(h2, weight, bias, t1, tw1, call.plan.backend, opts,
+                                            call.shard.vocab_size, call.needs_grad)
     else:
-        h2 = parallel.enter_vocab_parallel(h2, shard, sp)
-        loss = TorchLinearCrossEntropy.apply(h2, weight, bias, t1, tw1, shard, opts, needs_grad,
-                                             accumulate_main_grad)
+        call = Call(call.shard, call.plan, call.needs_grad, accumulate_main_grad, call.poison)
+        loss = LinearCrossEntropyFunction.apply(_enter(h2, call), weight, bias, t1, tw1, opts, call)
     return loss.reshape(target.shape) if opts.reduction == "none" else loss
 
 
@@ -256,27 +296,40 @@ def linear_log_probs(hidden, weight, target, bias=None, *, temperature=1.0, soft
     """Per-token ``log p(target)`` under ``softmax(softcap(hidden @ weight.T + bias) / temperature)``, and with
     ``return_entropy=True`` also the entropy of that distribution, without materializing the logits.
 
-    Outputs have ``target``'s shape (fp32; fp64 for fp64 inputs on the torch backend); ignored targets give 0 for
-    both. Gradients are exact for any upstream gradients on both outputs, sharded or not (the building block
-    for PPO/GRPO-style losses). Vocab sharding, ``sequence_parallel``, ``vocab_size`` and ``validate`` work as in
-    ``linear_cross_entropy``.
+    Args:
+        hidden, weight, target, bias, group, vocab_start, vocab_size, sequence_parallel, backend, validate: as in
+            ``linear_cross_entropy``.
+        temperature: > 0; divides the (capped) logits.
+        softcap: logits become ``softcap * tanh(logits / softcap)`` before the temperature.
+        return_entropy: also return the entropy.
+        ignore_index: targets equal to it give 0 for both outputs.
+
+    Returns:
+        ``log_probs`` (or ``(log_probs, entropy)``), target's shape, fp32 (fp64 for fp64 inputs on the torch
+        backend). Gradients are exact for any upstream gradients on both outputs, sharded or not (the building
+        block for PPO/GRPO-style losses).
     """
-    _check_int("ignore_index", ignore_index, allow_none=False)
-    _check_number("temperature", temperature, low=0.0, low_open=True)
-    _check_number("softcap", softcap, low=0.0, low_open=True, allow_none=True)
-    if not isinstance(return_entropy, bool):
-        raise TypeError(f"return_entropy: expected a bool, got {type(return_entropy).__name__}")
-    h2, weight, bias, target, shard, backend, needs_grad, sp = _prepare(
-        hidden, weight, target, bias, ignore_index=ignore_index, group=group, vocab_start=vocab_start,
-        vocab_size=vocab_size, sequence_parallel=sequence_parallel, backend=backend, validate=validate)
-    h2 = parallel.enter_vocab_parallel(h2, shard, sp)
-    t1 = target.reshape(-1)
-    if backend == "triton":
-        from .triton_backend import TritonLinearLogProbs as Fn
-    else:
-        Fn = TorchLinearLogProbs
-    out = Fn.apply(h2, weight, bias, t1, shard, None if softcap is None else float(softcap),
-                   1.0 / float(temperature), int(ignore_index), return_entropy, needs_grad)
+    def local_checks():
+        _check_int("ignore_index", ignore_index, allow_none=False)
+        _check_number("temperature", temperature, low=0.0, low_open=True)
+        _check_number("softcap", softcap, low=0.0, low_open=True, allow_none=True)
+        _check_bool("return_entropy", return_entropy)
+
+    def fields():
+        return [("ignore_index", ignore_index), ("temperature", float(temperature)),
+                ("softcap", None if softcap is None else float(softcap)), ("return_entropy", return_entropy)]
+
+    def plan(needs, dtype, backend_name, sharded, sp):
+        return plan_log_probs(needs, backend_name, sharded, sp)
+
+    h2, weight, bias, target, call = _prepare(
+        "logprob", hidden, weight, target, bias, group=group, vocab_start=vocab_start, vocab_size=vocab_size,
+        sequence_parallel=sequence_parallel, backend=backend, validate=validate,
+        ignore_index=ignore_index if isinstance(ignore_index, int) else -100, local_checks=local_checks,
+        plan=plan, fields=fields)
+    lp = LogProbOptions(ignore_index=int(ignore_index), softcap=None if softcap is None else float(softcap),
+                        inv_t=1.0 / float(temperature), entropy=return_entropy)
+    out = LinearLogProbsFunction.apply(_enter(h2, call), weight, bias, target.reshape(-1), lp, call)
     if return_entropy:
         return out[0].reshape(target.shape), out[1].reshape(target.shape)
     return out.reshape(target.shape)
@@ -285,8 +338,8 @@ def linear_log_probs(hidden, weight, target, bias=None, *, temperature=1.0, soft
 class LinearCrossEntropy(torch.nn.Module):
     """Module form of ``linear_cross_entropy``; options are validated once, at construction.
 
-    ``forward(hidden, weight, target, bias=None, token_weight=None)``; the weight is passed in (not owned) so that a tied or
-    Megatron-owned lm_head weight can be used as is.
+    ``forward(hidden, weight, target, bias=None, token_weight=None)``; the weight is passed in (not owned) so that a
+    tied or Megatron-owned lm_head weight can be used as is.
     """
 
     def __init__(self, *, ignore_index=-100, reduction="mean", label_smoothing=0.0, z_loss=0.0, softcap=None,
@@ -305,10 +358,12 @@ class LinearCrossEntropy(torch.nn.Module):
         self.accumulate_main_grad = accumulate_main_grad
 
     def forward(self, hidden, weight, target, bias=None, token_weight=None):
-        return _linear_cross_entropy(hidden, weight, target, bias, self.options, token_weight=token_weight,
-                                     group=self.group, vocab_start=self.vocab_start, vocab_size=self.vocab_size,
-                                     sequence_parallel=self.sequence_parallel, backend=self.backend,
-                                     validate=self.validate, accumulate_main_grad=self.accumulate_main_grad)
+        box = {"opts": self.options}
+        return _cross_entropy(hidden, weight, target, bias, box, lambda: None, token_weight=token_weight,
+                              group=self.group, vocab_start=self.vocab_start, vocab_size=self.vocab_size,
+                              sequence_parallel=self.sequence_parallel, backend=self.backend,
+                              validate=self.validate, accumulate_main_grad=self.accumulate_main_grad,
+                              ignore_index=self.options.ignore_index)
 
     def extra_repr(self) -> str:
         o = self.options

@@ -2,21 +2,24 @@
 coefficients of the gradient.
 
 With ``z`` the (soft-capped, tempered) logits over the real global vocab ``V`` and ``t`` the target, every output
-vpce offers is a function of a few per-token statistics (all exchanged once per chunk under a group):
-``lse = log sum_j exp(z_j)``, the target logit ``z_t``, ``sum_j z_j`` and ``E[z] = sum_j p_j z_j``.
+vpce offers is a function of the per-token statistics of ``vpce.parallel.RankStats`` (exchanged once per chunk
+under a group): the max ``M``, ``log S = log sum_j exp(z_j - M)``, ``nll = -log p_t`` and ``q = 1 - p_t`` (both
+formed without cancellation), ``sum_j z_j`` and ``E[z] = sum_j p_j z_j``.
 
-Its gradient with respect to the pre-cap logit ``x_j`` always has the form::
+The gradient with respect to the pre-cap logit ``x_j`` always has the form::
 
-    dL/dx_j = (p_j (a + b z_j) + c [j == t] + d) * dcap_j / T
+    dL/dx_j = (p_j (a + b (z_j - M)) + d) * dcap_j                      j != t
+    dL/dx_t = ((a + c) - a q + b (z_t - M) p_t + d) * dcap_t               (= the same, with p_t = 1 - q)
 
-so a backend only needs the per-row vectors ``a, b, c, d`` (the ``1/T`` folded in):
+so a backend only needs the per-row vectors ``a, b, c, d`` (the ``1/T`` folded in). Writing the target's entry
+through ``q`` keeps a confident token's ``p_t - 1`` exact where ``p_t`` itself rounds to 1.
 
 * cross-entropy with label smoothing ``eps`` and z-loss ``zl``, row scale ``s`` (upstream gradient x token weight):
-  ``loss = lse - (1 - eps) z_t - (eps / V) sum_j z_j + zl lse^2``;
+  ``loss = (1 - eps) nll + eps (lse - sum_j z_j / V) + zl lse^2``;
   ``a = s (1 + 2 zl lse)``, ``b = 0``, ``c = -s (1 - eps)``, ``d = -s eps / V``;
 * log-probability and entropy with upstream gradients ``gL``, ``gH``:
-  ``log p_t = z_t - lse``, ``H = lse - E[z]``; ``dH/dz_j = p_j (E[z] - z_j)``; so
-  ``a = -gL + gH E[z]``, ``b = -gH``, ``c = gL``, ``d = 0``.
+  ``log p_t = -nll``, ``H = lse - E[z]``; ``dH/dz_j = p_j (E[z] - z_j)``; so
+  ``a = -gL + gH (E[z] - M)``, ``b = -gH``, ``c = gL``, ``d = 0``.
 """
 
 from __future__ import annotations
@@ -26,9 +29,36 @@ from typing import NamedTuple
 import torch
 
 from .options import LossOptions
+from .parallel import RankStats
 from .targets import TokenTargets
 
-__all__ = ["Coefficients", "ce_loss", "ce_coefficients", "logprob_outputs", "logprob_coefficients"]
+__all__ = ["RowStats", "Coefficients", "ce_loss", "ce_coefficients", "logprob_outputs", "logprob_coefficients"]
+
+
+class RowStats(NamedTuple):
+    """What a gradient pass needs of each token's global statistics: ``M``, ``log S`` and ``q = 1 - p_t``."""
+
+    m: torch.Tensor
+    log_s: torch.Tensor
+    q: torch.Tensor
+
+    @staticmethod
+    def empty(n: int, dtype: torch.dtype, device) -> "RowStats":
+        return RowStats(*(torch.empty(n, dtype=dtype, device=device) for _ in range(3)))
+
+    @staticmethod
+    def of(st: RankStats) -> "RowStats":
+        return RowStats(st.m, st.log_s, st.q)
+
+    def store(self, sl: slice, st: RankStats):
+        self.m[sl], self.log_s[sl], self.q[sl] = st.m, st.log_s, st.q
+
+    def rows(self, sl: slice) -> "RowStats":
+        return RowStats(self.m[sl], self.log_s[sl], self.q[sl])
+
+    @property
+    def lse(self) -> torch.Tensor:
+        return self.m + self.log_s
 
 
 class Coefficients(NamedTuple):
@@ -43,13 +73,11 @@ class Coefficients(NamedTuple):
         return Coefficients(*(None if x is None else x[sl] for x in self))
 
 
-def ce_loss(lse: torch.Tensor, zt: torch.Tensor, sum_z: torch.Tensor | None, opts: LossOptions,
-            vocab_size: int) -> torch.Tensor:
-    loss = lse - (1 - opts.label_smoothing) * zt
-    if opts.label_smoothing:
-        loss = loss - (opts.label_smoothing / vocab_size) * sum_z
+def ce_loss(st: RankStats, opts: LossOptions, vocab_size: int) -> torch.Tensor:
+    eps = opts.label_smoothing
+    loss = st.nll if not eps else (1 - eps) * st.nll + eps * (st.lse - st.sums[0] / vocab_size)
     if opts.z_loss:
-        loss = loss + opts.z_loss * lse * lse
+        loss = loss + opts.z_loss * st.lse * st.lse
     return loss
 
 
@@ -60,23 +88,24 @@ def ce_coefficients(scale: torch.Tensor, lse: torch.Tensor, opts: LossOptions, v
     return Coefficients(a.contiguous(), None, (scale * -(1 - eps)).contiguous(), None if d is None else d.contiguous())
 
 
-def logprob_outputs(tg: TokenTargets, lse: torch.Tensor, zt: torch.Tensor, mean_z: torch.Tensor | None):
+def logprob_outputs(tg: TokenTargets, st: RankStats, entropy: bool):
     """Per-token ``(log p_t, entropy or None)``: 0 on ignored tokens, NaN on out-of-range targets."""
     everything = slice(None)
-    ent = None if mean_z is None else tg.token_loss(lse - mean_z, everything)
-    return tg.token_loss(zt - lse, everything), ent
+    ent = tg.token_loss(st.lse - st.expectations[0], everything) if entropy else None
+    return tg.token_loss(-st.nll, everything), ent
 
 
 def logprob_coefficients(tg: TokenTargets, g_logp: torch.Tensor | None, g_ent: torch.Tensor | None,
-                         mean_z: torch.Tensor | None, inv_t: float, like: torch.Tensor) -> Coefficients:
-    """Coefficients for upstream gradients on log p_t and the entropy (either may be None: unused). Ignored
-    targets get zero coefficients; an out-of-range target poisons its row with NaN."""
+                         centred_mean_z: torch.Tensor | None, inv_t: float, like: torch.Tensor) -> Coefficients:
+    """Coefficients for upstream gradients on log p_t and the entropy (either may be None: unused);
+    ``centred_mean_z = E[z] - M``. Ignored targets get zero coefficients; an out-of-range target poisons its row
+    with NaN."""
     keep = tg.keep & ~tg.bad
     zero = torch.zeros_like(like)
     gl = zero if g_logp is None else torch.where(keep, g_logp.to(like.dtype), zero) * inv_t
     a, b = -gl, None
-    if g_ent is not None and mean_z is not None:
+    if g_ent is not None and centred_mean_z is not None:
         gh = torch.where(keep, g_ent.to(like.dtype), zero) * inv_t
-        a, b = gh * mean_z - gl, -gh
+        a, b = gh * centred_mean_z - gl, -gh
     a = torch.where(tg.bad, float("nan"), a)
     return Coefficients(a.contiguous(), None if b is None else b.contiguous(), gl.contiguous(), None)

@@ -1,4 +1,5 @@
-"""How a backend hands back the weight gradient: as ``weight.grad`` or, Megatron-style, into ``weight.main_grad``.
+"""How a backend hands back the gradients: the fast route's held gradients (``FastGrads``) finished in backward,
+and the weight gradient as ``weight.grad`` or, Megatron-style, added into ``weight.main_grad``.
 
 With ``accumulate_main_grad`` the fp32 weight gradient is added into ``weight.main_grad`` (fp32, never rounded to
 the weight's dtype), as megatron-core's gradient-accumulation fusion does. If the parameter carries
@@ -8,9 +9,20 @@ returned (zeros when ``zero_out_wgrad``) so that DDP's post-accumulation hook st
 
 from __future__ import annotations
 
+from typing import Callable, NamedTuple
+
 import torch
 
-__all__ = ["check_main_grad", "pad_rows", "weight_grad", "weight_grad_to_main"]
+__all__ = ["FastGrads", "finish_fast_grads", "check_main_grad", "pad_rows", "weight_grad", "weight_grad_to_main"]
+
+
+class FastGrads(NamedTuple):
+    """The fast route's gradients, formed in forward at unit upstream scale (fp32, fp64 for fp64 inputs); dW and
+    db over the shard's valid rows. Each is None where not needed."""
+
+    dx: torch.Tensor | None
+    dw: torch.Tensor | None
+    db: torch.Tensor | None
 
 
 def check_main_grad(weight: torch.Tensor):
@@ -49,3 +61,16 @@ def weight_grad(dw: torch.Tensor | None, weight_or_rows, dtype: torch.dtype) -> 
     if isinstance(weight_or_rows, torch.Tensor):
         return weight_grad_to_main(weight_or_rows, None if dw is None else dw.float())
     return pad_rows(dw, weight_or_rows, dtype)
+
+
+def finish_fast_grads(grads: FastGrads, g: torch.Tensor, dtype: torch.dtype, rows: int,
+                      main_weight: torch.Tensor | None,
+                      scale_cast: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]):
+    """Scale the held gradients by the upstream gradient ``g`` (0-d, with ``1/count`` for ``mean``) and return them
+    in ``dtype``, dW padded to ``rows`` or added into ``main_weight.main_grad``."""
+    dx, dw, db = grads
+    dx = None if dx is None else scale_cast(dx, g, dtype)
+    db = None if db is None else pad_rows(db.mul_(g), rows, dtype)
+    if main_weight is not None:  # fp32 straight into main_grad, never rounded
+        return dx, weight_grad_to_main(main_weight, None if dw is None else dw.mul_(g).float()), db
+    return dx, None if dw is None else pad_rows(scale_cast(dw, g, dtype), rows, dtype), db

@@ -32,12 +32,15 @@ import torch
 import triton
 import triton.language as tl
 
+from .parallel import RankStats
+
 try:  # host-side TMA descriptors (Triton >= 3.3)
     from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # pragma: no cover - older Triton: pointer loads only
     TensorDescriptor = None
 
-__all__ = ["logits_tiles", "probs_to_grad_", "reduce_tiles", "combine_stats", "scale_cast", "tile_n", "INTERPRET"]
+__all__ = ["logits_tiles", "probs_to_grad_", "reduce_tiles", "combine_rank_stats", "scale_cast", "tile_n",
+           "INTERPRET"]
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -53,14 +56,24 @@ def _softcap(x, softcap):
 
 
 @triton.jit
-def _dlogits(p, z, hit, col_ok, ca, cb, cc, cd, dcap, HAS_CB: tl.constexpr, HAS_CD: tl.constexpr,
+def _log1p(u):
+    """``log(1 + u)`` for ``u >= 0`` without losing a small ``u`` (Goldberg's correction)."""
+    v = 1.0 + u
+    return tl.where(v == 1.0, u, tl.log(v) * (u / (v - 1.0)))
+
+
+@triton.jit
+def _dlogits(p, zc, hit, col_ok, ca, cb, cc, cd, q, dcap, HAS_CB: tl.constexpr, HAS_CD: tl.constexpr,
              SOFTCAP: tl.constexpr):
-    """``(p (a + b z) + c [j == t] + d) * dcap`` for a tile, 0 on padding columns."""
+    """The gradient of ``vpce.formulas`` for a tile: ``p (a + b zc) + d`` off the target, ``(a + c) - a q
+    + b zc p + d`` at it (``zc = z - M``, ``q = 1 - p_t``), times ``dcap``; 0 on padding columns."""
+    at_t = ca + cc - ca * q
     if HAS_CB:
-        g = p * (ca[:, None] + cb[:, None] * z)
+        bz = cb[:, None] * zc
+        g = tl.where(p == 0.0, 0.0, p * (ca[:, None] + bz))  # p = 0 at z = -inf: no 0 * inf
+        g = tl.where(hit, at_t[:, None] + tl.where(p == 0.0, 0.0, bz * p), g)
     else:
-        g = p * ca[:, None]
-    g = g + tl.where(hit, cc[:, None], 0.0)
+        g = tl.where(hit, at_t[:, None], p * ca[:, None])
     if HAS_CD:
         g = g + cd[:, None]
     if SOFTCAP:
@@ -72,7 +85,7 @@ def _dlogits(p, z, hit, col_ok, ca, cb, cc, cd, dcap, HAS_CB: tl.constexpr, HAS_
 def _logits_tile(
     pid_m, pid_n,
     # pointers
-    X, W, BIAS, TL, TILE_M, TILE_S, TILE_Z, TILE_EZ, ZT, P, LSE, CA, CB, CC, CD,
+    X, W, BIAS, TL, TILE_M, TILE_S, TILE_Z, TILE_EZ, ZT, P, RM, RLS, RQ, CA, CB, CC, CD,
     # shapes
     M, V, D, n_tiles,
     # strides
@@ -135,7 +148,9 @@ def _logits_tile(
     p_mask = row_ok[:, None] & col_ok
 
     if GRAD:
-        lse = tl.load(LSE + rm, mask=row_ok, other=0.0)
+        m_row = tl.load(RM + rm, mask=row_ok, other=0.0)
+        ls_row = tl.load(RLS + rm, mask=row_ok, other=0.0)
+        q_row = tl.load(RQ + rm, mask=row_ok, other=0.0)
         ca = tl.load(CA + rm, mask=row_ok, other=0.0)
         cc = tl.load(CC + rm, mask=row_ok, other=0.0)
         cb = ca
@@ -144,20 +159,21 @@ def _logits_tile(
             cb = tl.load(CB + rm, mask=row_ok, other=0.0)
         if HAS_CD:
             cd = tl.load(CD + rm, mask=row_ok, other=0.0)
-        p = tl.exp(z - lse[:, None])
-        g = _dlogits(p, acc, hit, col_ok, ca, cb, cc, cd, dcap, HAS_CB, HAS_CD, SOFTCAP)
+        zc = z - m_row[:, None]  # exact where z is the row's max
+        p = tl.exp(zc - ls_row[:, None])
+        g = _dlogits(p, zc, hit, col_ok, ca, cb, cc, cd, q_row, dcap, HAS_CB, HAS_CD, SOFTCAP)
         tl.store(P + p_offs, g.to(P.dtype.element_ty), mask=p_mask)
     else:
         # -- online-softmax statistics of this tile --
         m_t = tl.max(z, axis=1)
-        e = tl.exp(z - m_t[:, None])
+        e = tl.exp(z - tl.where(m_t == float("-inf"), 0.0, m_t)[:, None])  # an all -inf row gives 0, not NaN
         stat = rm.to(tl.int64) * n_tiles + pid_n
         tl.store(TILE_M + stat, m_t, mask=row_ok)
-        tl.store(TILE_S + stat, tl.sum(e, axis=1), mask=row_ok)
+        tl.store(TILE_S + stat, tl.sum(tl.where(hit, 0.0, e), axis=1), mask=row_ok)  # the target's term apart
         if SUM_Z:
             tl.store(TILE_Z + stat, tl.sum(tl.where(col_ok, acc, 0.0), axis=1), mask=row_ok)
         if SUM_EZ:
-            tl.store(TILE_EZ + stat, tl.sum(tl.where(col_ok, e * acc, 0.0), axis=1), mask=row_ok)
+            tl.store(TILE_EZ + stat, tl.sum(tl.where(col_ok & (e != 0.0), e * acc, 0.0), axis=1), mask=row_ok)
         zt = tl.sum(tl.where(hit, acc, 0.0), axis=1)
         mine = row_ok & (t >= pid_n * BLOCK_N) & (t < pid_n * BLOCK_N + BLOCK_N)
         tl.store(ZT + rm, zt, mask=mine)
@@ -169,7 +185,7 @@ def _logits_tile(
 @triton.jit
 def _logits_tiles_kernel(
     # pointers
-    X, W, BIAS, TL, TILE_M, TILE_S, TILE_Z, TILE_EZ, ZT, P, LSE, CA, CB, CC, CD,
+    X, W, BIAS, TL, TILE_M, TILE_S, TILE_Z, TILE_EZ, ZT, P, RM, RLS, RQ, CA, CB, CC, CD,
     # shapes
     M, V, D, n_tiles,
     # strides
@@ -191,7 +207,7 @@ def _logits_tiles_kernel(
     first_m = (pid // width) * GROUP_M
     size_m = min(num_m - first_m, GROUP_M)
     _logits_tile(first_m + (pid % width) % size_m, (pid % width) // size_m,
-                 X, W, BIAS, TL, TILE_M, TILE_S, TILE_Z, TILE_EZ, ZT, P, LSE, CA, CB, CC, CD,
+                 X, W, BIAS, TL, TILE_M, TILE_S, TILE_Z, TILE_EZ, ZT, P, RM, RLS, RQ, CA, CB, CC, CD,
                  M, V, D, n_tiles, stride_xm, stride_xk, stride_wv, stride_wk, stride_pm, stride_pn,
                  softcap, inv_t, HAS_BIAS, SOFTCAP, TEMPERATURE, GRAD, WRITE_P, SUM_Z, SUM_EZ, HAS_CB, HAS_CD,
                  IEEE, TMA, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
@@ -200,7 +216,7 @@ def _logits_tiles_kernel(
 @triton.jit
 def _probs_to_grad_kernel(
     # pointers
-    P, G, TILE_M, LSE, CA, CC, CD, TL, ZT,
+    P, G, TILE_M, RM, RLS, RQ, CA, CC, CD, TL, ZT,
     # shapes
     M, V, n_tiles,
     # strides
@@ -220,14 +236,16 @@ def _probs_to_grad_kernel(
     mask = row_ok[:, None] & col_ok
     e = tl.load(P + offs, mask=mask, other=0.0).to(tl.float32)
     m_t = tl.load(TILE_M + rm.to(tl.int64) * n_tiles + pid_n, mask=row_ok, other=0.0)
-    lse = tl.load(LSE + rm, mask=row_ok, other=0.0)
+    m_row = tl.load(RM + rm, mask=row_ok, other=0.0)
+    ls_row = tl.load(RLS + rm, mask=row_ok, other=0.0)
+    q_row = tl.load(RQ + rm, mask=row_ok, other=0.0)
     ca = tl.load(CA + rm, mask=row_ok, other=0.0)
     cc = tl.load(CC + rm, mask=row_ok, other=0.0)
     cd = ca
     if HAS_CD:
         cd = tl.load(CD + rm, mask=row_ok, other=0.0)
     t = tl.load(TL + rm, mask=row_ok, other=-1)
-    p = e * tl.exp(m_t - lse)[:, None]
+    p = e * tl.exp((m_t - m_row) - ls_row)[:, None]  # m_t - M is exact (0 in the max's tile)
     hit = rn[None, :] == t[:, None]
     dcap = e
     if SOFTCAP:
@@ -238,7 +256,7 @@ def _probs_to_grad_kernel(
         z_rec = tl.where(e > 0, m_t[:, None] + tl.log(tl.where(e > 0, e, 1.0)), 0.0)
         r = tl.where(hit, zt[:, None], z_rec) / softcap
         dcap = (1.0 - r) * (1.0 + r)
-    g = _dlogits(p, e, hit, col_ok, ca, ca, cc, cd, dcap, False, HAS_CD, SOFTCAP)
+    g = _dlogits(p, e, hit, col_ok, ca, ca, cc, cd, q_row, dcap, False, HAS_CD, SOFTCAP)
     tl.store(G + offs, g.to(G.dtype.element_ty), mask=mask)
 
 
@@ -269,6 +287,7 @@ def _reduce_tiles_kernel(TM, TS, TZ, TEZ, ZT, OUT, C, T, SUM_Z: tl.constexpr, SU
         msk = ok[:, None] & (cols < T)[None, :]
         m2 = tl.maximum(m2, tl.load(TM + base[:, None] + cols[None, :], mask=msk, other=float("-inf")))
     m = tl.max(m2, 1)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)  # every tile -inf: sums stay 0, not NaN
     s2 = tl.zeros([BLOCK_C, BLOCK_T], tl.float32)
     z2 = tl.zeros([BLOCK_C, BLOCK_T], tl.float32)
     ez2 = tl.zeros([BLOCK_C, BLOCK_T], tl.float32)
@@ -277,7 +296,7 @@ def _reduce_tiles_kernel(TM, TS, TZ, TEZ, ZT, OUT, C, T, SUM_Z: tl.constexpr, SU
         msk = ok[:, None] & (cols < T)[None, :]
         offs = base[:, None] + cols[None, :]
         mt = tl.load(TM + offs, mask=msk, other=float("-inf"))
-        r = tl.where(msk, tl.exp(mt - m[:, None]), 0.0)  # NaN in m_t (or s_t) stays NaN
+        r = tl.where(msk, tl.exp(mt - m_safe[:, None]), 0.0)  # NaN in m_t (or s_t) stays NaN
         s2 += tl.load(TS + offs, mask=msk, other=0.0) * r
         if SUM_Z:
             z2 += tl.load(TZ + offs, mask=msk, other=0.0)
@@ -298,30 +317,44 @@ def _reduce_tiles_kernel(TM, TS, TZ, TEZ, ZT, OUT, C, T, SUM_Z: tl.constexpr, SU
 
 
 @triton.jit
-def _combine_stats_kernel(EVERY, OUT, C, W, R, N_SUMS: tl.constexpr, N_W: tl.constexpr, BLOCK_C: tl.constexpr):
-    """``EVERY [W, R, C]`` (each rank's packed statistics) -> ``OUT [R - 1, C]``: the global ``lse``, the summed
-    additive statistics, the softmax expectations (see ``vpce.parallel``)."""
+def _combine_rank_stats_kernel(EVERY, OUT, POISON, C, W, R, N_SUMS: tl.constexpr, N_W: tl.constexpr,
+                               HAS_POISON: tl.constexpr, BLOCK_C: tl.constexpr):
+    """``EVERY [W, R, C]`` (each rank's packed statistics: max, sum of exp but the target, target logit, sums,
+    weighted sums) -> ``OUT [R + 1, C]``: ``M``, ``log S``, ``-log p_t``, ``1 - p_t``, the summed additive
+    statistics, the softmax expectations (the formulas of ``vpce.parallel``)."""
     rows = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     ok = rows < C
     m = tl.full([BLOCK_C], float("-inf"), tl.float32)
+    t = tl.full([BLOCK_C], float("-inf"), tl.float32)
     for w in range(0, W):
         m = tl.maximum(m, tl.load(EVERY + w * R * C + rows, mask=ok, other=0.0))
-    s = tl.zeros([BLOCK_C], tl.float32)
+        t = tl.maximum(t, tl.load(EVERY + (w * R + 2) * C + rows, mask=ok, other=0.0))
+    if HAS_POISON:
+        m = m + tl.load(POISON)
+    safe = tl.where(m == float("-inf"), 0.0, m)
+    x = tl.zeros([BLOCK_C], tl.float32)
     for w in range(0, W):
-        r = tl.exp(tl.load(EVERY + w * R * C + rows, mask=ok, other=0.0) - m)
-        s += tl.load(EVERY + (w * R + 1) * C + rows, mask=ok, other=0.0) * r
-    tl.store(OUT + rows, m + tl.log(s), mask=ok)
+        r = tl.exp(tl.load(EVERY + w * R * C + rows, mask=ok, other=0.0) - safe)
+        x += tl.load(EVERY + (w * R + 1) * C + rows, mask=ok, other=0.0) * r
+    s = x + tl.exp(t - safe)
+    log_s = tl.log(s)
+    d = m - t
+    nll = tl.where(d <= 20.0, _log1p(x * tl.exp(tl.minimum(d, 20.0))), d + log_s)
+    tl.store(OUT + rows, m, mask=ok)
+    tl.store(OUT + C + rows, log_s, mask=ok)
+    tl.store(OUT + 2 * C + rows, nll, mask=ok)
+    tl.store(OUT + 3 * C + rows, x / s, mask=ok)
     for i in tl.static_range(N_SUMS):
         acc = tl.zeros([BLOCK_C], tl.float32)
         for w in range(0, W):
-            acc += tl.load(EVERY + (w * R + 2 + i) * C + rows, mask=ok, other=0.0)
-        tl.store(OUT + (1 + i) * C + rows, acc, mask=ok)
+            acc += tl.load(EVERY + (w * R + 3 + i) * C + rows, mask=ok, other=0.0)
+        tl.store(OUT + (4 + i) * C + rows, acc, mask=ok)
     for j in tl.static_range(N_W):
         acc = tl.zeros([BLOCK_C], tl.float32)
         for w in range(0, W):
-            r = tl.exp(tl.load(EVERY + w * R * C + rows, mask=ok, other=0.0) - m)
-            acc += tl.load(EVERY + (w * R + 2 + N_SUMS + j) * C + rows, mask=ok, other=0.0) * r
-        tl.store(OUT + (1 + N_SUMS + j) * C + rows, acc / s, mask=ok)
+            r = tl.exp(tl.load(EVERY + w * R * C + rows, mask=ok, other=0.0) - safe)
+            acc += tl.load(EVERY + (w * R + 3 + N_SUMS + j) * C + rows, mask=ok, other=0.0) * r
+        tl.store(OUT + (4 + N_SUMS + j) * C + rows, acc / s, mask=ok)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -353,13 +386,15 @@ def tile_n(x: torch.Tensor) -> int:
 
 
 def logits_tiles(x, w, b, t_local, *, softcap=None, inv_t=1.0, tile_m=None, tile_s=None, tile_z=None,
-                 tile_ez=None, zt=None, p=None, lse=None, coef=None, config=None):
+                 tile_ez=None, zt=None, p=None, rows=None, coef=None, config=None):
     """Launch the GEMM + epilogue over ``x [M, D]`` and ``w [V, D]`` (``t_local``: int32 local target column,
     -1 where the target is not in this shard).
 
-    Stats mode (``lse is None``) fills ``tile_m``, ``tile_s`` (``tile_z``, ``tile_ez``) ``[M, n_tiles]`` and
-    ``zt [M]`` (callers zero it) and, if ``p`` is given, writes ``exp(z - m_t)`` into it. Grad mode (``lse`` and
-    ``coef = (a, b, c, d)``, per-row fp32 vectors, ``b``/``d`` may be None) writes the gradient into ``p``.
+    Stats mode (``rows is None``) fills ``tile_m``, ``tile_s`` (the sum of exp over every column but the
+    target's; ``tile_z``, ``tile_ez``) ``[M, n_tiles]`` and ``zt [M]`` (callers fill it with ``-inf``) and, if
+    ``p`` is given, writes ``exp(z - m_t)`` into it. Grad mode (``rows``: the global ``(M, log S, 1 - p_t)`` per
+    row, and ``coef = (a, b, c, d)``, per-row fp32 vectors, ``b``/``d`` may be None) writes the gradient into
+    ``p``.
     ``config`` overrides the block shapes (for ``launch/tune_kernels.py``).
     """
     m, d = x.shape
@@ -370,9 +405,10 @@ def logits_tiles(x, w, b, t_local, *, softcap=None, inv_t=1.0, tile_m=None, tile
     tma = cfg.pop("TMA", _use_tma(x, w))
     bn = cfg["BLOCK_N"]
     n_tiles = triton.cdiv(v, bn)
-    grad = lse is not None
+    grad = rows is not None
     dummy = x.new_empty(0, dtype=torch.float32)
     ca, cb, cc, cd = coef if grad else (None,) * 4
+    rm, rls, rq = rows if grad else (None,) * 3
     pick = lambda t: dummy if t is None else t  # noqa: E731
     out = p if p is not None else x.new_empty(0)
     grid = (triton.cdiv(m, cfg["BLOCK_M"]) * n_tiles,)
@@ -382,7 +418,7 @@ def logits_tiles(x, w, b, t_local, *, softcap=None, inv_t=1.0, tile_m=None, tile
         wa = TensorDescriptor.from_tensor(w, [bn, cfg["BLOCK_K"]])
     _logits_tiles_kernel[grid](
         xa, wa, pick(b), t_local, pick(tile_m), pick(tile_s), pick(tile_z), pick(tile_ez), pick(zt), out,
-        pick(lse), pick(ca), pick(cb), pick(cc), pick(cd),
+        pick(rm), pick(rls), pick(rq), pick(ca), pick(cb), pick(cc), pick(cd),
         m, v, d, n_tiles,
         x.stride(0), x.stride(1), w.stride(0), w.stride(1),
         out.stride(0) if p is not None else 0, out.stride(1) if p is not None else 0,
@@ -393,9 +429,10 @@ def logits_tiles(x, w, b, t_local, *, softcap=None, inv_t=1.0, tile_m=None, tile
     )
 
 
-def probs_to_grad_(p, g, tile_m, lse, zt, t_local, coef, softcap, block_n: int, block_m=None, num_warps=None):
-    """The gradient from the fast route's ``p = exp(z - m_t)`` into ``g`` (may alias ``p``); ``coef = (a, c, d)``
-    per-row vectors (``d`` may be None), ``zt`` the global target logit per row (used with a soft cap).
+def probs_to_grad_(p, g, tile_m, rows, zt, t_local, coef, softcap, block_n: int, block_m=None, num_warps=None):
+    """The gradient from the fast route's ``p = exp(z - m_t)`` into ``g`` (may alias ``p``); ``rows`` the global
+    ``(M, log S, 1 - p_t)`` per row, ``coef = (a, c, d)`` per-row vectors (``d`` may be None), ``zt`` the global
+    target logit per row (used with a soft cap).
     ``block_m`` / ``num_warps`` override the launch shape (for ``launch/tune_kernels.py``)."""
     m, v = p.shape
     if m == 0 or v == 0:
@@ -407,7 +444,7 @@ def probs_to_grad_(p, g, tile_m, lse, zt, t_local, coef, softcap, block_n: int, 
     num_warps = num_warps or (4 if INTERPRET or not p.is_cuda else 8)
     grid = (triton.cdiv(m, block_m), triton.cdiv(v, block_n))
     _probs_to_grad_kernel[grid](
-        p, g, tile_m, lse, ca, cc, ca if cd is None else cd, t_local, zt, m, v, tile_m.shape[1],
+        p, g, tile_m, *rows, ca, cc, ca if cd is None else cd, t_local, zt, m, v, tile_m.shape[1],
         p.stride(0), p.stride(1), float(softcap or 1.0),
         SOFTCAP=softcap is not None, HAS_CD=cd is not None, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
     )
@@ -427,16 +464,18 @@ def reduce_tiles(tile_m, tile_s, tile_z, tile_ez, zt) -> torch.Tensor:
     return out
 
 
-def combine_stats(every: torch.Tensor, n_sums: int):
-    """Every rank's packed statistics ``[W, R, C]`` -> ``(lse, sums, expectations)`` in one launch (the same
-    formulas as ``vpce.parallel``'s torch combine)."""
+def combine_rank_stats(every: torch.Tensor, n_sums: int, poison: torch.Tensor | None = None) -> RankStats:
+    """Every rank's packed statistics ``[W, R, C]`` -> ``vpce.parallel.RankStats`` in one launch (the same
+    formulas as ``vpce.parallel.combine_rank_stats``)."""
     w, r, c = every.shape
-    out = torch.empty(r - 1, c, dtype=torch.float32, device=every.device)
+    out = torch.empty(r + 1, c, dtype=torch.float32, device=every.device)
     if c:
         block_c = 16 if INTERPRET or not every.is_cuda else 256
-        _combine_stats_kernel[(triton.cdiv(c, block_c),)](
-            every.contiguous(), out, c, w, r, N_SUMS=n_sums, N_W=r - 2 - n_sums, BLOCK_C=block_c, num_warps=4)
-    return out[0], [out[1 + i] for i in range(n_sums)], [out[1 + n_sums + j] for j in range(r - 2 - n_sums)]
+        _combine_rank_stats_kernel[(triton.cdiv(c, block_c),)](
+            every.contiguous(), out, out if poison is None else poison, c, w, r, N_SUMS=n_sums,
+            N_W=r - 3 - n_sums, HAS_POISON=poison is not None, BLOCK_C=block_c, num_warps=4)
+    return RankStats(out[0], out[1], out[2], out[3], [out[4 + i] for i in range(n_sums)],
+                     [out[4 + n_sums + j] for j in range(r - 3 - n_sums)])
 
 
 def scale_cast(src: torch.Tensor, g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""The loss options every backend receives, validated once at the public boundary (``vpce.api``)."""
+"""The options every backend receives, validated once at the public boundary (``vpce.api``)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ DEFAULT_CHUNK_GIB = 0.25
 
 @dataclass(frozen=True, kw_only=True)
 class LossOptions:
-    """What is computed per token; see ``docs/api.md`` for the formulas."""
+    """What the cross-entropy computes per token; see ``docs/api.md`` for the formulas."""
 
     ignore_index: int = -100
     """Target id whose token contributes nothing (loss 0, gradient 0, not counted by ``mean``)."""
@@ -28,12 +28,27 @@ class LossOptions:
     """Logits become ``softcap * tanh(logits / softcap)`` before everything else."""
     memory_budget: str | float = "auto"
     """``"fast"`` (gradients formed in forward, fp32 dW accumulator), ``"lean"`` (statistics in forward,
-    logits recomputed in backward), ``"auto"`` (the backend picks), or a number: GiB of live chunk data on the
-    fast route."""
+    logits recomputed in backward), ``"auto"`` (today: the fast route wherever it applies), or a number: GiB of
+    live chunk data on the fast route."""
 
     @property
     def lean(self) -> bool:
         return self.memory_budget == "lean"
 
     def chunk_gib(self) -> float:
+        """GiB of live chunk data for the torch backend."""
         return self.memory_budget if isinstance(self.memory_budget, float) else DEFAULT_CHUNK_GIB
+
+
+@dataclass(frozen=True, kw_only=True)
+class LogProbOptions:
+    """What ``linear_log_probs`` computes per token."""
+
+    ignore_index: int = -100
+    """Target id whose token gives 0 for every output."""
+    softcap: float | None = None
+    """Logits become ``softcap * tanh(logits / softcap)`` before the temperature."""
+    inv_t: float = 1.0
+    """One over the temperature: the distribution is ``softmax(cap(logits) * inv_t)``."""
+    entropy: bool = False
+    """Also return the entropy of that distribution."""

@@ -1,57 +1,76 @@
-"""Vocab-parallel plumbing: shard ranges, the statistics exchange, and autograd-aware collectives.
+"""Vocab-parallel plumbing: the per-call agreement, shard ranges, the statistics exchange, and autograd-aware
+collectives.
 
 Everything that talks to ``torch.distributed`` lives here, with an explicit ``group`` argument; the compute
 backends (``vpce.torch_backend`` and the Triton kernels) never import ``torch.distributed`` themselves.
+docs/design.md has the collective schedule of one call as a timeline.
 
 Vocab layout. The lm_head weight ``[V, D]`` is split by rows over the ranks of ``group``: rank ``r`` holds the
 contiguous global ids ``[start_r, start_r + rows_r)``. Shards may be uneven. Rows whose global id is
 ``>= vocab_size`` are padding (Megatron's ``make_vocab_size_divisible_by``) and are excluded from the softmax.
-By default ``start_r`` is the sum of the rows of lower ranks; learning it takes one small all-gather of the shard
-sizes the first time a ``(group, rows)`` pair is seen, cached afterwards. Pass ``vocab_start`` and ``vocab_size``
-explicitly to skip it (the Megatron integration does).
+By default ``start_r`` is the sum of the rows of lower ranks and ``vocab_size`` the sum of all rows.
 
-Statistics exchange. Per token chunk each rank has, over its valid rows, the local max ``m_r``, the local sum of
-``exp(z - m_r)`` ``s_r``, a few additive sums (target logit, sum of logits) and, for the entropy, the weighted sum
-``w_r = sum_j exp(z_j - m_r) z_j``. They are packed into one ``[k, chunk]`` fp32 tensor and exchanged with a
-single all-gather; every rank then combines them identically::
+Agreement (``agree``). Every call under a group starts with exactly one collective, the same on every rank
+whatever its arguments: an all-gather of a fixed-size int64 fingerprint of the call (shapes, dtypes, options,
+the route, the shard's rows and claimed ``vocab_start``/``vocab_size``, a checksum and the range of the targets,
+and any argument error this rank found, with its message). Nothing is cached: no rank-local fact (a cache, an
+import, a fallback flag) can change the number, order or size of collectives. Then:
 
-    M = max_r m_r,  S = sum_r s_r exp(m_r - M),  lse = M + log S,  extra = sum_r extra_r,
-    E[z] = sum_r w_r exp(m_r - M) / S
+* where a rank must read it on the host (CPU tensors, ``validate=True``, or a layout to learn because
+  ``vocab_start`` or ``vocab_size`` was not given), every rank reads the same bytes and reaches the same verdict:
+  either all go on, or all raise the same ``ValueError``/``TypeError`` naming the field and each rank's value;
+* otherwise (CUDA, layout given) nothing is read: the verdict is a device scalar, 0 or NaN, that the statistics
+  combine adds to every token's max, so a disagreement makes the loss and gradients NaN on every rank and never a
+  finite wrong value, with no host sync.
 
-so every rank holds the same global ``lse`` and returns the same loss. One collective per chunk; O(chunk * k *
-world) bytes; no logits or weights are ever gathered.
+Statistics exchange. Per token chunk each rank has, over its valid rows, the local max ``m_r``, the sum of
+``exp(z - m_r)`` over every column but the target ``x_r``, the target logit ``t_r`` (``-inf`` on ranks that do
+not hold it) and optionally additive sums (the sum of logits) and weighted sums (``w_r = sum_j exp(z_j - m_r)
+z_j``, for the entropy). They are packed into one ``[k, chunk]`` fp32 tensor and exchanged with one all-gather;
+every rank combines them identically (``combine_rank_stats``)::
 
-Overlap. ``exchange_packed`` starts the all-gather of a rank's packed statistics with an async work handle and
-returns a ``PendingStats``; the Triton backend runs each chunk's GEMM as two halves so that the first half's
-exchange runs under the second half's GEMM. ``combine_softmax_stats`` is the start-and-wait form.
+    M = max_r m_r,  X = sum_r x_r exp(m_r - M),  T = max_r t_r,  S = X + exp(T - M),  log S,
+    nll = -log p_t = log1p(X exp(M - T)),  1 - p_t = X / S,  E[z] = sum_r w_r exp(m_r - M) / S
 
-Gradient of the hidden states. Each rank's backend produces only its vocab shard's contribution to ``dX``. On
-the lean and torch routes the hidden states enter the vocab-parallel region through ``enter_vocab_parallel``:
-identity in forward and an all-reduce of ``dX`` in backward (hidden replicated), or, with
-``sequence_parallel=True``, an all-gather along dim 0 in forward and a reduce-scatter of ``dX`` in backward
+Keeping the target's term out of ``X`` is what makes confident tokens exact: ``-log p_t`` and ``1 - p_t`` of a
+token with ``p_t = 1 - 1e-7`` come without cancellation. A rank (or tile) whose logits are all ``-inf`` has
+``m_r = -inf`` and contributes nothing. One collective per chunk; no logits or weights are ever gathered.
+``start_stats_exchange`` starts it with an async work handle; the Triton backend runs each chunk's GEMM as two
+halves so that the first half's exchange runs under the second half's GEMM.
+
+Gradient of the hidden states. Each rank's backend produces only its vocab shard's contribution to ``dX``. Where
+the call's plan says so (``vpce.routing``), the hidden states enter the vocab-parallel region through
+``enter_vocab_parallel``: identity in forward and an all-reduce of ``dX`` in backward (hidden replicated), or,
+with ``sequence_parallel=True``, an all-gather along dim 0 in forward and a reduce-scatter of ``dX`` in backward
 (Megatron's sequence parallelism). The Triton fast route has each chunk's final ``dX`` rows in forward and sums
 them there, overlapped with its dW GEMMs (``HiddenGradReduce``; SP input through ``gather_sequence``).
 """
 
 from __future__ import annotations
 
+import math
+import struct
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
 
 __all__ = [
     "VocabShard",
-    "resolve_shard",
-    "combine_softmax_stats",
-    "exchange_packed",
-    "combine_packed",
+    "CallFacts",
+    "Agreement",
+    "agree",
+    "check_group",
+    "group_rank_and_size",
+    "RankStats",
+    "combine_rank_stats",
+    "start_stats_exchange",
+    "exchange_softmax_stats",
     "PendingStats",
     "HiddenGradReduce",
     "gather_sequence",
     "enter_vocab_parallel",
-    "group_rank_and_size",
     "from_dtensors",
     "all_gather_tensor",
     "reduce_scatter_tensor",
@@ -86,13 +105,26 @@ class VocabShard:
     def sharded(self) -> bool:
         return self.world > 1
 
+    @property
+    def columns_per_rank(self) -> int:
+        """``ceil(vocab_size / world)``: the same on every rank, so chunk sizes derived from it agree."""
+        return max(1, math.ceil(self.vocab_size / self.world))
+
+
+def check_group(group) -> None:
+    if group is None:
+        return
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError("group: expected an initialized torch.distributed process group, got one while "
+                         "torch.distributed is not initialized")
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"group: expected a torch.distributed.ProcessGroup or None, got {type(group).__name__}")
+
 
 def group_rank_and_size(group) -> tuple[int, int]:
     if group is None:
         return 0, 1
-    if not dist.is_available() or not dist.is_initialized():
-        raise ValueError("group: expected an initialized torch.distributed process group, got one while "
-                         "torch.distributed is not initialized")
+    check_group(group)
     return dist.get_rank(group), dist.get_world_size(group)
 
 
@@ -111,95 +143,293 @@ def reduce_scatter_tensor(out: torch.Tensor, x: torch.Tensor, *, group):
     return _REDUCE_SCATTER(out, x.contiguous(), group=group)
 
 
-_SHARD_ROWS: dict[tuple[int, int], tuple[int, ...]] = {}
+# ------------------------------------------------------------------------------------------------------------
+# the per-call agreement
 
 
-def _all_shard_rows(group, rows: int, device: torch.device) -> tuple[int, ...]:
-    """Rows of every rank's shard: one all-gather of a single int, cached per (group, rows)."""
-    key = (id(group), rows)
-    hit = _SHARD_ROWS.get(key)
-    if hit is None:
-        world = dist.get_world_size(group)
-        dev = device if dist.get_backend(group) != "gloo" else torch.device("cpu")
-        mine = torch.tensor([rows], dtype=torch.int64, device=dev)
-        every = torch.empty(world, dtype=torch.int64, device=dev)
-        all_gather_tensor(every, mine, group=group)
-        hit = tuple(int(v) for v in every.tolist())
-        _SHARD_ROWS[key] = hit
-    return hit
+@dataclass(frozen=True)
+class CallFacts:
+    """What one rank knows about a call before any collective; every field but ``rows``, ``vocab_start`` and the
+    target range must be equal on every rank. Values are ints (floats by their bit pattern, None as -1)."""
+
+    entry: str = ""
+    """Which public function (``"cross_entropy"``, ``"log_probs"``)."""
+    fields: tuple[tuple[str, Any], ...] = ()
+    """``(name, value)`` pairs that must agree: shapes, dtypes, options, the route."""
+    rows: int = -1
+    vocab_start: int | None = None
+    vocab_size: int | None = None
+    target: torch.Tensor | None = None
+    """The (flattened) targets: their checksum must agree; their range is checked where the fingerprint is read."""
+    ignore_index: int = -100
+    error: Exception | None = None
+    """An argument error this rank found; with a group, every rank raises it."""
 
 
-def resolve_shard(group, rows: int, vocab_start: int | None, vocab_size: int | None,
-                  device: torch.device) -> VocabShard:
-    """Build the ``VocabShard`` of this rank; validates ``vocab_start`` / ``vocab_size`` against the shards."""
+_EQUAL = ("call", "vocab_start given", "vocab_size", "host check")  # compared first, before ``fields``
+_N_FIELDS = 40                       # slots for ``_EQUAL`` and ``fields``: a (type, payload) pair each
+_MSG_WORDS = 32                      # 256 bytes of error message
+# fingerprint layout: head, then the (type, payload) pairs, then the message words
+_ERR, _ROWS, _START, _TSUM, _TMIN, _TMIN_AT, _TMAX, _TMAX_AT = range(8)
+_HEAD = 8
+_ERROR_TYPES = {1: ValueError, 2: TypeError}
+_NONE, _INT, _FLOAT, _STR, _LONG_STR = range(5)
+
+
+def _encode(value) -> tuple[int, int]:
+    """A field value as (type, int64 payload); ``_decode`` reads it back the same way on every rank."""
+    if value is None:
+        return _NONE, 0
+    if isinstance(value, (bool, int)):
+        return _INT, int(value)
+    if isinstance(value, float):
+        return _FLOAT, struct.unpack("<q", struct.pack("<d", value))[0]
+    raw = str(value).encode()
+    if len(raw) <= 8:
+        return _STR, int.from_bytes(raw.ljust(8, b"\0"), "little", signed=True)
+    code = 1469598103934665603
+    for byte in raw:  # FNV-1a: the same in every process (str hashes are salted per process)
+        code = ((code ^ byte) * 1099511628211) % 2**63
+    return _LONG_STR, code
+
+
+def _decode(kind: int, payload: int) -> str:
+    if kind == _NONE:
+        return "None"
+    if kind == _FLOAT:
+        return repr(struct.unpack("<d", struct.pack("<q", payload))[0])
+    if kind == _STR:
+        return repr(payload.to_bytes(8, "little", signed=True).rstrip(b"\0").decode(errors="replace"))
+    if kind == _LONG_STR:
+        return f"<string #{payload % 10**6:06d}>"
+    return str(payload)
+
+
+def _fingerprint(facts: CallFacts, device: torch.device, read: bool) -> torch.Tensor:
+    pairs = [facts.entry, facts.vocab_start is not None, facts.vocab_size, read]
+    pairs = [_encode(v) for v in pairs] + [_encode(v) for _, v in facts.fields]
+    if len(pairs) > _N_FIELDS:
+        raise RuntimeError(f"vpce: {len(pairs)} agreement fields, room for {_N_FIELDS}")
+    pairs += [(_NONE, 0)] * (_N_FIELDS - len(pairs))
+    head = [0] * _HEAD
+    msg = [0] * _MSG_WORDS
+    if facts.error is not None:
+        head[_ERR] = 2 if isinstance(facts.error, TypeError) else 1
+        raw = str(facts.error).encode()[: 8 * _MSG_WORDS].ljust(8 * _MSG_WORDS, b"\0")
+        msg = [int.from_bytes(raw[8 * i: 8 * i + 8], "little", signed=True) for i in range(_MSG_WORDS)]
+    head[_ROWS] = facts.rows
+    head[_START] = -1 if facts.vocab_start is None else facts.vocab_start
+    host = torch.tensor(head + [x for pair in pairs for x in pair] + msg, dtype=torch.int64)
+    out = host.to(device, non_blocking=True) if device.type == "cuda" else host
+    t = facts.target
+    if t is not None and facts.error is None and t.numel():
+        t = t.reshape(-1).to(torch.int64)
+        pos = torch.arange(t.numel(), device=t.device, dtype=torch.int64)
+        out[_TSUM] = ((t + 7) * (pos % 65521 + 1)).sum()  # any edit of the targets changes it
+        if read:
+            keep = t != facts.ignore_index
+            big = torch.iinfo(torch.int64).max
+            lo = torch.where(keep, t, big)
+            hi = torch.where(keep, t, -big)
+            out[_TMIN], out[_TMIN_AT] = lo.min(), lo.argmin()
+            out[_TMAX], out[_TMAX_AT] = hi.max(), hi.argmax()
+    return out
+
+
+class Agreement(NamedTuple):
+    shard: VocabShard
+    poison: torch.Tensor | None
+    """A 0-d fp32 device scalar (0, or NaN where the ranks disagreed) to add to every token's max, or None."""
+
+
+def _layout_error(rows: list[int], starts: list[int], vocab_size: int) -> str | None:
+    end = 0
+    for start, n, r in sorted(zip(starts, rows, range(len(rows)))):
+        if start != end:
+            what = "overlaps the shard before it" if start < end else "leaves a gap after the shard before it"
+            return (f"vocab_start: expected shards that tile [0, total rows) without gap or overlap, got rank {r}'s "
+                    f"rows [{start}, {start + n}) which {what} (ending at {end}); starts by rank {starts}, "
+                    f"rows by rank {rows}")
+        end = start + n
+    if vocab_size > end:
+        return f"vocab_size: expected at most the {end} rows of all shards together, got {vocab_size}"
+    return None
+
+
+def agree(group, facts: CallFacts, device: torch.device, *, read: bool) -> Agreement:
+    """Exchange this call's fingerprint (see the module docstring) and return this rank's ``VocabShard``.
+
+    ``read``: decide on the host (every rank raises the same error on disagreement); else a poison scalar for
+    the device. With no group there is nothing to exchange: ``facts.error`` is raised as it is.
+    """
     rank, world = group_rank_and_size(group)
-    if world == 1 and vocab_start not in (None, 0):
-        raise ValueError(f"vocab_start: expected None or 0 when the vocab is not sharded (group of one rank), "
-                         f"got {vocab_start}")
     if world == 1:
-        size = rows if vocab_size is None else vocab_size
-        if size > rows:
-            raise ValueError(f"vocab_size: expected at most the weight's {rows} rows, got {size}")
-        return VocabShard(group if world > 1 else None, 0, 1, 0, rows, size)
-    if vocab_start is None or vocab_size is None:
-        every = _all_shard_rows(group, rows, device)
-        total = sum(every)
-        start = sum(every[:rank]) if vocab_start is None else vocab_start
-        size = total if vocab_size is None else vocab_size
-        if size > total:
-            raise ValueError(f"vocab_size: expected at most the {total} rows of all shards together, got {size}")
-    else:
-        start, size = vocab_start, vocab_size
-    return VocabShard(group, rank, world, start, rows, size)
+        if facts.error is not None:
+            raise facts.error
+        if facts.vocab_start not in (None, 0):
+            raise ValueError(f"vocab_start: expected None or 0 when the vocab is not sharded (group of one rank), "
+                             f"got {facts.vocab_start}")
+        size = facts.rows if facts.vocab_size is None else facts.vocab_size
+        if size > facts.rows:
+            raise ValueError(f"vocab_size: expected at most the weight's {facts.rows} rows, got {size}")
+        if read and facts.target is not None:
+            _check_target_range(facts.target, facts.ignore_index, size)
+        return Agreement(VocabShard(None, 0, 1, 0, facts.rows, size), None)
+
+    dev = device if dist.get_backend(group) != "gloo" else torch.device("cpu")
+    mine = _fingerprint(facts, dev, read)
+    every = torch.empty(world * mine.numel(), dtype=torch.int64, device=dev)
+    all_gather_tensor(every, mine, group=group)
+    every = every.view(world, -1)
+    pairs = every[:, _HEAD:_HEAD + 2 * _N_FIELDS]
+
+    if not read:  # decided on the device: no host sync
+        bad = (pairs != pairs[:1]).any() | (every[:, _ERR] != 0).any()
+        starts, order = every[:, _START].sort()
+        ends = starts + every[:, _ROWS][order]
+        bad = bad | (starts[0] != 0) | (starts[1:] != ends[:-1]).any() | (ends[-1] < (facts.vocab_size or 0))
+        poison = torch.where(bad, math.nan, 0.0).to(device=device, dtype=torch.float32)
+        return Agreement(VocabShard(group, rank, world, facts.vocab_start, facts.rows, facts.vocab_size), poison)
+
+    host = every.cpu()
+    err = host[:, _ERR].tolist()
+    if any(err):
+        r = next(i for i, e in enumerate(err) if e)
+        if facts.error is not None and r == rank:
+            raise facts.error
+        raw = b"".join(int(w).to_bytes(8, "little", signed=True) for w in host[r, -_MSG_WORDS:].tolist())
+        text = raw.rstrip(b"\0").decode(errors="replace")
+        raise _ERROR_TYPES[err[r]](f"{text} (raised on rank {r} of the group: every rank fails with it)")
+    names = [*_EQUAL, *(name for name, _ in facts.fields)]
+    hp = host[:, _HEAD:_HEAD + 2 * _N_FIELDS].view(world, _N_FIELDS, 2)
+    differ = (hp != hp[:1]).any(2).any(0).tolist()
+    for i, bad in enumerate(differ):
+        if bad:
+            got = [_decode(int(k), int(v)) for k, v in hp[:, i].tolist()]
+            raise ValueError(f"{names[i] if i < len(names) else 'field'}: expected the same value on every rank of "
+                             f"the group, got {', '.join(got)} on ranks {', '.join(map(str, range(world)))}")
+    rows = host[:, _ROWS].tolist()
+    starts = host[:, _START].tolist() if facts.vocab_start is not None else \
+        [sum(rows[:r]) for r in range(world)]
+    size = sum(rows) if facts.vocab_size is None else facts.vocab_size
+    msg = _layout_error(rows, starts, size)
+    if msg is not None:
+        raise ValueError(msg)
+    sums = host[:, _TSUM].tolist()
+    if any(s != sums[0] for s in sums):
+        raise ValueError(f"target: expected the same targets on every rank of the group (each rank computes every "
+                         f"token's loss), got different targets (checksums {sums} on ranks 0..{world - 1})")
+    if facts.target is not None and facts.target.numel():
+        lo, hi = int(host[0, _TMIN]), int(host[0, _TMAX])
+        if lo < 0 or hi >= size:
+            value, at = (lo, int(host[0, _TMIN_AT])) if lo < 0 else (hi, int(host[0, _TMAX_AT]))
+            _raise_bad_target(facts.target, facts.ignore_index, size, value, at)
+    return Agreement(VocabShard(group, rank, world, starts[rank], rows[rank], size), None)
 
 
-def combine_packed(every: torch.Tensor, n_sums: int) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
-    """Every rank's packed statistics ``[W, R, C]`` (rows: max, sum of exp, ``n_sums`` additive statistics, then
-    the weighted sums) -> ``(lse, sums, expectations)``; the same bytes in the same order on every rank."""
-    m_all, s_all = every[:, 0], every[:, 1]
+def _raise_bad_target(target: torch.Tensor, ignore_index: int, vocab_size: int, value: int, flat_at: int):
+    pos = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat_at), tuple(target.shape)))
+    raise ValueError(f"target: expected ids in [0, {vocab_size}) or ignore_index={ignore_index}, got {value} at "
+                     f"index {pos}")
+
+
+def _check_target_range(target: torch.Tensor, ignore_index: int, vocab_size: int):
+    """Eager range check (a host sync): ids in [0, vocab_size) or ignore_index."""
+    bad = (target != ignore_index) & ((target < 0) | (target >= vocab_size))
+    if bool(bad.any()):
+        flat = int(bad.reshape(-1).nonzero()[0])
+        _raise_bad_target(target, ignore_index, vocab_size, int(target.reshape(-1)[flat]), flat)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# the statistics exchange
+
+
+class RankStats(NamedTuple):
+    """Global per-token softmax statistics of one token chunk (fp32, or fp64 for fp64 inputs)."""
+
+    m: torch.Tensor
+    """Max logit ``M`` (plus the agreement's poison)."""
+    log_s: torch.Tensor
+    """``log sum_j exp(z_j - M)``; ``lse = M + log_s``."""
+    nll: torch.Tensor
+    """``-log p_t`` without cancellation (inf where the token has no target in the vocab)."""
+    q: torch.Tensor
+    """``1 - p_t`` without cancellation."""
+    sums: list[torch.Tensor]
+    """Each additive statistic summed over the ranks (the sum of logits, for label smoothing)."""
+    expectations: list[torch.Tensor]
+    """Each weighted statistic's softmax expectation (``E[z]``, for the entropy)."""
+
+    @property
+    def lse(self) -> torch.Tensor:
+        return self.m + self.log_s
+
+    @staticmethod
+    def cat(parts: list["RankStats"], n_sums: int, n_expect: int, like: torch.Tensor) -> "RankStats":
+        """The statistics of consecutive token chunks as one (``like``: an empty tensor of the dtype/device)."""
+        if not parts:
+            return RankStats(like, like, like, like, [like] * n_sums, [like] * n_expect)
+        cat = lambda i, j=None: torch.cat([p[i] if j is None else p[i][j] for p in parts])  # noqa: E731
+        return RankStats(cat(0), cat(1), cat(2), cat(3), [cat(4, j) for j in range(n_sums)],
+                         [cat(5, j) for j in range(n_expect)])
+
+
+def combine_rank_stats(every: torch.Tensor, n_sums: int, poison: torch.Tensor | None = None) -> RankStats:
+    """Every rank's packed statistics ``[W, R, C]`` (rows: max, sum of exp but the target, target logit, ``n_sums``
+    additive statistics, then the weighted sums) -> ``RankStats``; the same bytes in the same order on every rank.
+    (``vpce.kernels.combine_rank_stats`` is the one-launch form.)"""
+    m_all, x_all, t_all = every[:, 0], every[:, 1], every[:, 2]
     m = m_all.amax(0)
-    # Ranks with m_r = -inf contribute exp(-inf) * 0 = 0; a rank with m_r = +inf or NaN makes lse NaN.
-    rescale = torch.exp(m_all - m)
-    s = (s_all * rescale).sum(0)
-    expect = [(every[:, 2 + n_sums + i] * rescale).sum(0) / s for i in range(every.shape[1] - 2 - n_sums)]
-    return m + torch.log(s), [every[:, 2 + i].sum(0) for i in range(n_sums)], expect
+    if poison is not None:
+        m = m + poison
+    safe = torch.where(m == -math.inf, 0.0, m)
+    rescale = torch.exp(m_all - safe)  # a rank with m_r = -inf contributes 0; NaN or +inf propagate
+    x = (x_all * rescale).sum(0)
+    t = t_all.amax(0)
+    e_t = torch.exp(t - safe)
+    s = x + e_t
+    d = m - t
+    # -log p_t = log(S / e_t) = log1p(X exp(M - T)); past d = 20 the loss is large and plain sums lose nothing
+    nll = torch.where(d <= 20, torch.log1p(x * torch.exp(torch.clamp(d, max=20))), d + torch.log(s))
+    expect = [(every[:, 3 + n_sums + i] * rescale).sum(0) / s for i in range(every.shape[1] - 3 - n_sums)]
+    return RankStats(m, torch.log(s), nll, x / s, [every[:, 3 + i].sum(0) for i in range(n_sums)], expect)
 
 
 class PendingStats:
     """One token chunk's softmax statistics on their way to every rank of the group (an async all-gather);
-    ``wait()`` gives the global ``(lse, sums, expectations)``. Work queued between the exchange and ``wait()``
-    (the next chunk's GEMM) overlaps the collective: on NCCL ``wait()`` only orders the streams, no host sync."""
+    ``wait()`` gives the global ``RankStats``. Work queued between the exchange and ``wait()`` (the next chunk's
+    GEMM) overlaps the collective: on NCCL ``wait()`` only orders the streams, no host sync."""
 
-    def __init__(self, every: torch.Tensor, n_sums: int, work=None, combine=combine_packed):
-        self.every, self.n_sums, self.work, self.combine = every, n_sums, work, combine
+    def __init__(self, every: torch.Tensor, n_sums: int, combine: Callable, poison, work=None):
+        self.every, self.n_sums, self.combine, self.poison, self.work = every, n_sums, combine, poison, work
 
-    def wait(self) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+    def wait(self) -> RankStats:
         if self.work is not None:
             self.work.wait()
             self.work = None
-        return self.combine(self.every, self.n_sums)
+        return self.combine(self.every, self.n_sums, self.poison)
 
 
-def exchange_packed(packed: torch.Tensor, n_sums: int, shard: VocabShard, combine=combine_packed) -> PendingStats:
-    """Start the exchange of this rank's packed ``[R, C]`` statistics (see ``combine_packed`` for the rows): one
-    async all-gather under a group; ``combine`` (a backend's fused form of ``combine_packed``) runs in ``wait``."""
+def start_stats_exchange(packed: torch.Tensor, n_sums: int, shard: VocabShard, poison=None,
+                         combine: Callable = combine_rank_stats) -> PendingStats:
+    """Start the exchange of this rank's packed ``[R, C]`` statistics (rows as in ``combine_rank_stats``): one
+    async all-gather under a group; ``combine`` (``combine_rank_stats`` or a backend's fused form) runs in
+    ``wait``."""
     if not shard.sharded:
-        return PendingStats(packed.unsqueeze(0), n_sums, combine=combine)
+        return PendingStats(packed.unsqueeze(0), n_sums, combine, poison)
     out = packed.new_empty((shard.world * packed.shape[0],) + tuple(packed.shape[1:]))
     work = all_gather_tensor(out, packed, group=shard.group, async_op=True)
-    return PendingStats(out.view((shard.world,) + tuple(packed.shape)), n_sums, work, combine)
+    return PendingStats(out.view((shard.world,) + tuple(packed.shape)), n_sums, combine, poison, work)
 
 
-def combine_softmax_stats(local_max: torch.Tensor, local_sumexp: torch.Tensor, sums: list[torch.Tensor],
-                          shard: VocabShard, weighted: list[torch.Tensor] = ()
-                          ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
-    """Global ``lse`` per token, the global value of each additive statistic in ``sums``, and the global
-    softmax expectation of each statistic in ``weighted`` (given locally as ``sum_j exp(z_j - m_r) f_j``).
+def exchange_softmax_stats(packed: torch.Tensor, n_sums: int, shard: VocabShard, poison=None) -> RankStats:
+    """Exchange and combine at once (``start_stats_exchange(...).wait()``)."""
+    return start_stats_exchange(packed, n_sums, shard, poison).wait()
 
-    ``local_max`` may be ``-inf`` (with ``local_sumexp == 0``) on a rank whose shard is all padding.
-    NaN or inf in any rank's statistics propagates into ``lse``.
-    """
-    return exchange_packed(torch.stack([local_max, local_sumexp, *sums, *weighted]), len(sums), shard).wait()
+
+# ------------------------------------------------------------------------------------------------------------
+# the gradient of the hidden states
 
 
 def gather_sequence(hidden: torch.Tensor, shard: VocabShard) -> torch.Tensor:

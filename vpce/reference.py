@@ -125,3 +125,58 @@ def reference_log_probs(hidden, weight, target, bias=None, *, g_logp=None, g_ent
         total = total + (ent * g_ent.double()).sum()
     dh, dw, *db = torch.autograd.grad(total, [h, w] + ([b] if b is not None else []))
     return logp.detach(), ent.detach(), Result(None, dh, dw, db[0] if b is not None else None)
+
+
+def chunked_reference(hidden, weight, target, *, chunk_gib: float = 1.0, group=None, vocab_start: int = 0,
+                      max_rows: int | None = None) -> Result:
+    """Mean cross-entropy of ``hidden @ weight.T`` over the whole vocab and its gradients, in float64, in token
+    chunks: for problems too large for ``reference`` (the benchmark's shapes). Plain cross-entropy only (no
+    bias, none ignored); ``hidden`` ``[N, D]``, ``target`` ``[N]``.
+
+    Never ``[N, V]`` at once: per chunk of ``C`` tokens (``C`` chosen so that ``[C, rows]`` float64 logits take
+    ``chunk_gib``), the float64 logits, their softmax and its gradient; ``dW`` accumulated in float64. Peak: the
+    float64 weight and ``dW`` plus about two ``[C, rows]`` float64 chunks.
+
+    Under a ``group`` (``torch.distributed``), ``weight`` is this rank's rows ``[vocab_start, vocab_start + rows)``
+    of the vocab: per chunk the logits' max is all-reduced (MAX), ``sum exp(z - max)`` and the target logit (0
+    where another rank holds it) are all-reduced together (SUM), and this shard's part of ``dX`` is all-reduced
+    (SUM, float64). ``max_rows`` (the largest shard's rows) makes every rank use the same chunk, so that the
+    collectives line up. Returns the float64 loss, the complete ``dX`` and this shard's ``dW``, both stored in
+    fp32 (their rounding, ~6e-8, is far below any error the benchmark measures); ``dbias`` is None.
+    """
+    import torch.distributed as dist
+
+    n, d = hidden.shape
+    rows = weight.shape[0]
+    chunk = max(1, int(chunk_gib * 2**30) // (8 * (max_rows or rows)))
+    wd = weight.double()
+    dw = torch.zeros_like(wd)
+    dx = torch.empty(n, d, dtype=torch.float32, device=hidden.device)
+    loss = torch.zeros((), dtype=torch.float64, device=hidden.device)
+    for c0 in range(0, n, chunk):
+        sl = slice(c0, min(n, c0 + chunk))
+        xd = hidden[sl].double()
+        z = xd @ wd.t()
+        m = z.amax(1)
+        if group is not None:
+            dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+        local = target[sl] - vocab_start
+        owns = (local >= 0) & (local < rows)
+        idx = local.clamp(0, rows - 1)[:, None]
+        zt = torch.where(owns, z.gather(1, idx).squeeze(1), 0.0)
+        g = z.sub_(m[:, None]).exp_()  # exp(z - m), in place
+        sums = torch.stack([g.sum(1), zt])
+        if group is not None:
+            dist.all_reduce(sums, group=group)
+        lse = m + torch.log(sums[0])
+        loss += (lse - sums[1]).sum()
+        g.mul_(torch.exp(m - lse)[:, None])  # exp(z - lse)
+        g.scatter_add_(1, idx, -owns.to(g.dtype)[:, None])
+        g.div_(n)
+        dxc = g @ wd
+        if group is not None:
+            dist.all_reduce(dxc, group=group)
+        dx[sl] = dxc.float()
+        dw.addmm_(g.t(), xd)
+        del z, g, xd, dxc
+    return Result(loss / n, dx, dw.float(), None)

@@ -4,7 +4,8 @@ What is measured, per shape (``N`` tokens, hidden size ``D``, vocab ``V``) and p
 
 * **Inputs.** Fresh per shape, drawn on the device from ``(seed, N, D, V)``: ``x ~ N(0, 1)`` ``[N, D]``,
   ``w ~ N(0, s**2 / D)`` ``[V, D]`` so that the logits are about ``N(0, s**2)`` (``--logit-scale s``, default 1:
-  the distribution the anchors in MISSION.md were measured on), targets uniform over the vocab, none ignored.
+  the distribution of the project's anchor measurements of the peers, quoted in docs/benchmarks.md), targets
+  uniform over the vocab, none ignored.
   Cast to ``--dtype`` (bf16 by default). Every fwd+bwd row differentiates its own clones of ``x`` and ``w``.
 * **Floor.** The three GEMMs that exact loss + gradients cannot avoid, through cuBLAS in the run's dtype:
   logits ``X @ W.T``, ``dX = G @ W`` and ``dW = G.T @ X`` with a random ``G [N, V]``, each timed like the rows;
@@ -19,20 +20,25 @@ What is measured, per shape (``N`` tokens, hidden size ``D``, vocab ``V``) and p
   ``vpce.memory.PeakMemory``: the peak of allocated bytes above what was live before the step, the gradients
   ``dX`` and ``dW`` included (CUDA allocator counters; on CPU every storage created is tracked). Between rows
   everything is released (``del``, ``gc.collect()``, ``torch.cuda.empty_cache()``).
-* **Accuracy.** ``|loss - ref| / |ref|`` and ``||g - ref|| / ||ref||`` for ``dX`` and ``dW`` against a float64
-  reference computed on the device in token chunks (``[C, V]`` float64 logits at a time, ``dW`` accumulated in
-  float64), so it never needs ``[N, V]`` float64 at once.
+* **Accuracy.** ``|loss - ref| / |ref|`` and ``||g - ref|| / ||ref||`` for ``dX`` and ``dW`` against the float64
+  reference ``vpce.reference.chunked_reference``, computed on the device in token chunks (``[C, V]`` float64
+  logits at a time, ``dW`` accumulated in float64), so it never needs ``[N, V]`` float64 at once.
 * **Rows.** ``floor``; ``torch`` (eager ``F.cross_entropy(F.linear(x, w).float(), y)``); ``compile`` (the same
   under ``torch.compile``); ``liger``; ``cce`` and ``cce-exact`` (``filter_eps=None``); ``megatron`` and
   ``megatron-fused`` (tp=1, on a process group of this one process); ``vpce-triton`` (default memory budget),
-  ``vpce-triton-lean``; ``vpce-torch``; and no-grad forwards of ``torch``, ``vpce-triton``, ``vpce-torch``
-  (``--methods all``, the default; the vocab-parallel-only rows below are left out of it). A row
-  whose package is not installed, that needs CUDA on a CPU run, or that is not built yet is reported as
-  ``missing: <reason>``; one that raises (out of memory included) as ``failed: <reason>``, with its traceback in
-  the JSON.
+  ``vpce-triton-lean``; ``vpce-torch``; vpce with loss options and ``linear_log_probs`` (on the device's backend:
+  Triton on CUDA, torch on a CPU); and no-grad forwards of ``torch``, ``vpce-triton``, ``vpce-torch``
+  (``--methods all``, the default; the vocab-parallel-only rows below are left out of it). Peers are in
+  ``vpce.bench.peers``, the registry and vpce's rows in ``vpce.bench.methods``. A row whose package is not
+  installed or that needs CUDA on a CPU run is reported as ``missing: <reason>``; one that raises (out of memory
+  included) as ``failed: <reason>``, with its traceback in the JSON.
+* **On a CPU** the times mean nothing (every CPU run says so, on stderr and above the tables) and the default
+  shapes are refused with a hint (``--quick`` runs tiny ones); a GPU-sized shape named with ``--shapes`` runs,
+  after a warning.
 
 Output: progress lines on stderr, one Markdown table per shape on stdout, ``--out/bench.json`` (rewritten after
-every shape), and with ``--sweep`` ``--out/sweep-<N|D|V>.png`` (matplotlib; skipped with a note if missing).
+every shape), and (matplotlib; skipped with a note if missing) ``--out/bench-<shape>.png`` per named shape (time
+and extra memory of every row) and with ``--sweep`` ``--out/sweep-<N|D|V>.png``.
 
 JSON (``schema: "vpce.bench/1"``)::
 
@@ -61,10 +67,11 @@ Tensor parallelism: ``torchrun --nproc-per-node K -m vpce.bench --tp [--sp]`` (o
 the vocab over the K processes and measures, on every rank, the rows with a vocab-parallel form (``Method.tp``):
 the per-rank floor (the three GEMMs on the rank's shard), megatron-core's two vocab-parallel losses behind
 Megatron's copy (or sequence-parallel gather) region, liger-kernel's TP function, ``chunked-tp`` (the idea of
-liger-kernel's TP fallback in plain torch), torch ``loss_parallel`` (fp32 and bf16 logits) and vpce (also
-``vpce-triton-bwd-reduce``: dX summed in backward in 16 bits, as Megatron does, instead of in fp32); the table
-shows the maximum over ranks, and ``bench-tp<K>[-sp].json`` every rank's own row. ``vpce.bench.tp`` says how, and
-``python -m vpce.bench.plots_tp`` plots several such runs against tp.
+liger-kernel's TP fallback in plain torch), torch ``loss_parallel`` (fp32 and bf16 logits) and vpce; the table
+shows the maximum over ranks, ``bench-tp<K>[-sp].json`` every rank's own row, and ``bench-tp<K>[-sp]-<shape>.png``
+the maxima. ``vpce.bench.tp`` says how, and ``python -m vpce.bench.plots_tp`` plots several such runs against tp.
+The collective environment (NVLink multicast off, NCCL on a high-priority stream) is
+``vpce.bench.launch_env.set_collective_env``, which every script in ``launch/`` calls too.
 """
 
 from .cli import main

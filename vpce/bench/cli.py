@@ -1,26 +1,25 @@
-"""Command line of ``python -m vpce.bench``: shapes, sweeps, method selection, and the run itself (one GPU here;
-``--tp`` hands the run to ``vpce.bench.tp``)."""
+"""Command line of ``python -m vpce.bench``: shapes, sweeps, method selection, and the run itself (one device
+here; ``--tp`` hands the run to ``vpce.bench.tp``)."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
-import os
 import platform
 import shlex
-import subprocess
 import sys
 from pathlib import Path
 
 import torch
 
-from . import methods as methods_mod
 from .harness import Env, Settings, Shape
-from .methods import default_methods, method_names, package_versions
-from .plots import plot_sweeps
+from .meta import DTYPES, INPUTS, device_info, git_commit, now_utc, package_versions, timings_caveat
+from .methods import default_methods, method_names
+from .peers import shutdown_megatron
+from .plots import plot_shapes, plot_sweeps
 from .report import Progress, format_shape, write_json
 from .runner import run_shape
+from .tp import main_tp
 
 #: Named problem sizes (N tokens, D hidden, V vocab): the lm_heads of known models at 16k tokens.
 SHAPES = {
@@ -42,7 +41,8 @@ SWEEP_CENTRE = "llama3-8b"
 QUICK_SWEEPS = {"N": (64, 128, 256, 512), "D": (32, 64, 128), "V": (256, 1024, 4096)}
 QUICK_SWEEP_CENTRE = "tiny"
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+#: One GEMM of a shape above this many FLOP (2 N D V) is GPU-sized: minutes or hours per row on a CPU.
+GPU_SIZED_FLOP = 1e11
 
 
 def _parse_shape(token: str) -> Shape:
@@ -126,31 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _device_info(device: torch.device) -> dict:
-    if device.type == "cuda":
-        prop = torch.cuda.get_device_properties(device)
-        return dict(type="cuda", name=prop.name, capability=f"{prop.major}.{prop.minor}",
-                    memory_gib=prop.total_memory / 2**30, multiprocessors=prop.multi_processor_count)
-    return dict(type=device.type, name=_cpu_model(), cpus=os.cpu_count())
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _git_commit() -> str | None:
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent,
-                             capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip() if out.returncode == 0 else None
+def _gpu_sized(shapes: list[Shape]) -> list[str]:
+    return [s.name for s in shapes if 2 * s.n * s.d * s.v > GPU_SIZED_FLOP]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -175,6 +152,18 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(str(e))
         shapes = (shapes or []) + named
 
+    warnings = []  # printed on stderr even with --quiet
+    big = _gpu_sized(shapes) if device.type != "cuda" else []
+    if big and args.shapes is None and not args.quick:  # the defaults, or a full-size sweep: never on a CPU
+        what = f"the sweep over {','.join(args.sweep)}" if args.sweep else f"the default shapes ({', '.join(big)})"
+        print(f"python -m vpce.bench: on {device.type} {what} would run for hours (GPU-sized); add --quick for tiny "
+              f"shapes, or name small ones with --shapes NxDxV", file=sys.stderr)
+        return 2
+    if big:
+        warnings.append(f"note: {', '.join(big)}: GPU-sized, on {device.type} this may run for hours")
+    caveat = timings_caveat(device)
+    if caveat:
+        warnings.append(caveat)
     settings = Settings(
         warmup=args.warmup if args.warmup is not None else (1 if args.quick else 3),
         min_reps=args.reps if args.reps is not None else (3 if args.quick else 10),
@@ -183,45 +172,49 @@ def main(argv: list[str] | None = None) -> int:
         logit_scale=args.logit_scale, seed=args.seed)
     command = shlex.join(["python", "-m", "vpce.bench", *(sys.argv[1:] if argv is None else argv)])
     if args.tp:
-        from .tp import main_tp
-        return main_tp(args, parser, shapes, settings, command)
+        return main_tp(args, parser, shapes, settings, command, warnings)
+
+    progress = Progress(enabled=not args.quiet)
+    for line in warnings:
+        progress.warn(line)
 
     if device.type == "cuda":
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
     env = Env(device=device, dtype=DTYPES[args.dtype])
-    progress = Progress(enabled=not args.quiet)
-
     doc = dict(
         schema="vpce.bench/1",
-        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        date=now_utc(),
         command=command,
-        commit=_git_commit(),
-        device=_device_info(device),
+        commit=git_commit(),
+        device=device_info(device),
         versions=package_versions(),
         python=platform.python_version(),
         dtype=args.dtype,
         tp=env.tp,
-        settings=dict(dataclasses.asdict(settings), tf32=torch.backends.cuda.matmul.allow_tf32,
-                      inputs="x ~ N(0,1), w ~ N(0, logit_scale^2/D), targets uniform over the vocab, none ignored"),
+        settings=dict(dataclasses.asdict(settings), tf32=torch.backends.cuda.matmul.allow_tf32, inputs=INPUTS),
         methods=args.methods,
         shapes=[],
         rows=[],
     )
     out_json = args.out / "bench.json"
+    if caveat:
+        print(caveat + "\n", flush=True)  # with the tables too, so that a copied table keeps it
     for shape in shapes:
         record, rows = run_shape(shape, env, args.methods, settings, progress, no_grad=not args.skip_no_grad)
         doc["shapes"].append(record)
         doc["rows"].extend(rows)
         print(format_shape(record, rows, args.dtype, doc["device"]["name"]), flush=True)
         write_json(out_json, doc)  # after every shape: a crash later keeps what was measured
-    methods_mod.shutdown()
+    shutdown_megatron()
 
-    files, note = plot_sweeps(doc, args.out)
-    for f in files:
-        progress.note(f"wrote {f}")
-    if note:
-        progress.note(note)
+    notes = set()
+    for files, note in (plot_shapes(doc, args.out), plot_sweeps(doc, args.out)):
+        for f in files:
+            progress.note(f"wrote {f}")
+        if note and note not in notes:
+            progress.note(note)
+            notes.add(note)
     progress.note(f"wrote {out_json}")
     return 0

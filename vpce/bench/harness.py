@@ -1,4 +1,5 @@
-"""Measurement primitives: inputs, the float64 reference, timing, peak memory and relative error.
+"""Measurement primitives: inputs, timing, peak memory and relative error (the float64 reference itself is
+``vpce.reference.chunked_reference``).
 
 Nothing here knows about any particular loss implementation; ``vpce.bench.runner`` combines these into rows.
 """
@@ -13,12 +14,12 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 
 from ..memory import PeakMemory
+from ..reference import Result, chunked_reference
 
-__all__ = ["Env", "Shape", "Settings", "Problem", "Reference", "Timing", "make_problem", "float64_reference", "rel_err",
-           "measure", "peak_extra_bytes", "free_memory", "synchronize"]
+__all__ = ["GiB", "Env", "Shape", "Settings", "Problem", "Timing", "make_problem", "reference_of", "sq_err",
+           "err_from_sq", "measure", "peak_extra_bytes", "free_memory", "synchronize"]
 
 GiB = 2**30
 
@@ -78,7 +79,7 @@ class Settings:
     seed: int = 0
     """Seed of the inputs; each shape draws fresh inputs from ``(seed, N, D, V)``."""
     ref_chunk_gib: float = 1.0
-    """Size of one chunk of float64 logits in the reference."""
+    """Size of one chunk of float64 logits in the reference (``vpce.reference.chunked_reference``)."""
 
 
 @dataclass
@@ -91,16 +92,6 @@ class Problem:
     """lm_head weight ``[V, D]``."""
     y: torch.Tensor
     """Targets ``[N]`` int64, uniform over the vocab, none ignored."""
-
-
-@dataclass
-class Reference:
-    """Float64 results, the gradients stored in fp32 (their rounding, ~6e-8, is far below any error measured)."""
-
-    loss: float
-    dx: torch.Tensor
-    dw: torch.Tensor
-    seconds: float = 0.0
 
 
 @dataclass
@@ -134,7 +125,8 @@ def free_memory(device: torch.device):
 def make_problem(shape: Shape, env: Env, settings: Settings) -> Problem:
     """Fresh random inputs for ``shape``: ``x ~ N(0, 1)``, ``w ~ N(0, s**2 / D)``, so logits ~ N(0, s**2).
 
-    ``s = settings.logit_scale`` (default 1, the distribution of the anchors in MISSION.md). Not zeros: GEMM
+    ``s = settings.logit_scale`` (default 1, the distribution of the project's anchor measurements of the peers,
+    quoted in docs/benchmarks.md). Not zeros: GEMM
     speed depends on the data, and flat or constant logits would hide softmax numerics.
     """
     seed = hash((settings.seed, shape.n, shape.d, shape.v)) % 2**63  # int tuples hash the same in every process
@@ -146,58 +138,15 @@ def make_problem(shape: Shape, env: Env, settings: Settings) -> Problem:
     return Problem(x=x, w=w, y=y)
 
 
-def float64_reference(prob: Problem, chunk_gib: float = 1.0, *, group=None, start: int = 0,
-                      max_rows: int | None = None) -> Reference:
-    """Mean cross-entropy of ``x @ w.T`` over the whole vocab and its gradients in float64, on the inputs' device,
-    in token chunks: never ``[N, V]`` at once. Peak: the float64 weight and ``dW`` plus about two ``[C, V]``
-    float64 chunks.
-
-    Under a ``group``, ``prob.w`` is this rank's rows ``[start, start + rows)``: per chunk the logits' max is
-    all-reduced (MAX), ``sum exp(z - max)`` and the target logit (0 where another rank holds it) are all-reduced
-    together (SUM), and the shard's part of ``dX`` is all-reduced (SUM, float64). Every rank uses the same chunk
-    (from ``max_rows``), so the collectives line up. Returns the loss, the complete ``dX`` and this shard's ``dW``
-    (both stored in fp32).
-    """
+def reference_of(prob: Problem, settings: Settings, *, group=None, vocab_start: int = 0,
+                 max_rows: int | None = None) -> tuple[Result, float]:
+    """``vpce.reference.chunked_reference`` of ``prob`` (under ``group``, of this rank's shard ``prob.w``) and the
+    seconds it took."""
     t0 = time.perf_counter()
-    x, w, y = prob.x, prob.w, prob.y
-    n, d = x.shape
-    rows = w.shape[0]
-    chunk = max(1, int(chunk_gib * GiB) // (8 * (max_rows or rows)))
-    wd = w.double()
-    dw = torch.zeros_like(wd)
-    dx = torch.empty(n, d, dtype=torch.float32, device=x.device)
-    loss = torch.zeros((), dtype=torch.float64, device=x.device)
-    for c0 in range(0, n, chunk):
-        sl = slice(c0, min(n, c0 + chunk))
-        xd = x[sl].double()
-        z = xd @ wd.t()
-        m = z.amax(1)
-        if group is not None:
-            dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
-        local = y[sl] - start
-        owns = (local >= 0) & (local < rows)
-        idx = local.clamp(0, rows - 1)[:, None]
-        zt = torch.where(owns, z.gather(1, idx).squeeze(1), 0.0)
-        g = z.sub_(m[:, None]).exp_()  # exp(z - m), in place
-        sums = torch.stack([g.sum(1), zt])
-        if group is not None:
-            dist.all_reduce(sums, group=group)
-        lse = m + torch.log(sums[0])
-        loss += (lse - sums[1]).sum()
-        g.mul_(torch.exp(m - lse)[:, None])  # exp(z - lse)
-        g.scatter_add_(1, idx, -owns.to(g.dtype)[:, None])
-        g.div_(n)
-        dxc = g @ wd
-        if group is not None:
-            dist.all_reduce(dxc, group=group)
-        dx[sl] = dxc.float()
-        dw.addmm_(g.t(), xd)
-        del z, g, xd, dxc
-    ref = Reference(loss=loss.item() / n, dx=dx, dw=dw.float())
-    del wd, dw
-    synchronize(x.device)
-    ref.seconds = time.perf_counter() - t0
-    return ref
+    ref = chunked_reference(prob.x, prob.w, prob.y, chunk_gib=settings.ref_chunk_gib, group=group,
+                            vocab_start=vocab_start, max_rows=max_rows)
+    synchronize(prob.x.device)
+    return ref, time.perf_counter() - t0
 
 
 def sq_err(a: torch.Tensor | None, b: torch.Tensor, rows: int = 4096) -> tuple[float, float] | None:
@@ -216,9 +165,8 @@ def sq_err(a: torch.Tensor | None, b: torch.Tensor, rows: int = 4096) -> tuple[f
     return num.item(), den.item()
 
 
-def rel_err(a: torch.Tensor | None, b: torch.Tensor, rows: int = 4096) -> float | None:
-    """``||a - b|| / ||b||`` in float64."""
-    sq = sq_err(a, b, rows)
+def err_from_sq(sq: tuple[float, float] | None) -> float | None:
+    """``||a - b|| / ||b||`` from ``sq_err``'s ``(||a - b||^2, ||b||^2)`` (or from their sums over ranks)."""
     if sq is None:
         return None
     return math.sqrt(sq[0] / sq[1]) if sq[1] > 0 else math.inf

@@ -21,7 +21,8 @@ import sys
 from pathlib import Path
 
 from .methods import method_names
-from .report import _num, _table
+from .plots import format_panels, plot_series, pyplot
+from .report import format_number, markdown_table
 
 __all__ = ["load_runs", "group_runs", "format_group", "plot_group", "main"]
 
@@ -89,24 +90,20 @@ def format_group(key, per_tp) -> str:
             elif r["status"] != "ok":
                 t[f"tp{tp}"] = r["status"] if len(r["status"]) <= 40 else r["status"][:37] + "..."
             else:
-                parts = [f"{_num(r['ms'], 'ms')} ms"]
+                parts = [f"{format_number(r['ms'], 'ms')} ms"]
                 if r["mode"] != "floor" and r["x_floor"] is not None:
                     parts.append(f"{r['x_floor']:.2f}x")
                 if r["extra_gib"] is not None:
-                    parts.append(f"{_num(r['extra_gib'], 'gib')} GiB")
+                    parts.append(f"{format_number(r['extra_gib'], 'gib')} GiB")
                 t[f"tp{tp}"] = " / ".join(parts)
         table.append(t)
-    return "\n".join(lines + [""] + _table(table, cols)) + "\n"
+    return "\n".join(lines + [""] + markdown_table(table, cols)) + "\n"
 
 
 def plot_group(key, per_tp, out: Path) -> Path | None:
     """``out/tp-<shape>-<layout>.png``; None when matplotlib is missing or nothing ran."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        import matplotlib.ticker
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return None
     shape, layout, dtype = key
     tps = sorted(per_tp)
@@ -118,30 +115,12 @@ def plot_group(key, per_tp, out: Path) -> Path | None:
         if not pts:
             continue
         drawn = True
-        xs = [tp for tp, _ in pts]
-        style = dict(color="black", linestyle="--") if name == "floor" else dict(marker="o")
-        panels[0].plot(xs, [r["ms"] for _, r in pts], label=label, **style)
-        if name != "floor":
-            if all(r["x_floor"] is not None for _, r in pts):
-                panels[1].plot(xs, [r["x_floor"] for _, r in pts], label=label, **style)
-            if all(r["extra_gib"] is not None for _, r in pts):
-                panels[2].plot(xs, [r["extra_gib"] for _, r in pts], label=label, **style)
+        plot_series(panels, [tp for tp, _ in pts], [r for _, r in pts], name, label)
     if not drawn:
         plt.close(fig)
         return None
-    panels[1].axhline(1.0, color="black", linestyle="--", linewidth=1)
-    titles = ("per-rank fwd+bwd ms (max over ranks)", "multiple of the per-rank floor",
-              "per-rank peak extra memory (GiB)")
-    for ax, title in zip(panels, titles):
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(tps, [str(t) for t in tps])
-        ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
-        ax.set_xlabel("tp")
-        ax.set_title(title)
-        ax.grid(True, which="both", alpha=0.3)
-    panels[0].set_yscale("log")
-    panels[2].set_yscale("log")
-    panels[0].legend(fontsize=8)
+    format_panels(panels, tps, "tp", ("per-rank fwd+bwd ms (max over ranks)", "multiple of the per-rank floor",
+                                      "per-rank peak extra memory (GiB)"))
     first = per_tp[tps[0]][0]
     devices = sorted({d["name"] for tp in tps for d in per_tp[tp][0]["_devices"]})
     fig.suptitle(f"{shape} (N={first['n']}, D={first['d']}, V={first['v']}), hidden {layout}, {dtype}, "

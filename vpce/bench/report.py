@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-__all__ = ["Progress", "format_shape", "format_tp_shape", "write_json"]
+__all__ = ["Progress", "format_shape", "format_tp_shape", "write_json", "format_number", "markdown_table"]
 
 #: (header, row key, number format or None for text) of the fwd+bwd table and of the no-grad table.
 GRAD_COLUMNS = (("method", "label", None), ("ms", "ms", "ms"), ("x floor", "x_floor", ".2f"),
@@ -28,8 +28,8 @@ class Progress:
         self.i = self.total = 0
         self.shape_name = ""
 
-    def _print(self, text: str):
-        if self.enabled:
+    def _print(self, text: str, always: bool = False):
+        if self.enabled or always:
             print(f"[{time.perf_counter() - self.t0:7.1f}s] {text}", file=self.stream, flush=True)
 
     def shape(self, shape, env, total: int):
@@ -38,6 +38,10 @@ class Progress:
 
     def note(self, text: str):
         self._print(f"   {text}")
+
+    def warn(self, text: str):
+        """A line printed even when progress lines are off (``--quiet``)."""
+        self._print(text, always=True)
 
     def start(self, row: dict):
         self.i += 1
@@ -51,11 +55,11 @@ class Progress:
             if row["x_floor"] is not None:
                 what += f" ({row['x_floor']:.2f}x {'floor' if row['mode'] != 'no-grad' else 'logits GEMM'})"
             if row["extra_gib"] is not None:
-                what += f", +{_num(row['extra_gib'], 'gib')} GiB"
+                what += f", +{format_number(row['extra_gib'], 'gib')} GiB"
         self._print(f"{self.shape_name} [{self.i}/{self.total}] {row['label']}: {what}")
 
 
-def _num(v, fmt: str) -> str:
+def format_number(v, fmt: str) -> str:
     if v is None:
         return "-"
     if isinstance(v, float) and not math.isfinite(v):
@@ -67,9 +71,9 @@ def _num(v, fmt: str) -> str:
     return format(v, fmt)
 
 
-def _table(rows: list[dict], columns) -> list[str]:
+def markdown_table(rows: list[dict], columns) -> list[str]:
     """A Markdown table: text left-aligned, numbers right-aligned."""
-    cells = [[h for h, _, _ in columns]] + [[r[k] if f is None else _num(r[k], f) for _, k, f in columns]
+    cells = [[h for h, _, _ in columns]] + [[r[k] if f is None else format_number(r[k], f) for _, k, f in columns]
                                             for r in rows]
     widths = [max(len(c[i]) for c in cells) for i in range(len(columns))]
     out = []
@@ -81,24 +85,28 @@ def _table(rows: list[dict], columns) -> list[str]:
     return out
 
 
+def _floor_text(floor: dict, flops: float) -> str:
+    tflops = flops / (floor["total_ms"] * 1e-3) / 1e12
+    return (f"{floor['total_ms']:.2f} ms = logits {floor['logits_ms']:.2f} + dX {floor['dx_ms']:.2f} + dW "
+            f"{floor['dw_ms']:.2f} ms ({tflops:.3g} TFLOP/s)")
+
+
 def format_shape(record: dict, rows: list[dict], dtype: str, device: str) -> str:
     """The shape's header line and its tables (fwd+bwd against the floor; no-grad against the logits GEMM)."""
     lines = [f"## {record['name']}: N={record['n']} D={record['d']} V={record['v']}, {dtype}, {device}"]
     floor = record["floor"]
     if floor:
-        tflops = record["flops_fwd_bwd"] / (floor["total_ms"] * 1e-3) / 1e12
-        lines.append(f"floor {floor['total_ms']:.2f} ms = logits {floor['logits_ms']:.2f} + dX {floor['dx_ms']:.2f}"
-                     f" + dW {floor['dw_ms']:.2f} ms ({tflops:.3g} TFLOP/s); dX+dW themselves "
-                     f"{_num(record['grads_gib'], 'gib')} GiB; float64 loss {record['ref_loss']:.6f}")
+        lines.append(f"floor {_floor_text(floor, record['flops_fwd_bwd'])}; dX+dW themselves "
+                     f"{format_number(record['grads_gib'], 'gib')} GiB; float64 loss {record['ref_loss']:.6f}")
     else:
-        lines.append(f"floor not measured; dX+dW themselves {_num(record['grads_gib'], 'gib')} GiB; "
+        lines.append(f"floor not measured; dX+dW themselves {format_number(record['grads_gib'], 'gib')} GiB; "
                      f"float64 loss {record['ref_loss']:.6f}")
     grad = [r for r in rows if r["mode"] != "no-grad"]
     nograd = [r for r in rows if r["mode"] == "no-grad"]
-    lines += [""] + _table(grad, GRAD_COLUMNS)
+    lines += [""] + markdown_table(grad, GRAD_COLUMNS)
     if nograd:
         lines += ["", "no-grad forward, against the logits GEMM alone:"]
-        lines += _table(nograd, NO_GRAD_COLUMNS)
+        lines += markdown_table(nograd, NO_GRAD_COLUMNS)
     return "\n".join(lines) + "\n"
 
 
@@ -110,25 +118,24 @@ def format_tp_shape(record: dict, aggs: list[dict], per_rank: list[dict], doc: d
     rows = record["rows_per_rank"]
     rows_text = str(rows[0]) if len(set(rows)) == 1 else f"{min(rows)}..{max(rows)}"
     lines.append(f"vocab rows per rank {rows_text}; hidden tokens per rank {record['tokens_per_rank']}; "
-                 f"dX + dW shard themselves {_num(record['grads_gib'], 'gib')} GiB per rank")
+                 f"dX + dW shard themselves {format_number(record['grads_gib'], 'gib')} GiB per rank")
     if record["status"] != "ok":
         lines.append(f"not measured: {record['status']}")
     else:
         floor = record["floor"]
         if floor:
-            tflops = record["flops_fwd_bwd_per_rank"] / (floor["total_ms"] * 1e-3) / 1e12
-            lines.append(f"per-rank floor (slowest rank, {floor['rank']}) {floor['total_ms']:.2f} ms = logits "
-                         f"{floor['logits_ms']:.2f} + dX {floor['dx_ms']:.2f} + dW {floor['dw_ms']:.2f} ms "
-                         f"({tflops:.3g} TFLOP/s); float64 loss {record['ref_loss']:.6f}")
+            lines.append(f"per-rank floor (slowest rank, {floor['rank']}) "
+                         f"{_floor_text(floor, record['flops_fwd_bwd_per_rank'])}; float64 loss "
+                         f"{record['ref_loss']:.6f}")
         else:
             lines.append(f"per-rank floor not measured; float64 loss {record['ref_loss']:.6f}")
         comm = record["comm"]
         if comm:
-            ms = "-" if comm["ms"] is None else f"{_num(comm['ms'], 'ms')} ms (slowest rank)"
+            ms = "-" if comm["ms"] is None else f"{format_number(comm['ms'], 'ms')} ms (slowest rank)"
             lines.append(f"communication alone, not in the floor: {comm['what']}: {ms}")
     lines.append(f"ms, extra GiB: the maximum over the {tp} ranks of each rank's median step and peak; x floor: "
                  f"over the slowest rank's floor; loss err: largest over ranks; dX err, dW err: the whole gradients")
-    lines += [""] + _table(aggs, GRAD_COLUMNS)
+    lines += [""] + markdown_table(aggs, GRAD_COLUMNS)
     ranks = sorted({r["rank"] for r in per_rank})
     if len(ranks) > 1:
         by = {(r["method"], r["rank"]): r for r in per_rank}
@@ -141,7 +148,7 @@ def format_tp_shape(record: dict, aggs: list[dict], per_rank: list[dict], doc: d
                 r = by.get((a["method"], k), {})
                 t[f"ms{k}"], t[f"gib{k}"] = r.get("ms"), r.get("extra_gib")
             table.append(t)
-        lines += ["", "per rank: median step ms and peak extra GiB"] + _table(table, cols)
+        lines += ["", "per rank: median step ms and peak extra GiB"] + markdown_table(table, cols)
     notes = [f"- {a['label']}: {a['note']}" for a in aggs if a.get("note")]
     if notes:
         lines += ["", "notes (rank 0):"] + notes

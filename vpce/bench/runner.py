@@ -1,7 +1,11 @@
 """One shape, every selected row: the floor, each method's fwd+bwd, and the no-grad forwards.
 
-A row is a flat dict (the JSON schema is in ``vpce.bench``'s docstring). Each row is self-contained: it clones
-the inputs it differentiates, and everything it allocated is released before the next row starts.
+A row is a flat dict (the JSON schema is in ``vpce.bench``'s docstring), measured in phases: can it run here,
+build, the first step (checked against the float64 reference), the timed steps, the peak memory of one more step.
+Each phase fills the row; the first one that raises ends it (``Unavailable``: ``missing: ...``; anything else:
+``failed: ...`` with its traceback). Under ``--tp`` (``vpce.bench.tp``) every rank runs the same phases and the
+status is agreed between ranks after each one. Each row is self-contained: it clones the inputs it
+differentiates, and everything it allocated is released before the next row starts.
 """
 
 from __future__ import annotations
@@ -9,18 +13,26 @@ from __future__ import annotations
 import contextlib
 import time
 import traceback
+from types import SimpleNamespace
+from typing import Callable
 
 import torch
 
-from .harness import (GiB, Env, Problem, Reference, Settings, Shape, float64_reference, free_memory, make_problem,
-                      measure, peak_extra_bytes, rel_err, synchronize)
-from .methods import FLOOR, METHODS, Method, Unavailable
+from ..reference import Result
+from .harness import (GiB, Env, Problem, Settings, Shape, Timing, err_from_sq, free_memory, make_problem, measure,
+                      peak_extra_bytes, reference_of, sq_err, synchronize)
+from .methods import FLOOR, METHODS, Method
+from .peers import Unavailable
 from .report import Progress
 
-__all__ = ["run_shape", "measure_floor", "make_step"]
+__all__ = ["run_shape", "measure_floor", "make_step", "new_row", "public", "reason", "run_phases", "floor_phase",
+           "fwd_bwd_phases"]
+
+Phase = Callable[[], None]
 
 
-def _reason(e: BaseException) -> str:
+def reason(e: BaseException) -> str:
+    """One line saying why a row failed."""
     if isinstance(e, torch.OutOfMemoryError):
         return "out of memory"
     lines = str(e).strip().splitlines()
@@ -28,22 +40,51 @@ def _reason(e: BaseException) -> str:
     return text if len(text) <= 160 else text[:157] + "..."
 
 
-def _row(shape: Shape, env: Env, method: str, label: str, mode: str) -> dict:
+def new_row(shape: Shape, env: Env, method: str, label: str, mode: str) -> dict:
+    """A row with every JSON field, nothing measured yet."""
     return dict(shape=shape.name, n=shape.n, d=shape.d, v=shape.v, tp=env.tp, rank=env.rank, method=method,
                 label=label, mode=mode, status="ok", ms=None, ms_min=None, reps=0, floor_ms=None, x_floor=None,
                 extra_gib=None, loss=None, loss_err=None, dx_err=None, dw_err=None)
 
 
-def _finish(row: dict, timing, floor_ms: float | None):
+def public(row: dict) -> dict:
+    """``row`` without its working fields (keys starting with ``_``)."""
+    return {k: v for k, v in row.items() if not k.startswith("_")}
+
+
+def run_phases(row: dict, phases: list[Phase], agree: Callable[[str], str] | None = None):
+    """Run ``phases`` in order and set ``row["status"]``: "ok", or the first ``missing``/``failed`` one.
+
+    ``agree`` (under ``--tp``) maps this rank's status after each phase to the one every rank uses, so that all
+    ranks stop at the same phase and their collectives stay in step.
+    """
+    status = "ok"
+    for phase in phases:
+        try:
+            phase()
+        except Unavailable as e:
+            status = f"missing: {e}"
+        except Exception as e:  # a peer's failure is a row, not the end of the run
+            status = f"failed: {reason(e)}"
+            row["traceback"] = traceback.format_exc()
+        if agree is not None:
+            status = agree(status)
+        if status != "ok":
+            break
+    row["status"] = status
+
+
+def _record_timing(row: dict, timing: Timing, floor_ms: float | None):
     row["ms"], row["ms_min"], row["reps"] = timing.median, timing.min, len(timing.samples)
     row["floor_ms"] = floor_ms
     if floor_ms:
         row["x_floor"] = timing.median / floor_ms
 
 
-def _loss_err(loss: torch.Tensor, ref: Reference) -> tuple[float, float]:
-    value = float(loss.detach().double())
-    return value, abs(value - ref.loss) / abs(ref.loss)
+def _record_loss(row: dict, loss: torch.Tensor, ref: Result):
+    row["loss"] = float(loss.detach().double())
+    ref_loss = float(ref.loss)
+    row["loss_err"] = abs(row["loss"] - ref_loss) / abs(ref_loss)
 
 
 def measure_floor(shape: Shape, prob: Problem, env: Env, settings: Settings, agree=None) -> dict[str, float]:
@@ -66,6 +107,14 @@ def measure_floor(shape: Shape, prob: Problem, env: Env, settings: Settings, agr
     return out
 
 
+def floor_phase(row: dict, shape: Shape, prob: Problem, env: Env, settings: Settings, agree_time=None) -> Phase:
+    """The floor row's one phase: ``measure_floor``, kept in ``row["_floor"]`` for the shape record."""
+    def floor():
+        out = measure_floor(shape, prob, env, settings, agree_time)
+        row.update(ms=out["total_ms"], floor_ms=out["total_ms"], x_floor=1.0, reps=None, _floor=out)
+    return floor
+
+
 def make_step(fn, x: torch.Tensor, w: torch.Tensor, y: torch.Tensor):
     """One timed step: ``x.grad = w.grad = None; loss = fn(x, w, y); loss.backward()``.
 
@@ -83,111 +132,124 @@ def make_step(fn, x: torch.Tensor, w: torch.Tensor, y: torch.Tensor):
     return step
 
 
-def _fwd_bwd_row(row: dict, method: Method, prob: Problem, ref: Reference, env: Env, settings: Settings,
-                 floor_ms: float | None):
-    """Fill ``row``; everything it allocated is released when it returns (the caller then frees the cache)."""
-    try:
-        fn = method.build(env)
-        x = prob.x.detach().clone().requires_grad_()
-        w = prob.w.detach().clone().requires_grad_()
-        y = prob.y
+def fwd_bwd_phases(row: dict, method: Method, env: Env, settings: Settings, prob: Problem, ref: Result, *,
+                   floor_ms: float | None, x_in: torch.Tensor | None = None, ref_dx: torch.Tensor | None = None,
+                   shard_rows: list[int] | None = None, agree_time=None) -> list[Phase]:
+    """The phases of a fwd+bwd row: can it run here, build, first step, timed steps, peak memory.
 
-        step = make_step(fn, x, w, y)
-        loss = step()  # compiles / autotunes; its results are the ones checked
+    The first step (it compiles or autotunes) is the one checked: loss against ``ref.loss``, ``x.grad`` against
+    ``ref_dx`` (default ``ref.dhidden``) and ``w.grad`` against ``ref.dweight``; ``row["_dx_sq"]`` and
+    ``row["_dw_sq"]`` keep the squared errors, which combine over ranks. ``x_in`` (default ``prob.x``) is the
+    hidden input (under ``--sp`` this rank's slice); ``agree_time`` is passed on to ``measure``.
+    """
+    x_in = prob.x if x_in is None else x_in
+    ref_dx = ref.dhidden if ref_dx is None else ref_dx
+    live = SimpleNamespace(fn=None, step=None, x=None, w=None)
+
+    def can_run():
+        method.require(env, shard_rows)
+
+    def build():
+        live.fn = method.build(env)
+        if "note" in row:  # --tp rows say how the peer's hidden states enter the vocab-parallel region
+            row["note"] = getattr(live.fn, "note", None) or None
+
+    def first_step():
+        live.x = x = x_in.detach().clone().requires_grad_()
+        live.w = w = prob.w.detach().clone().requires_grad_()
+        live.step = make_step(live.fn, x, w, prob.y)
+        loss = live.step()
         synchronize(env.device)
         if method.plain:
-            row["loss"], row["loss_err"] = _loss_err(loss, ref)
-            row["dx_err"], row["dw_err"] = rel_err(x.grad, ref.dx), rel_err(w.grad, ref.dw)
+            _record_loss(row, loss, ref)
+            row["_dx_sq"], row["_dw_sq"] = sq_err(x.grad, ref_dx), sq_err(w.grad, ref.dweight)
+            row["dx_err"], row["dw_err"] = err_from_sq(row["_dx_sq"]), err_from_sq(row["_dw_sq"])
         else:
             row["loss"] = float(loss)
-        del loss
-        x.grad = w.grad = None
+
+    def timed():
+        live.x.grad = live.w.grad = None
         free_memory(env.device)
-        _finish(row, measure(step, env.device, settings), floor_ms)
-        x.grad = w.grad = None
+        _record_timing(row, measure(live.step, env.device, settings, agree_time), floor_ms)
+
+    def memory():
+        live.x.grad = live.w.grad = None
         free_memory(env.device)
-        row["extra_gib"] = peak_extra_bytes(step, env.device) / GiB
-    except Unavailable as e:
-        row["status"] = f"missing: {e}"
-    except Exception as e:  # a peer's failure is a row, not the end of the run
-        row["status"] = f"failed: {_reason(e)}"
-        row["traceback"] = traceback.format_exc()
+        row["extra_gib"] = peak_extra_bytes(live.step, env.device) / GiB
+
+    return [can_run, build, first_step, timed, memory]
 
 
-def _no_grad_row(row: dict, method: Method, prob: Problem, ref: Reference, env: Env, settings: Settings,
-                 gemm_ms: float | None):
-    """Fill ``row`` for a forward under ``torch.no_grad()``, timed against the logits GEMM alone."""
-    try:
+def _no_grad_phases(row: dict, method: Method, env: Env, settings: Settings, prob: Problem, ref: Result,
+                    gemm_ms: float | None) -> list[Phase]:
+    """The phases of a forward under ``torch.no_grad()``, timed against the logits GEMM alone."""
+    live = SimpleNamespace(forward=None)
+
+    def can_run():
+        method.require(env)
+
+    def build():
         fn = method.build(env)
 
         def forward():
             with torch.no_grad():
                 return fn(prob.x, prob.w, prob.y)
+        live.forward = forward
 
-        row["loss"], row["loss_err"] = _loss_err(forward(), ref)
+    def first_call():
+        _record_loss(row, live.forward(), ref)
+
+    def timed():
         free_memory(env.device)
-        _finish(row, measure(forward, env.device, settings), gemm_ms)
+        _record_timing(row, measure(live.forward, env.device, settings), gemm_ms)
+
+    def memory():
         free_memory(env.device)
-        row["extra_gib"] = peak_extra_bytes(forward, env.device) / GiB
-    except Unavailable as e:
-        row["status"] = f"missing: {e}"
-    except Exception as e:
-        row["status"] = f"failed: {_reason(e)}"
-        row["traceback"] = traceback.format_exc()
+        row["extra_gib"] = peak_extra_bytes(live.forward, env.device) / GiB
+
+    return [can_run, build, first_call, timed, memory]
 
 
 def run_shape(shape: Shape, env: Env, names: list[str], settings: Settings, progress: Progress,
               *, no_grad: bool = True) -> tuple[dict, list[dict]]:
     """Measure every selected row on fresh inputs of ``shape``; returns (shape record, rows)."""
     methods = [METHODS[n] for n in names if n != FLOOR]
-    grad_rows = [(m, "fwd+bwd") for m in methods]
-    nograd_rows = [(m, "no-grad") for m in methods if no_grad and m.no_grad]
-    total = (FLOOR in names) + len(grad_rows) + len(nograd_rows)
-    progress.shape(shape, env, total)
+    entries = ([(None, "floor")] if FLOOR in names else []) + [(m, "fwd+bwd") for m in methods] + \
+        [(m, "no-grad") for m in methods if no_grad and m.no_grad]
+    progress.shape(shape, env, len(entries))
 
     t0 = time.perf_counter()
     prob = make_problem(shape, env, settings)
-    ref = float64_reference(prob, settings.ref_chunk_gib)
+    ref, ref_seconds = reference_of(prob, settings)
     free_memory(env.device)
     elem = torch.finfo(env.dtype).bits // 8
     record = dict(name=shape.name, n=shape.n, d=shape.d, v=shape.v, sweeps=list(shape.sweeps),
                   flops_fwd_bwd=6 * shape.n * shape.d * shape.v,
                   grads_gib=(shape.n * shape.d + shape.v * shape.d) * elem / GiB,
                   inputs_gib=(shape.n * shape.d + shape.v * shape.d) * elem / GiB + shape.n * 8 / GiB,
-                  ref_loss=ref.loss, ref_seconds=ref.seconds, floor=None)
-    progress.note(f"inputs + float64 reference in {time.perf_counter() - t0:.1f} s (loss {ref.loss:.6f})")
+                  ref_loss=float(ref.loss), ref_seconds=ref_seconds, floor=None)
+    progress.note(f"inputs + float64 reference in {time.perf_counter() - t0:.1f} s (loss {record['ref_loss']:.6f})")
 
     rows = []
     floor = {}
-    if FLOOR in names:
-        row = _row(shape, env, FLOOR, "floor: 3 GEMMs", "floor")
-        progress.start(row)
-        try:
-            floor = measure_floor(shape, prob, env, settings)
-            record["floor"] = floor
-            row.update(ms=floor["total_ms"], floor_ms=floor["total_ms"], x_floor=1.0, reps=None)
-        except Exception as e:
-            row["status"] = f"failed: {_reason(e)}"
-        free_memory(env.device)
-        rows.append(row)
-        progress.finish(row)
-
-    for m, mode in grad_rows + nograd_rows:
-        row = _row(shape, env, m.name, m.label + (" no-grad" if mode == "no-grad" else ""), mode)
-        progress.start(row)
-        if m.needs_cuda and not env.cuda:
-            row["status"] = f"missing: needs a CUDA device (running on {env.device})"
-        elif m.tp_only:
-            row["status"] = "missing: a vocab-parallel row, measured only under --tp (torchrun)"
-        elif mode == "fwd+bwd":
-            _fwd_bwd_row(row, m, prob, ref, env, settings, floor.get("total_ms"))
+    for m, mode in entries:
+        if m is None:
+            row = new_row(shape, env, FLOOR, "floor: 3 GEMMs", "floor")
+            progress.start(row)
+            run_phases(row, [floor_phase(row, shape, prob, env, settings)])
+            floor = row.get("_floor", {})
+            record["floor"] = floor or None
         else:
-            _no_grad_row(row, m, prob, ref, env, settings, floor.get("logits_ms"))
+            row = new_row(shape, env, m.name, m.row_label(env) + (" no-grad" if mode == "no-grad" else ""), mode)
+            progress.start(row)
+            if mode == "fwd+bwd":
+                run_phases(row, fwd_bwd_phases(row, m, env, settings, prob, ref, floor_ms=floor.get("total_ms")))
+            else:
+                run_phases(row, _no_grad_phases(row, m, env, settings, prob, ref, floor.get("logits_ms")))
         free_memory(env.device)
-        rows.append(row)
+        rows.append(public(row))
         progress.finish(row)
 
     del prob, ref
     free_memory(env.device)
     return record, rows
-

@@ -4,7 +4,9 @@ The vocab is sharded over every process of the launch (``tp`` = the world size; 
 
     torchrun --standalone --nproc-per-node K -m vpce.bench --tp [--sp] [--shapes ...] [--methods ...]
 
-Each rank uses NCCL on ``cuda:LOCAL_RANK``, or gloo on the CPU (``--device cpu``). Per shape:
+Each rank uses NCCL on ``cuda:LOCAL_RANK``, or gloo on the CPU (``--device cpu``), with the collective environment
+of ``launch_env.set_collective_env`` (NVLink multicast off; NCCL on a high-priority stream unless the caller set
+``TORCH_NCCL_HIGH_PRIORITY``). Per shape:
 
 1. **Inputs.** The same full problem as the single-GPU benchmark (``harness.make_problem``, drawn from ``(seed, N,
    D, V)``, so the problem does not depend on ``tp``). It is drawn on every rank, and ``x`` and the targets are
@@ -13,20 +15,20 @@ Each rank uses NCCL on ``cuda:LOCAL_RANK``, or gloo on the CPU (``--device cpu``
    divides ``V``, and off by one row otherwise (rows that need equal shards are then ``missing``). The hidden
    input of a row is all of ``x`` (hidden replicated) or, with ``--sp``, the rank's ``N/tp`` slice of the tokens
    (Megatron's sequence parallelism); the targets are always full.
-2. **Float64 reference**, per rank on its shard, in token chunks: the shard's float64 logits, their max
-   all-reduced, then the sum of exponentials and the target logit all-reduced together; the global ``lse``; ``g =
-   (softmax - onehot) / N``; this shard's part of ``dX`` (``g @ w_shard``) all-reduced in float64; ``dW`` of the
-   shard accumulated in float64. That is the full-vocab float64 loss and gradients of the same problem, so
+2. **Float64 reference** (``vpce.reference.chunked_reference``), per rank on its shard, in token chunks: the
+   shard's float64 logits, their max all-reduced, then the sum of exponentials and the target logit all-reduced
+   together; the global ``lse``; ``g = (softmax - onehot) / N``; this shard's part of ``dX`` (``g @ w_shard``)
+   all-reduced in float64; ``dW`` of the shard accumulated in float64. That is the full-vocab float64 loss and gradients of the same problem, so
    ``ref_loss`` is the same at every ``tp``.
 3. **Per-rank floor**: the three GEMMs of exact fwd+bwd on this rank's shard, ``N x D x V/tp`` (``runner.
    measure_floor``), with no communication. For reference the shape record also has ``comm``: the time of the
    collective that every row's step must contain, alone: the ``[N, D]`` ``dX`` all-reduce (hidden replicated), or
    the hidden all-gather plus the ``dX`` reduce-scatter (``--sp``), in the run's dtype.
 4. **Rows** (``vpce.bench.methods``; ``--methods all`` means every row with a vocab-parallel form): built, one
-   step checked against the reference, then timed and its peak memory taken, on every rank. Each row's status
-   is agreed between ranks after every phase (``all_gather_object``): a row that is missing or that fails on
-   any rank is reported by every rank, with that rank's reason, and skipped by all, so that the ranks'
-   collectives stay in step. A failure inside a step on some ranks only cannot be recovered this way (the others
+   step checked against the reference, then timed and its peak memory taken, on every rank (the phases of
+   ``runner.fwd_bwd_phases``). Each row's status is agreed between ranks after every phase
+   (``all_gather_object``): a row that is missing or that fails on any rank is reported by every rank, with that
+   rank's reason, and skipped by all, so that the ranks' collectives stay in step. A failure inside a step on some ranks only cannot be recovered this way (the others
    wait inside a collective): the process-group ``--timeout`` then ends the run, and the JSON keeps every shape
    finished before.
 5. **Time.** As the single-GPU benchmark (``harness.measure``), and every rank runs the same steps: the warmup
@@ -45,7 +47,8 @@ Each rank uses NCCL on ``cuda:LOCAL_RANK``, or gloo on the CPU (``--device cpu``
    loss).
 
 Output, on rank 0: progress on stderr, per shape a table of the maximum over ranks and a per-rank table on
-stdout, and ``--out/bench-tp<K>.json`` (``bench-tp<K>-sp.json`` with ``--sp``), rewritten after every shape.
+stdout, and ``--out/bench-tp<K>.json`` (``bench-tp<K>-sp.json`` with ``--sp``), rewritten after every shape; at
+the end ``--out/bench-tp<K>[-sp]-<shape>.png`` per named shape (the maxima over ranks; needs matplotlib).
 ``python -m vpce.bench.plots_tp FILE.json ...`` draws time and memory against ``tp`` from several such files.
 
 JSON (``schema: "vpce.bench.tp/1"``)::
@@ -66,35 +69,27 @@ JSON (``schema: "vpce.bench.tp/1"``)::
 from __future__ import annotations
 
 import dataclasses
-import datetime
-import math
 import os
 import platform
 import socket
-import sys
 import time
-import traceback
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from . import methods as methods_mod
-from .harness import (GiB, Env, Problem, Reference, Settings, Shape, float64_reference, free_memory, make_problem,
-                      measure, peak_extra_bytes, sq_err, synchronize)
-from .methods import FLOOR, METHODS, Unavailable
+from .. import parallel
+from .harness import GiB, Env, Problem, Settings, Shape, err_from_sq, free_memory, make_problem, measure, reference_of
+from .launch_env import RECORDED_ENV_KEYS, init_process_group
+from .meta import DTYPES, INPUTS, device_info, git_commit, now_utc, package_versions, timings_caveat
+from .methods import FLOOR, METHODS
+from .peers import megatron_tp_group, shutdown_megatron
+from .plots import plot_shapes
 from .report import Progress, format_tp_shape, write_json
-from .runner import _reason, _row, make_step, measure_floor
+from .runner import floor_phase, fwd_bwd_phases, new_row, public, reason, run_phases
 
-__all__ = ["main_tp", "shard_rows", "sharded_float64_reference"]
+__all__ = ["main_tp", "run_shape_tp", "shard_rows"]
 
-#: Environment that keeps NVLink multicast off in NCCL, torch symmetric memory and NVSHMEM (it can take a shared
-#: host's GPUs down); set before the process group starts unless the caller set them.
-SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-# NCCL kernels on a high-priority stream get SMs while a GEMM's grid is still being scheduled, so that a collective
-# issued to overlap a GEMM (vpce's dX reduction) really runs under it. Same group, same setting for every row.
-BENCH_ENV = {**SAFE_ENV, "TORCH_NCCL_HIGH_PRIORITY": "1"}
-NCCL_ENV_KEYS = (*BENCH_ENV, "NCCL_ALGO", "NCCL_PROTO", "NCCL_MAX_NCHANNELS", "CUDA_DEVICE_MAX_CONNECTIONS")
 
 def shard_rows(v: int, tp: int) -> list[int]:
     """Rows of each rank's contiguous vocab shard: equal when ``tp`` divides ``v``, else off by one."""
@@ -103,30 +98,18 @@ def shard_rows(v: int, tp: int) -> list[int]:
 
 # -- process group ------------------------------------------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _init_group(args, dtype: torch.dtype) -> tuple[Env, bool]:
     """This rank's ``Env`` on the launch's process group (torchrun's environment, or one process); (env, whether
     this process created the group)."""
-    for key, value in BENCH_ENV.items():
-        os.environ.setdefault(key, value)
     device = torch.device(args.device)
     if device.type == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", device.index or 0)))
         torch.cuda.set_device(device)
     owned = False
-    if not dist.is_initialized():
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        kwargs = dict(timeout=timedelta(seconds=args.timeout))
-        if backend == "nccl":
-            kwargs["device_id"] = device
-        if "WORLD_SIZE" not in os.environ:  # plain `python -m vpce.bench --tp`: a group of this one process
-            kwargs.update(init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
-        dist.init_process_group(backend, **kwargs)
+    if not dist.is_initialized():  # torchrun's group; without torchrun, a group of this one process
+        kwargs = dict(device_id=device) if device.type == "cuda" else {}
+        init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=args.timeout),
+                           **kwargs)
         owned = True
     group = dist.group.WORLD
     env = Env(device=device, dtype=dtype, group=group, tp=dist.get_world_size(group),
@@ -149,8 +132,8 @@ def _agree(status: str, env: Env) -> str:
     if len(bad) == env.tp and len(set(every)) == 1:
         return every[0]
     rank, text = bad[0]
-    kind, _, reason = text.partition(": ")
-    return f"{kind}: on rank {rank}: {reason}"
+    kind, _, why = text.partition(": ")
+    return f"{kind}: on rank {rank}: {why}"
 
 
 def _agree_max(value: float, env: Env) -> float:
@@ -159,7 +142,11 @@ def _agree_max(value: float, env: Env) -> float:
     return float(t.item())
 
 
-# -- inputs and the float64 reference ------------------------------------------------------------------------------
+def _layout(env: Env) -> str:
+    return "sequence-parallel" if env.sequence_parallel else "replicated"
+
+
+# -- one shape ----------------------------------------------------------------------------------------------------
 
 def _shard_problem(shape: Shape, env: Env, settings: Settings, split: list[int]) -> Problem:
     """The full ``x`` and targets (bitwise equal on every rank) and this rank's rows of ``w``."""
@@ -172,23 +159,6 @@ def _shard_problem(shape: Shape, env: Env, settings: Settings, split: list[int])
     return Problem(x=full.x, w=w, y=full.y)
 
 
-def sharded_float64_reference(prob: Problem, start: int, max_rows: int, env: Env,
-                              chunk_gib: float = 1.0) -> Reference:
-    """The float64 reference over the whole vocab, each rank on its shard (``harness.float64_reference``)."""
-    return float64_reference(prob, chunk_gib, group=env.group, start=start, max_rows=max_rows)
-
-
-_sq_err = sq_err
-
-
-def _ratio(sq: tuple[float, float] | None) -> float | None:
-    if sq is None:
-        return None
-    return math.sqrt(sq[0] / sq[1]) if sq[1] > 0 else math.inf
-
-
-# -- one shape ----------------------------------------------------------------------------------------------------
-
 def _measure_comm(shape: Shape, env: Env, settings: Settings) -> dict | None:
     """The collective every row's step contains, alone: dX all-reduce, or hidden all-gather + dX reduce-scatter."""
     if env.tp == 1:
@@ -199,8 +169,8 @@ def _measure_comm(shape: Shape, env: Env, settings: Settings) -> dict | None:
         full = torch.empty_like(g)
 
         def fn():
-            methods_mod._all_gather(full, part, group=env.group)
-            methods_mod._reduce_scatter(part, g, group=env.group)
+            parallel.all_gather_tensor(full, part, group=env.group)
+            parallel.reduce_scatter_tensor(part, g, group=env.group)
         what = f"hidden all-gather + dX reduce-scatter, [{shape.n}, {shape.d}] {str(env.dtype)[6:]}"
     else:
         def fn():
@@ -212,89 +182,9 @@ def _measure_comm(shape: Shape, env: Env, settings: Settings) -> dict | None:
     return dict(what=what, ms=max(every), ms_ranks=every)
 
 
-def _tp_row(shape: Shape, env: Env, method: str, label: str, mode: str, split: list[int], n_local: int) -> dict:
-    row = _row(shape, env, method, label, mode)
-    row.update(layout=_layout(env), v_local=split[env.rank], n_local=n_local, note=None)
-    return row
-
-
-def _layout(env: Env) -> str:
-    return "sequence-parallel" if env.sequence_parallel else "replicated"
-
-
-def _method_row(row: dict, m, prob: Problem, x_in: torch.Tensor, ref: Reference, env: Env, settings: Settings,
-                split: list[int], floor_ms: float | None, inject: tuple[str, int] | None):
-    """Fill ``row`` for one method on this rank, in step with the other ranks (status agreed after each phase)."""
-    status, fn, x, w = "ok", None, None, None
-
-    def fail(e: BaseException) -> str:
-        row["traceback"] = traceback.format_exc()
-        return f"failed: {_reason(e)}"
-
-    try:
-        if not m.tp:
-            raise Unavailable("no vocab-parallel form (a single-GPU row)")
-        if m.needs_cuda and not env.cuda:
-            raise Unavailable(f"needs a CUDA device (running on {env.device})")
-        if m.even_shards and len(set(split)) > 1:
-            raise Unavailable(f"needs equal vocab shards (V={sum(split)} is not divisible by tp={env.tp})")
-        if inject is not None and inject == (m.name, env.rank):
-            raise RuntimeError(f"injected failure (--inject-failure {m.name}@{env.rank})")
-        fn = m.build(env)
-        row["note"] = getattr(fn, "note", None) or None
-    except Unavailable as e:
-        status = f"missing: {e}"
-    except Exception as e:  # a peer's failure is a row, not the end of the run
-        status = fail(e)
-    status = _agree(status, env)
-
-    if status == "ok":  # first step: compiles / autotunes; its results are the ones checked
-        try:
-            x = x_in.detach().clone().requires_grad_()
-            w = prob.w.detach().clone().requires_grad_()
-            step = make_step(fn, x, w, prob.y)
-            loss = step()
-            synchronize(env.device)
-            row["loss"] = float(loss.detach().double())
-            row["loss_err"] = abs(row["loss"] - ref.loss) / abs(ref.loss)
-            ref_dx = ref.dx
-            if env.sequence_parallel:
-                ref_dx = ref.dx[env.rank * x.shape[0]:(env.rank + 1) * x.shape[0]]
-            row["_dx_sq"], row["_dw_sq"] = _sq_err(x.grad, ref_dx), _sq_err(w.grad, ref.dw)
-            row["dx_err"], row["dw_err"] = _ratio(row["_dx_sq"]), _ratio(row["_dw_sq"])
-            del loss
-        except Exception as e:
-            status = fail(e)
-        status = _agree(status, env)
-
-    if status == "ok":
-        try:
-            x.grad = w.grad = None
-            free_memory(env.device)
-            timing = measure(step, env.device, settings, lambda e: _agree_max(e, env))
-            row["ms"], row["ms_min"], row["reps"] = timing.median, timing.min, len(timing.samples)
-            row["floor_ms"] = floor_ms
-            if floor_ms:
-                row["x_floor"] = timing.median / floor_ms
-        except Exception as e:
-            status = fail(e)
-        status = _agree(status, env)
-
-    if status == "ok":
-        try:
-            x.grad = w.grad = None
-            free_memory(env.device)
-            row["extra_gib"] = peak_extra_bytes(step, env.device) / GiB
-        except Exception as e:
-            status = fail(e)
-        status = _agree(status, env)
-    row["status"] = status
-    del fn, x, w
-
-
 def _aggregate(per_rank: list[dict], env: Env) -> dict:
     """The table's row: maxima over ranks of time, floor and memory; the whole dX and dW errors."""
-    agg = {k: v for k, v in per_rank[0].items() if not k.startswith("_") and k != "traceback"}
+    agg = {k: v for k, v in public(per_rank[0]).items() if k != "traceback"}
     agg["rank"] = "max"
     tracebacks = [(r["rank"], r["traceback"]) for r in per_rank if r.get("traceback")]
     if tracebacks:
@@ -317,22 +207,17 @@ def _aggregate(per_rank: list[dict], env: Env) -> dict:
         sq = [r.get(key) for r in per_rank]
         if any(s is None for s in sq):
             return None
-        return _ratio((sum(s[0] for s in sq), sum(s[1] for s in sq)))
+        return err_from_sq((sum(s[0] for s in sq), sum(s[1] for s in sq)))
 
     agg["dx_err"] = combined("_dx_sq") if env.sequence_parallel else most("dx_err")
     agg["dw_err"] = combined("_dw_sq")
     return agg
 
 
-def _public(row: dict) -> dict:
-    return {k: v for k, v in row.items() if not k.startswith("_")}
-
-
 def run_shape_tp(shape: Shape, env: Env, names: list[str], settings: Settings, progress: Progress,
                  inject: tuple[str, int] | None = None) -> tuple[dict, list[dict], list[dict]]:
     """Every selected row of ``shape`` on every rank; returns (shape record, aggregate rows, per-rank rows), the
     same on every rank."""
-    methods = [METHODS[n] for n in names if n != FLOOR]
     split = shard_rows(shape.v, env.tp)
     n_local = shape.n // env.tp if env.sequence_parallel else shape.n
     elem = torch.finfo(env.dtype).bits // 8
@@ -341,7 +226,12 @@ def run_shape_tp(shape: Shape, env: Env, names: list[str], settings: Settings, p
                   flops_fwd_bwd_per_rank=6 * shape.n * shape.d * max(split),
                   grads_gib=(n_local * shape.d + max(split) * shape.d) * elem / GiB, ref_loss=None, ref_seconds=None,
                   floor=None, floor_ranks=None, comm=None, status="ok")
-    progress.shape(shape, env, (FLOOR in names) + len(methods))
+    methods = [METHODS[n] for n in names if n != FLOOR]
+    rows = [new_row(shape, env, FLOOR, "floor: 3 GEMMs on the shard", "floor")] if FLOOR in names else []
+    rows += [new_row(shape, env, m.name, m.row_label(env), "fwd+bwd") for m in methods]
+    for row in rows:
+        row.update(layout=_layout(env), v_local=split[env.rank], n_local=n_local, note=None)
+    progress.shape(shape, env, len(rows))
     progress.note(f"tp={env.tp}, hidden {_layout(env)}; vocab rows per rank {split}; hidden tokens per rank {n_local}")
 
     skip = None
@@ -349,64 +239,73 @@ def run_shape_tp(shape: Shape, env: Env, names: list[str], settings: Settings, p
         skip = f"missing: needs V >= tp (V={shape.v}, tp={env.tp})"
     elif env.sequence_parallel and shape.n % env.tp:
         skip = f"missing: sequence parallel needs N divisible by tp (N={shape.n}, tp={env.tp})"
-    entries = ([(FLOOR, "floor: 3 GEMMs on the shard", "floor")] if FLOOR in names else []) + \
-        [(m.name, m.label, "fwd+bwd") for m in methods]
     if skip:
         record["status"] = skip
-        rows = []
-        for name, label, mode in entries:
-            row = _tp_row(shape, env, name, label, mode, split, n_local)
+        for row in rows:
             row["status"] = skip
-            rows.append(row)
         per_rank = [_all_gather_object(r, env) for r in rows]
-        return record, [_aggregate(p, env) for p in per_rank], [_public(r) for p in per_rank for r in p]
+        return record, [_aggregate(p, env) for p in per_rank], [public(r) for p in per_rank for r in p]
 
     t0 = time.perf_counter()
     prob = _shard_problem(shape, env, settings, split)
-    ref = sharded_float64_reference(prob, sum(split[:env.rank]), max(split), env, settings.ref_chunk_gib)
+    ref, record["ref_seconds"] = reference_of(prob, settings, group=env.group, vocab_start=sum(split[:env.rank]),
+                                              max_rows=max(split))
     free_memory(env.device)
-    record["ref_loss"], record["ref_seconds"] = ref.loss, ref.seconds
-    progress.note(f"inputs + float64 reference in {time.perf_counter() - t0:.1f} s (loss {ref.loss:.6f})")
-    x_in = prob.x[env.rank * n_local:(env.rank + 1) * n_local] if env.sequence_parallel else prob.x
+    record["ref_loss"] = float(ref.loss)
+    progress.note(f"inputs + float64 reference in {time.perf_counter() - t0:.1f} s (loss {record['ref_loss']:.6f})")
+    x_in, ref_dx = prob.x, ref.dhidden
+    if env.sequence_parallel:
+        x_in, ref_dx = (t[env.rank * n_local:(env.rank + 1) * n_local] for t in (prob.x, ref.dhidden))
 
     try:
         record["comm"] = _measure_comm(shape, env, settings)
     except Exception as e:  # informational only
-        record["comm"] = dict(what=f"failed: {_reason(e)}", ms=None, ms_ranks=None)
+        record["comm"] = dict(what=f"failed: {reason(e)}", ms=None, ms_ranks=None)
     free_memory(env.device)
+
+    def agree(status):
+        return _agree(status, env)
+
+    def agree_time(estimate):
+        return _agree_max(estimate, env)
 
     aggs, everyone = [], []
     floor_ms = None
-    for name, label, mode in entries:
-        row = _tp_row(shape, env, name, label, mode, split, n_local)
+    for row in rows:
         progress.start(row)
-        if mode == "floor":
-            status = "ok"
-            try:
-                floor = measure_floor(shape, prob, env, settings, lambda e: _agree_max(e, env))
-                row.update(ms=floor["total_ms"], floor_ms=floor["total_ms"], x_floor=1.0, reps=None, _floor=floor)
-            except Exception as e:
-                status = f"failed: {_reason(e)}"
-                row["traceback"] = traceback.format_exc()
-            row["status"] = _agree(status, env)
+        if row["mode"] == "floor":
+            run_phases(row, [floor_phase(row, shape, prob, env, settings, agree_time)], agree)
             floor_ms = row["ms"] if row["status"] == "ok" else None
         else:
-            m = METHODS[name]
-            _method_row(row, m, prob, x_in, ref, env, settings, split, floor_ms, inject)
+            m = METHODS[row["method"]]
+            phases = fwd_bwd_phases(row, m, env, settings, prob, ref, floor_ms=floor_ms, x_in=x_in, ref_dx=ref_dx,
+                                    shard_rows=split, agree_time=agree_time)
+            if inject is not None and inject[0] == m.name:  # on every rank: the same phases, so agree lines up
+                phases.insert(1, _injected_failure(inject, env.rank))
+            run_phases(row, phases, agree)
         free_memory(env.device)
         per_rank = _all_gather_object(row, env)
-        if mode == "floor" and row["status"] == "ok":
+        if row["mode"] == "floor" and row["status"] == "ok":
             floors = [dict(r["_floor"], rank=r["rank"]) for r in per_rank]
             record["floor_ranks"] = floors
             record["floor"] = max(floors, key=lambda f: f["total_ms"])
         agg = _aggregate(per_rank, env)
         aggs.append(agg)
-        everyone.extend(_public(r) for r in per_rank)
+        everyone.extend(public(r) for r in per_rank)
         progress.finish(agg)
 
-    del prob, ref, x_in
+    del prob, ref, x_in, ref_dx
     free_memory(env.device)
     return record, aggs, everyone
+
+
+def _injected_failure(inject: tuple[str, int], rank: int):
+    """A phase that raises on rank ``inject[1]`` only (``--inject-failure``): for testing that a failure on one
+    rank ends the row on all."""
+    def injected():
+        if rank == inject[1]:
+            raise RuntimeError(f"injected failure (--inject-failure {inject[0]}@{rank})")
+    return injected
 
 
 # -- the run ------------------------------------------------------------------------------------------------------
@@ -429,28 +328,25 @@ def _launch_command(command: str) -> str:
     return launcher + command.removeprefix("python")
 
 
-def main_tp(args, parser, shapes: list[Shape], settings: Settings, command: str) -> int:
-    """Run ``--tp``: every rank measures; rank 0 prints the tables and writes the JSON."""
-    from .cli import DTYPES, _device_info, _git_commit  # shared with the single-GPU run
-    from .methods import package_versions
-
+def main_tp(args, parser, shapes: list[Shape], settings: Settings, command: str, warnings: list[str] = ()) -> int:
+    """Run ``--tp``: every rank measures; rank 0 prints ``warnings`` (on stderr), the tables and writes the JSON."""
     inject = _parse_inject(args.inject_failure, parser)
     env, owned = _init_group(args, DTYPES[args.dtype])
     lead = env.rank == 0
     progress = Progress(enabled=lead and not args.quiet)
     info = dict(rank=env.rank, local_rank=int(os.environ.get("LOCAL_RANK", 0)), host=socket.gethostname(),
-                **_device_info(env.device))
+                **device_info(env.device))
     devices = _all_gather_object(info, env)
     if any(METHODS[n].package == "megatron-core" for n in args.methods if n in METHODS):
         try:  # now, on every rank together: building a row later then needs no collective
-            methods_mod._megatron_tp_group(env)
+            megatron_tp_group(env)
         except Exception:  # noqa: BLE001 - the megatron rows say why when they are built
             pass
     doc = dict(
         schema="vpce.bench.tp/1",
-        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        date=now_utc(),
         command=_launch_command(command),
-        commit=_git_commit(),
+        commit=git_commit(),
         tp=env.tp,
         world=dist.get_world_size(),
         backend=str(dist.get_backend(env.group)),
@@ -461,21 +357,27 @@ def main_tp(args, parser, shapes: list[Shape], settings: Settings, command: str)
         python=platform.python_version(),
         dtype=args.dtype,
         settings=dict(dataclasses.asdict(settings), tf32=torch.backends.cuda.matmul.allow_tf32,
-                      inputs="x ~ N(0,1), w ~ N(0, logit_scale^2/D), targets uniform over the vocab, none ignored; "
-                             "x and targets broadcast from rank 0; rank r holds w rows "
-                             "[sum(rows_per_rank[:r]), +rows_per_rank[r])",
+                      inputs=INPUTS + "; x and targets broadcast from rank 0; rank r holds w rows "
+                                      "[sum(rows_per_rank[:r]), +rows_per_rank[r])",
                       timeout_s=args.timeout,
-                      env={k: os.environ[k] for k in NCCL_ENV_KEYS if k in os.environ}),
+                      env={k: os.environ[k] for k in RECORDED_ENV_KEYS if k in os.environ}),
         timing="a rank's ms is the median of its own timed steps (every rank runs the same steps); rows with "
                "rank 'max' take the maximum over ranks of ms, floor_ms and extra_gib",
         methods=args.methods,
         shapes=[],
         rows=[],
     )
-    out_json = args.out / f"bench-tp{env.tp}{'-sp' if env.sequence_parallel else ''}.json"
+    stem = f"bench-tp{env.tp}{'-sp' if env.sequence_parallel else ''}"
+    out_json = args.out / f"{stem}.json"
     hosts = sorted({d["host"] for d in devices})
     names = sorted({d["name"] for d in devices})
     where = f"{env.tp} x {' / '.join(names)}" + (f" on {len(hosts)} hosts" if len(hosts) > 1 else "")
+    caveat = timings_caveat(env.device)
+    if lead:
+        for line in warnings:
+            progress.warn(line)
+        if caveat:
+            print(caveat + "\n", flush=True)  # with the tables too, so that a copied table keeps it
     try:
         for shape in shapes:
             record, aggs, per_rank = run_shape_tp(shape, env, args.methods, settings, progress, inject)
@@ -485,11 +387,15 @@ def main_tp(args, parser, shapes: list[Shape], settings: Settings, command: str)
                 print(format_tp_shape(record, aggs, per_rank, doc, where), flush=True)
                 write_json(out_json, doc)  # after every shape: a crash later keeps what was measured
     finally:
-        parallel_state = sys.modules.get("megatron.core.parallel_state")  # set up by a megatron row, if any
-        if parallel_state is not None and parallel_state.model_parallel_is_initialized():
-            parallel_state.destroy_model_parallel()
+        shutdown_megatron()
         if owned and dist.is_initialized():
             dist.destroy_process_group()
     if lead:
+        aggregate = dict(doc, rows=[r for r in doc["rows"] if r["rank"] == "max"])
+        files, note = plot_shapes(aggregate, args.out, stem)
+        for f in files:
+            progress.note(f"wrote {f}")
+        if note:
+            progress.note(note)
         progress.note(f"wrote {out_json}")
     return 0

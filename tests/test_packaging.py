@@ -1,0 +1,116 @@
+"""The package as users get it: ``python -m build`` makes an sdist and a wheel; the wheel, installed into a fresh
+virtual environment, runs a 2-rank vocab-sharded example under torchrun from outside the source tree.
+
+The venv sees the system site-packages (``--system-site-packages``), so the torch already installed there is reused
+rather than downloaded again, which also shows that an installed torch satisfies ``torch>=2.4``: pip keeps it. The
+venv's own site-packages come first on ``sys.path``, so ``import vpce`` finds the wheel's copy, not this checkout
+(the example checks ``vpce.__file__``). Every subprocess has a timeout, so a hung rank fails the test.
+"""
+
+import os
+import re
+import subprocess
+import sys
+import tarfile
+import textwrap
+import venv
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+VERSION = re.search(r'(?m)^version = "([^"]+)"', (ROOT / "pyproject.toml").read_text()).group(1)
+
+# One uneven split of a padded vocab over 2 gloo ranks, in float64, against the unsharded torch loss and gradients.
+EXAMPLE = textwrap.dedent('''
+    import sys
+
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    import vpce
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)                                  # the same full problem on every rank
+    vocab, padded, dim, n = 1000, 1024, 32, 96
+    weight = torch.randn(padded, dim, dtype=torch.float64) / dim**0.5
+    hidden = torch.randn(n, dim, dtype=torch.float64)
+    target = torch.randint(0, vocab, (n,))
+    bounds = [padded * r * (r + 1) // (world * (world + 1)) for r in range(world + 1)]  # rank r: ~(r + 1) shares
+    rows = slice(bounds[rank], bounds[rank + 1])
+
+    h, w = hidden.clone().requires_grad_(), weight[rows].clone().requires_grad_()
+    loss = vpce.linear_cross_entropy(h, w, target, group=dist.group.WORLD, vocab_size=vocab)
+    loss.backward()
+
+    h_ref, w_ref = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    ref = F.cross_entropy(h_ref @ w_ref[:vocab].T, target)
+    ref.backward()
+    torch.testing.assert_close(loss.double(), ref, msg=lambda m: f"rank {rank}: loss: {m}")
+    torch.testing.assert_close(h.grad, h_ref.grad, msg=lambda m: f"rank {rank}: dX: {m}")
+    torch.testing.assert_close(w.grad, w_ref.grad[rows], msg=lambda m: f"rank {rank}: dW rows {rows}: {m}")
+    print(f"rank {rank} of {world}: OK, loss {loss.item():.6f}, vpce {vpce.__version__} from {vpce.__file__}")
+    dist.destroy_process_group()
+''')
+
+
+def _run(cmd, *, cwd, env=None, timeout=180) -> subprocess.CompletedProcess:
+    out = subprocess.run([str(c) for c in cmd], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == 0, (f"{' '.join(map(str, cmd))}: exit {out.returncode}\n--- stdout\n{out.stdout[-4000:]}"
+                                 f"\n--- stderr\n{out.stderr[-4000:]}")
+    return out
+
+
+@pytest.fixture(scope="module")
+def dists(tmp_path_factory) -> dict[str, Path]:
+    """``python -m build``: the sdist, then the wheel built from the unpacked sdist (so the sdist is complete)."""
+    outdir = tmp_path_factory.mktemp("dist")
+    _run([sys.executable, "-m", "build", "--outdir", outdir, ROOT], cwd=outdir, timeout=300)
+    found = {"sdist": sorted(outdir.glob("vpce-*.tar.gz")), "wheel": sorted(outdir.glob("vpce-*.whl"))}
+    assert all(len(v) == 1 for v in found.values()), f"expected one sdist and one wheel in {outdir}, got {found}"
+    return {kind: paths[0] for kind, paths in found.items()}
+
+
+def test_sdist_and_wheel_contents(dists):
+    assert dists["sdist"].name == f"vpce-{VERSION}.tar.gz" and dists["wheel"].name.startswith(f"vpce-{VERSION}-")
+    with tarfile.open(dists["sdist"]) as tar:
+        sdist = {name.split("/", 1)[1] for name in tar.getnames() if "/" in name}
+    missing = {"LICENSE", "CHANGELOG.md", "README.md", "docs/api.md", "vpce/api.py", "launch/demo.py"} - sdist
+    assert not missing, f"sdist lacks {sorted(missing)}"
+    with zipfile.ZipFile(dists["wheel"]) as whl:
+        names = set(whl.namelist())
+        meta = whl.read(f"vpce-{VERSION}.dist-info/METADATA").decode()
+    assert f"vpce-{VERSION}.dist-info/licenses/LICENSE" in names, sorted(names)
+    assert {"vpce/__init__.py", "vpce/integrations/transformers.py", "vpce/bench/__main__.py"} <= names
+    assert "License-Expression: Apache-2.0" in meta, meta[:1500]
+    assert re.findall(r"(?m)^Requires-Dist: (.*)$", meta)[0] == "torch>=2.4", meta[:1500]
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="torchrun with gloo over localhost")
+def test_wheel_in_fresh_venv_runs_sharded_example(dists, tmp_path):
+    env_dir = tmp_path / "venv"
+    venv.create(env_dir, system_site_packages=True, with_pip=False)
+    python = env_dir / "bin" / "python"
+    # the running interpreter's pip installs into the venv (no pip of the venv's own, which would bring an older
+    # setuptools that shadows the one torch needs); --no-index: the dependency must be satisfied by what is there
+    install = _run([sys.executable, "-m", "pip", "--python", python, "install", "--no-index",
+                    "--disable-pip-version-check", dists["wheel"]], cwd=tmp_path)
+    assert re.search(r"Requirement already satisfied: torch>=2\.4", install.stdout), install.stdout
+
+    work = tmp_path / "outside"  # outside the repository: nothing of the checkout on sys.path
+    work.mkdir()
+    (work / "sharded_example.py").write_text(EXAMPLE)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "TRITON_INTERPRET")}
+    env["OMP_NUM_THREADS"] = "1"
+    version = _run([python, "-c", "import vpce; print(vpce.__version__); print(vpce.__file__)"], cwd=work, env=env)
+    got_version, got_file = version.stdout.split()
+    assert got_version == VERSION, version.stdout
+    assert Path(got_file).is_relative_to(env_dir), f"vpce imported from {got_file}, not from the venv {env_dir}"
+
+    run = _run([python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "sharded_example.py"],
+               cwd=work, env=env, timeout=120)
+    ok = sorted(line for line in run.stdout.splitlines() if " OK, " in line)
+    assert len(ok) == 2 and all(str(env_dir) in line for line in ok), run.stdout

@@ -1,0 +1,105 @@
+"""The autograd shells: one ``torch.autograd.Function`` per public loss, the same for both backends.
+
+Each is a thin wrapper over the chosen backend's plain functions (``vpce.torch_backend`` or
+``vpce.triton_backend``: ``cross_entropy``, ``log_probs``, ``recompute_grads``, ``scale_cast``) and the shared
+formulas (``vpce.formulas``): forward runs the backend and keeps what backward needs; backward either finishes
+the fast route's held gradients (``vpce.grads.finish_fast_grads``) or recomputes them (the lean route). The
+``torch.library`` ops (``vpce.library``) call the same functions.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .formulas import RowStats, ce_coefficients, logprob_coefficients, logprob_outputs
+from .grads import finish_fast_grads
+from .options import LogProbOptions, LossOptions
+from .routing import Call
+from .targets import TokenTargets
+
+__all__ = ["backend_module", "LinearCrossEntropyFunction", "LinearLogProbsFunction", "cross_entropy_grads"]
+
+
+def backend_module(name: str):
+    if name == "triton":
+        from . import triton_backend
+        return triton_backend
+    from . import torch_backend
+    return torch_backend
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def cross_entropy_grads(hidden, weight, bias, target, token_weight, rows: RowStats, grad: torch.Tensor,
+                        denominator: torch.Tensor, opts: LossOptions, call: Call, main_weight=None):
+    """The lean route's backward: per-token row scales from the upstream gradient, then the recompute."""
+    g = grad.detach().to(rows.m.dtype)
+    if opts.reduction == "mean":
+        g = g / denominator
+    tg = TokenTargets(target, call.shard, opts.ignore_index, token_weight)
+    scale = tg.row_scale(g.expand(hidden.shape[0]) if g.dim() == 0 else g.reshape(-1))
+    coef = ce_coefficients(scale, rows.lse, opts, call.shard.vocab_size)
+    return backend_module(call.plan.backend).recompute_grads(hidden, weight, bias, tg, rows, coef, call,
+                                                             opts.softcap, 1.0, main_weight)
+
+
+class LinearCrossEntropyFunction(torch.autograd.Function):
+    """``hidden [N, D]`` (this rank's slice under sequence parallelism when the backend reduces dX in forward),
+    ``target [N]``, optional ``token_weight [N]``; returns the fp32 (fp64) loss per ``opts.reduction``."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, target, token_weight, opts: LossOptions, call: Call):
+        tg = TokenTargets(target, call.shard, opts.ignore_index, token_weight)
+        loss_tok, rows, fast = backend_module(call.plan.backend).cross_entropy(hidden, weight, bias, tg, opts, call)
+        ctx.opts, ctx.call, ctx.fast = opts, call, fast  # fast: None after its one use
+        ctx.denominator = tg.denominator(loss_tok.dtype)
+        ctx.dtype, ctx.rows = hidden.dtype, weight.shape[0]
+        ctx.main_weight = weight if call.main_grad else None
+        if rows is not None:
+            ctx.save_for_backward(hidden, weight, bias, target, token_weight, *rows)
+        return tg.reduce(loss_tok, opts.reduction)
+
+    @staticmethod
+    def backward(ctx, grad):
+        none = (None,) * 4
+        if ctx.call.plan.route != "fast":
+            hidden, weight, bias, target, token_weight, *rows = ctx.saved_tensors
+            return (*cross_entropy_grads(hidden, weight, bias, target, token_weight, RowStats(*rows), grad,
+                                         ctx.denominator, ctx.opts, ctx.call, ctx.main_weight), *none)
+        if ctx.fast is None:
+            raise RuntimeError("vpce: this loss formed its gradients in forward and they were already used; for "
+                               "a second backward pass use memory_budget='lean'")
+        g = grad.detach().to(ctx.denominator.dtype)
+        if ctx.opts.reduction == "mean":
+            g = g / ctx.denominator
+        grads, ctx.fast = ctx.fast, None
+        scale_cast = backend_module(ctx.call.plan.backend).scale_cast
+        return (*finish_fast_grads(grads, g, ctx.dtype, ctx.rows, ctx.main_weight, scale_cast), *none)
+
+
+class LinearLogProbsFunction(torch.autograd.Function):
+    """Per-token ``log p(target)`` (and entropy) of ``softmax(cap(x) / T)``; ignored tokens give 0 for both.
+    Always the lean route: forward keeps the statistics; backward recomputes."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, target, lp: LogProbOptions, call: Call):
+        tg = TokenTargets(target, call.shard, lp.ignore_index)
+        st = backend_module(call.plan.backend).log_probs(hidden, weight, bias, tg, lp, call)
+        logp, ent = logprob_outputs(tg, st, lp.entropy)
+        if any(call.needs_grad):
+            centred = st.expectations[0] - st.m if lp.entropy else None
+            ctx.save_for_backward(hidden, weight, bias, target, st.m, st.log_s, st.q, centred)
+        ctx.lp, ctx.call = lp, call
+        return (logp, ent) if lp.entropy else logp
+
+    @staticmethod
+    def backward(ctx, g_logp, g_ent=None):
+        hidden, weight, bias, target, m, log_s, q, centred = ctx.saved_tensors
+        lp, call = ctx.lp, ctx.call
+        tg = TokenTargets(target, call.shard, lp.ignore_index)
+        coef = logprob_coefficients(tg, g_logp, g_ent, centred, lp.inv_t, like=m)
+        grads = backend_module(call.plan.backend).recompute_grads(hidden, weight, bias, tg, RowStats(m, log_s, q),
+                                                                  coef, call, lp.softcap, lp.inv_t)
+        return (*grads, None, None, None)

@@ -1,0 +1,322 @@
+"""The peers the benchmark measures vpce against: one function per peer, each returning a loss function.
+
+Every adapter takes an ``Env`` and returns ``loss(x [N, D], w [V, D], y [N]) -> scalar mean loss`` that autograd
+differentiates into ``x.grad`` and ``w.grad``. A peer is imported when its row is built: one that is not
+installed raises ``Unavailable`` (a ``missing: ...`` row). The peers are called as their documentation shows
+(versions in the JSON):
+
+* torch eager: ``F.cross_entropy(F.linear(x, w).float(), y)``; torch.compile of that same function.
+* liger-kernel: ``LigerFusedLinearCrossEntropyLoss()(w, x, y)``.
+* cut-cross-entropy: ``linear_cross_entropy(x, w, y)`` (default gradient filter) and ``filter_eps=None`` (exact).
+* megatron-core: ``vocab_parallel_cross_entropy`` / ``fused_vocab_parallel_cross_entropy`` on bf16 logits from
+  ``F.linear``, ``.mean()`` of the per-token losses; they need Megatron's ``parallel_state``, initialized here on
+  a process group of this one process (or, under torchrun, on the launched group).
+
+Tensor parallelism (``--tp``): on each rank of ``env.group`` a loss function takes this rank's hidden input (all
+``N`` tokens, or with ``env.sequence_parallel`` its ``N/tp`` slice), its contiguous vocab shard of ``w`` and the
+full targets, and must leave in ``x.grad`` the complete ``dX`` (summed over the group; under SP this rank's slice)
+and in ``w.grad`` its shard's gradient. The peers get their hidden states the way Megatron's lm_head gives them
+(``hidden_entry``): identity forward and ``dX`` all-reduced in backward, or under SP all-gathered forward and
+``dX`` reduce-scattered in backward, so each row's step includes the ``dX`` collective. The vocab-parallel peers:
+
+* megatron-core: as above, ``F.linear`` of the shard, then its (fused) vocab-parallel cross-entropy.
+* liger-kernel 0.8.5: ``LigerFusedLinearScaledCrossEntropyTPFunction.apply(x, w_shard, y, group)`` (per-token
+  NLL, ``.mean()``): its native CUTLASS + NVSHMEM kernel for bf16 on Hopper/Blackwell when that is installed,
+  otherwise its 512-token chunked fallback; the row's note says which. It all-reduces ``dX`` itself; it needs
+  CUDA. (``LigerFusedLinearCrossEntropyLoss``, the ``liger`` row, has no vocab-parallel mode.)
+* ``chunked-tp``: the idea of that fallback written here in plain torch (``chunked_vocab_parallel_nll``), so it
+  runs anywhere, CPU included.
+* torch ``loss_parallel``: the shard's logits as a DTensor ``Shard(-1)`` on a 1-D mesh of the group and
+  ``F.cross_entropy`` under ``torch.distributed.tensor.parallel.loss_parallel()`` (forward and backward), once with
+  fp32 logits like the ``torch`` row and once with bf16 logits, as the project's anchor measurements of the peers
+  (quoted in docs/benchmarks.md) were taken.
+
+A loss function may carry ``note`` (a string for the JSON: which path or region it uses) and ``context`` (a
+context-manager factory that must hold over its forward and backward: torch's ``loss_parallel``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import warnings
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from .. import parallel
+from .harness import Env
+from .launch_env import free_port, set_collective_env
+from .meta import package_version
+
+__all__ = ["Unavailable", "LossFn", "torch_eager", "torch_compile", "liger", "cce", "megatron", "liger_tp",
+           "chunked_tp", "loss_parallel", "megatron_tp_group", "shutdown_megatron", "hidden_entry",
+           "chunked_vocab_parallel_nll"]
+
+LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class Unavailable(Exception):
+    """The row cannot run here (package not installed, needs CUDA or a process group): a ``missing`` row."""
+
+
+def _import(module: str, package: str):
+    """Import a peer module quietly; ``Unavailable`` if its package is not installed."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return importlib.import_module(module)
+    except ImportError as e:
+        raise Unavailable(f"{package} not importable ({type(e).__name__}: {e})") from e
+
+
+def _with_note(fn, *parts):
+    """``fn`` with ``fn.note``: the notes of the pieces it is made of (strings, or functions that carry one)."""
+    fn.note = "; ".join(n for n in (getattr(p, "note", p) for p in parts) if isinstance(n, str) and n)
+    return fn
+
+
+def _needs_group(env: Env):
+    if env.group is None:
+        raise Unavailable("needs a process group (run under --tp)")
+
+
+# -- torch ------------------------------------------------------------------------------------------------------
+
+def _torch_loss(x, w, y):
+    return F.cross_entropy(F.linear(x, w).float(), y)
+
+
+def torch_eager(env: Env) -> LossFn:
+    return _torch_loss
+
+
+def torch_compile(env: Env) -> LossFn:
+    torch._dynamo.reset()  # a fresh compile per shape: no recompile limit, no automatic dynamic shapes
+    return torch.compile(_torch_loss, dynamic=False)
+
+
+# -- liger-kernel, cut-cross-entropy ------------------------------------------------------------------------------
+
+def liger(env: Env) -> LossFn:
+    module = _import("liger_kernel.transformers.fused_linear_cross_entropy", "liger-kernel")
+    loss = module.LigerFusedLinearCrossEntropyLoss()
+    return lambda x, w, y: loss(w, x, y)
+
+
+def cce(env: Env, *, exact: bool) -> LossFn:
+    lce = _import("cut_cross_entropy", "cut-cross-entropy").linear_cross_entropy
+    if exact:
+        return lambda x, w, y: lce(x, w, y, filter_eps=None)
+    return lambda x, w, y: lce(x, w, y)
+
+
+# -- megatron-core ------------------------------------------------------------------------------------------------
+
+_OWN_GROUP = False  # whether megatron_tp_group created the default process group (and so shutdown destroys it)
+
+
+def megatron_tp_group(env: Env):
+    """Megatron's tensor-parallel group, initializing ``parallel_state`` (and a 1-rank process group) once."""
+    global _OWN_GROUP
+    ps = _import("megatron.core.parallel_state", "megatron-core")
+    if not dist.is_available():
+        raise Unavailable("torch.distributed is not available in this torch build")
+    if not dist.is_initialized():
+        if env.cuda:
+            torch.cuda.set_device(env.device)
+        set_collective_env()
+        dist.init_process_group("nccl" if env.cuda else "gloo", init_method=f"tcp://127.0.0.1:{free_port()}",
+                                rank=0, world_size=1)
+        _OWN_GROUP = True
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(tensor_model_parallel_size=env.tp)
+    return ps.get_tensor_model_parallel_group()
+
+
+def shutdown_megatron():
+    """Tear down Megatron's ``parallel_state`` if a row set it up, and the process group if ``megatron_tp_group``
+    created it, so that the process exits without NCCL warnings."""
+    global _OWN_GROUP
+    ps = sys.modules.get("megatron.core.parallel_state")
+    if ps is not None and ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    if _OWN_GROUP and dist.is_initialized():
+        dist.destroy_process_group()
+    _OWN_GROUP = False
+
+
+def megatron(env: Env, *, fused: bool) -> LossFn:
+    group = megatron_tp_group(env)
+    enter = hidden_entry(env, megatron=True)
+    if fused:
+        ce = _import("megatron.core.fusions.fused_cross_entropy", "megatron-core").fused_vocab_parallel_cross_entropy
+        return _with_note(lambda x, w, y: ce(F.linear(enter(x), w), y, group).mean(), enter)
+    ce = _import("megatron.core.tensor_parallel", "megatron-core").vocab_parallel_cross_entropy
+    return _with_note(lambda x, w, y: ce(F.linear(enter(x), w), y).mean(), enter)
+
+
+# -- tensor parallel: how the peers' hidden states enter the vocab-parallel region --------------------------------
+
+class _GatherTokensKeepSlice(torch.autograd.Function):
+    """All-gather along dim 0 forward; backward, this rank's own slice of a gradient that the peer has already
+    summed over the group (liger-kernel's TP function all-reduces ``dX`` itself)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.rank, world = dist.get_rank(group), dist.get_world_size(group)
+        out = x.new_empty((x.shape[0] * world,) + tuple(x.shape[1:]))
+        parallel.all_gather_tensor(out, x, group=group)
+        ctx.rows = x.shape[0]
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad[ctx.rank * ctx.rows:(ctx.rank + 1) * ctx.rows].contiguous(), None
+
+
+def hidden_entry(env: Env, *, megatron: bool = False, reduce_grad: bool = True) -> Callable:
+    """``hidden -> hidden as this rank's logits GEMM needs it``, with the ``dX`` collective in backward.
+
+    Hidden replicated: identity, ``dX`` all-reduced in backward. Sequence parallel: the token slices all-gathered,
+    ``dX`` reduce-scattered in backward. ``reduce_grad=False`` is for a peer that sums ``dX`` over the group
+    itself (liger-kernel's TP function): nothing more in backward, or under SP the rank's own slice of ``dX``.
+    With ``megatron=True`` on CUDA these are megatron-core's own mappings; elsewhere (its gather allocates on
+    CUDA) ``vpce.parallel``'s. Identity without a group, and, like Megatron's, on a group of one.
+    """
+    if env.group is None or env.tp == 1:
+        return _with_note(lambda x: x, "hidden: as is (one rank)")
+    if megatron and env.cuda:
+        mappings = _import("megatron.core.tensor_parallel.mappings", "megatron-core")
+        group = megatron_tp_group(env)
+        if env.sequence_parallel:
+            return _with_note(lambda x: mappings.gather_from_sequence_parallel_region(
+                x, tensor_parallel_output_grad=reduce_grad, group=group),
+                "hidden: megatron gather_from_sequence_parallel_region")
+        return _with_note(lambda x: mappings.copy_to_tensor_model_parallel_region(x, group=group),
+                          "hidden: megatron copy_to_tensor_model_parallel_region")
+    group = env.group
+    if env.sequence_parallel and reduce_grad:
+        return _with_note(lambda x: parallel.gather_from_sequence_parallel_region(x, group),
+                          "hidden: all-gather + dX reduce-scatter (torch autograd Function)")
+    if env.sequence_parallel:
+        return _with_note(lambda x: _GatherTokensKeepSlice.apply(x, group),
+                          "hidden: all-gather + dX slice (torch autograd Function)")
+    if reduce_grad:
+        return _with_note(lambda x: parallel.copy_to_vocab_parallel_region(x, group),
+                          "hidden: dX all-reduce (torch autograd Function)")
+    return _with_note(lambda x: x, "hidden: as is (the peer all-reduces dX)")
+
+
+# -- liger-kernel's tensor-parallel function, and the idea of its fallback in plain torch -------------------------
+
+def liger_tp(env: Env) -> LossFn:
+    mod = _import("liger_kernel.ops.fused_linear_scaled_cross_entropy", "liger-kernel")
+    tp_fn = getattr(mod, "LigerFusedLinearScaledCrossEntropyTPFunction", None)
+    if tp_fn is None:
+        raise Unavailable(f"liger-kernel {package_version('liger-kernel')} has no "
+                          f"LigerFusedLinearScaledCrossEntropyTPFunction")
+    group = env.group
+    enter = hidden_entry(env, reduce_grad=False)
+    try:  # the dispatch of LigerFusedLinearScaledCrossEntropyTPFunction.apply, to say which path is measured
+        native = env.dtype == torch.bfloat16 and mod._supports_native_tp_architecture(env.device)
+        if native:
+            try:
+                native = mod._load_native_tp_function() is not None
+            except ImportError:  # as liger-kernel's own dispatch: no native kernel, the fallback runs
+                native = False
+        path = "liger: native CUTLASS + NVSHMEM path" if native else "liger: 512-token fallback path"
+    except Exception as e:  # noqa: BLE001 - liger-kernel 0.8.5's own private helpers; the row runs anyway
+        path = f"liger: path unknown ({type(e).__name__}: {e})"
+    return _with_note(lambda x, w, y: tp_fn.apply(enter(x), w, y, group).mean(), path, enter)
+
+
+class _ChunkedVocabParallelNLL(torch.autograd.Function):
+    """See ``chunked_vocab_parallel_nll``."""
+
+    CHUNK = 512
+
+    @staticmethod
+    def forward(ctx, x, w, y, group, vocab_start):
+        rows = w.shape[0]
+        nll = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
+        lse = torch.empty_like(nll)
+        for c0 in range(0, x.shape[0], _ChunkedVocabParallelNLL.CHUNK):
+            sl = slice(c0, min(x.shape[0], c0 + _ChunkedVocabParallelNLL.CHUNK))
+            z = (x[sl] @ w.t()).float()
+            m = z.amax(1)
+            dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+            local = y[sl] - vocab_start
+            owns = (local >= 0) & (local < rows)
+            zt = torch.where(owns, z.gather(1, local.clamp(0, rows - 1)[:, None]).squeeze(1), 0.0)
+            sums = torch.stack([torch.exp(z - m[:, None]).sum(1), zt])
+            dist.all_reduce(sums, group=group)
+            lse[sl] = m + torch.log(sums[0])
+            nll[sl] = lse[sl] - sums[1]
+        ctx.save_for_backward(x, w, y, lse)
+        ctx.vocab_start = vocab_start
+        return nll
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w, y, lse = ctx.saved_tensors
+        rows = w.shape[0]
+        dx = torch.empty_like(x)
+        dw = torch.zeros_like(w)
+        for c0 in range(0, x.shape[0], _ChunkedVocabParallelNLL.CHUNK):
+            sl = slice(c0, min(x.shape[0], c0 + _ChunkedVocabParallelNLL.CHUNK))
+            g = grad[sl].float()
+            dz = torch.exp((x[sl] @ w.t()).float() - lse[sl, None]).mul_(g[:, None])
+            local = y[sl] - ctx.vocab_start
+            owns = (local >= 0) & (local < rows)
+            dz[torch.arange(dz.shape[0], device=dz.device), local.clamp(0, rows - 1)] -= g * owns
+            dz = dz.to(x.dtype)
+            dx[sl] = dz @ w
+            dw.add_(dz.t() @ x[sl])
+        return dx, dw, None, None, None
+
+
+def chunked_vocab_parallel_nll(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, group,
+                               vocab_start: int) -> torch.Tensor:
+    """Per-token NLL of ``x @ w.T`` over a vocab sharded on ``group`` (``w``: this rank's rows from
+    ``vocab_start``), 512 tokens at a time, never more than one chunk's logits live: the scheme of liger-kernel
+    0.8.5's tensor-parallel fallback (``_TensorParallelFusedLinearPPOFallbackFunction``, adapted there from verl),
+    in plain torch.
+
+    Forward, per chunk: the shard's logits in fp32; their max all-reduced (MAX); ``sum exp(z - max)`` and the
+    target's logit (0 on ranks that do not hold it) all-reduced together (SUM); ``nll = max + log(sum) - z_t``.
+    Backward, per chunk: logits recomputed, ``(softmax - onehot) * g`` cast to the input dtype, this shard's part
+    of ``dX`` and ``dW`` accumulated in the weight's dtype (as the fallback does). ``dX`` is this shard's part
+    only: the caller sums it over the group (``hidden_entry``).
+    """
+    return _ChunkedVocabParallelNLL.apply(x, w, y, group, vocab_start)
+
+
+def chunked_tp(env: Env) -> LossFn:
+    _needs_group(env)
+    group, rank = env.group, env.rank
+    enter = hidden_entry(env)
+    return _with_note(lambda x, w, y: chunked_vocab_parallel_nll(enter(x), w, y, group, rank * w.shape[0]).mean(),
+                      enter)
+
+
+# -- torch loss_parallel (DTensor) --------------------------------------------------------------------------------
+
+def loss_parallel(env: Env, *, fp32: bool) -> LossFn:
+    _needs_group(env)
+    tensor = _import("torch.distributed.tensor", "torch")
+    context = _import("torch.distributed.tensor.parallel", "torch").loss_parallel
+    mesh = _import("torch.distributed.device_mesh", "torch").DeviceMesh.from_group(env.group, env.device.type)
+    enter = hidden_entry(env)
+
+    def fn(x, w, y):
+        logits = F.linear(enter(x), w)
+        if fp32:
+            logits = logits.float()
+        logits = tensor.DTensor.from_local(logits, mesh, [tensor.Shard(logits.ndim - 1)], run_check=False)
+        target = tensor.DTensor.from_local(y, mesh, [tensor.Replicate()], run_check=False)
+        return F.cross_entropy(logits, target).to_local()
+    fn.context = context
+    return _with_note(fn, "logits fp32" if fp32 else "logits bf16 (as the anchors)", enter)

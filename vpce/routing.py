@@ -1,0 +1,105 @@
+"""The route of one call, decided once, in one place, from the validated options and facts that every rank of the
+group shares (and checks, through ``vpce.parallel.agree``).
+
+* ``backend``: ``"triton"`` (fused kernels; CUDA, or the CPU interpreter) or ``"torch"`` (chunked PyTorch).
+* ``route``: ``"fast"`` (6NDV: the gradients are formed in forward while each chunk's logits are live; the
+  cross-entropy with ``mean``/``sum``), ``"lean"`` (8NDV: statistics in forward, logits recomputed in backward;
+  ``reduction="none"``, ``memory_budget="lean"``, ``linear_log_probs``), or ``"forward"`` (no gradient needed).
+* ``dx_reduce``: where the hidden states' gradient is summed over the group: ``"none"`` (not sharded),
+  ``"region"`` (``vpce.parallel.enter_vocab_parallel`` around the backend: all-reduce or reduce-scatter in
+  backward) or ``"forward"`` (the Triton fast route sums each chunk's ``dX`` in forward, overlapped with its dW
+  GEMM; under sequence parallelism it gathers the hidden states itself).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .options import BACKENDS, LossOptions
+from .parallel import VocabShard
+
+__all__ = ["Plan", "Call", "resolve_backend", "plan_cross_entropy", "plan_log_probs"]
+
+
+@dataclass(frozen=True)
+class Plan:
+    backend: str
+    """``"triton"`` or ``"torch"``."""
+    route: str
+    """``"fast"``, ``"lean"`` or ``"forward"``."""
+    dx_reduce: str
+    """``"none"``, ``"region"`` or ``"forward"``."""
+    sequence_parallel: bool
+    """``hidden`` is this rank's slice along dim 0 (Megatron SP)."""
+
+
+@dataclass(frozen=True)
+class Call:
+    """Everything a backend needs besides the tensors and the loss options."""
+
+    shard: VocabShard
+    plan: Plan
+    needs_grad: tuple[bool, bool, bool]
+    """Whether hidden, weight and bias need gradients."""
+    main_grad: bool = False
+    """Add the weight gradient in fp32 into ``weight.main_grad`` instead of returning it."""
+    poison: Any = None
+    """The agreement's device scalar (0, or NaN where the ranks disagreed), or None."""
+
+
+def _triton_importable() -> bool:
+    try:
+        from . import triton_backend  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def resolve_backend(backend: str, hidden: torch.Tensor) -> str:
+    """``"auto"``: Triton on CUDA where it imports, else torch. (Whatever a rank picks goes into the group's
+    agreement, so ranks that would pick differently fail together.)"""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        return "triton" if hidden.is_cuda and _triton_importable() else "torch"
+    if backend == "triton":
+        if not _triton_importable():
+            raise ValueError("backend: 'triton' needs the Triton package and vpce's Triton kernels, which could "
+                             "not be imported here; use backend='torch' or 'auto'")
+        if not hidden.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1":
+            raise ValueError(f"backend: 'triton' expects CUDA tensors (or TRITON_INTERPRET=1 for the CPU "
+                             f"interpreter), got hidden on {hidden.device}")
+    return backend
+
+
+def _softcap_corner(opts: LossOptions, dtype: torch.dtype) -> bool:
+    """Soft cap + label smoothing where the Triton fast route's 16-bit ``P`` can underflow inside the cap's range
+    (see ``vpce.triton_backend``): fp16, or a cap above 40."""
+    return opts.label_smoothing > 0 and opts.softcap is not None and (opts.softcap > 40 or dtype == torch.float16)
+
+
+def _dx_reduce(backend: str, route: str, sharded: bool) -> str:
+    if not sharded:
+        return "none"
+    return "forward" if backend == "triton" and route == "fast" else "region"
+
+
+def plan_cross_entropy(opts: LossOptions, needs_grad: tuple[bool, bool, bool], dtype: torch.dtype, backend: str,
+                       sharded: bool, sequence_parallel: bool) -> Plan:
+    if not any(needs_grad):
+        route = "forward"
+    elif opts.reduction == "none" or opts.lean or (backend == "triton" and _softcap_corner(opts, dtype)):
+        route = "lean"
+    else:
+        route = "fast"
+    return Plan(backend, route, _dx_reduce(backend, route, sharded), sequence_parallel)
+
+
+def plan_log_probs(needs_grad: tuple[bool, bool, bool], backend: str, sharded: bool,
+                   sequence_parallel: bool) -> Plan:
+    route = "lean" if any(needs_grad) else "forward"
+    return Plan(backend, route, _dx_reduce(backend, route, sharded), sequence_parallel)
