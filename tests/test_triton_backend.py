@@ -225,4 +225,4 @@ def test_statistics_kernels_match_the_torch_combine(sum_z, sum_ez, world, poison
     assert torch.isinf(lse[9]), "a token whose logits are all -inf has no finite lse"
     assert torch.isfinite(lse[[i for i in range(c) if i not in (3, 5, 9)]]).all()
     nll = got.nll.cpu()
-    assert torch.isinf(nll[owner == -1]).all(), "a token whose target no rank holds has no finite -log p_t"
+    assert torch.isinf(nll[(owner == -1) & ~torch.isnan(lse)]).all(), "a token whose target no rank holds has no finite -log p_t"
