@@ -34,6 +34,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from vpce.bench.cli import main  # noqa: E402
+from vpce.bench.launch_env import set_collective_env  # noqa: E402
 
 if __name__ == "__main__":
+    set_collective_env()  # NVLink multicast off, NCCL on a high-priority stream (the runner sets it again)
     sys.exit(main(["--tp", *sys.argv[1:]]))

@@ -14,7 +14,9 @@ each rank's relative differences (loss, dX or its slice, its dW rows) and exits 
     torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST0:29500 --rdzv-id vpce-check \\
         launch/check_tp.py
 
-On CUDA each rank uses ``cuda:LOCAL_RANK`` and NCCL; without CUDA, the CPU and gloo (the torch backend).
+On CUDA each rank uses ``cuda:LOCAL_RANK`` and NCCL; without CUDA, the CPU and gloo (the torch backend). The
+collective environment is ``vpce.bench.launch_env``'s (NVLink multicast off). One process works too, with
+torchrun (``--nproc-per-node 1``) or without it (``python launch/check_tp.py``): tp=1 against itself.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import vpce  # noqa: E402
+from vpce.bench.launch_env import init_process_group  # noqa: E402
 
 TOLERANCE = {"loss": 1e-5, "dX": 1e-2, "dW": 1e-2}
 
@@ -84,12 +87,11 @@ def main(argv=None) -> int:
     if torch.cuda.is_available():
         device = torch.device("cuda", local)
         torch.cuda.set_device(device)
-        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-        dist.init_process_group("nccl", device_id=device)
+        init_process_group("nccl", device_id=device)
     else:
         device = torch.device("cpu")
         torch.set_num_threads(1)
-        dist.init_process_group("gloo")
+        init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     worst = 0
     for budget in args.budgets.split(","):

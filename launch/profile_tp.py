@@ -1,23 +1,15 @@
-"""Where a tensor-parallel vpce step spends its time: variants timed side by side, and one step profiled.
+"""Where a tensor-parallel vpce step spends its time: the step timed, then profiled kernel by kernel.
 
-    torchrun --standalone --nproc-per-node 4 launch/profile_tp.py [--shape 16384x4096x128256] [--out DIR]
+    torchrun --standalone --nproc-per-node 4 launch/profile_tp.py [--shape 16384x4096x128256] [--sp] [--out DIR]
 
 Each rank holds ``W``'s rows ``V/tp`` (NCCL, one GPU per rank, hidden replicated; ``--sp`` for sequence
-parallelism). Rank 0 prints the median step time (CUDA events) of:
-
-- ``default``: ``vpce.linear_cross_entropy`` as shipped;
-- ``no-split``: the statistics exchange not overlapped (``triton_backend.SPLIT_FOR_OVERLAP = False``);
-- ``dx-in-backward``: dX summed in backward by the autograd region (``REDUCE_DX_IN_FORWARD = False``);
-- ``neither``: both of the above off (no overlap at all);
-- ``unfused-stats``: the per-chunk statistics as torch ops instead of two Triton launches (``FUSED_STATS``);
-- ``default-again``: the default once more (the spread between the two is the noise);
-- ``high-priority``: the default on a group whose NCCL stream has high priority (so that its kernels get SMs
-  while a GEMM's grid is still being scheduled).
-
-Variants are timed in interleaved rounds (each variant's steps once per round), so that clock drift under
-sustained load spreads over all of them. Then ``--profile-steps`` default steps run under ``torch.profiler``: GPU
-time per kernel, and how much NCCL kernel time no other kernel overlaps (``exposed``); ``--out`` gets every rank's
-Chrome trace. Tuning notes, not a benchmark: the numbers that count come from ``python -m vpce.bench --tp``.
+parallelism) and runs ``vpce.linear_cross_entropy`` as shipped, with the collective environment of
+``vpce.bench.launch_env`` (NVLink multicast off; NCCL on a high-priority stream, as the benchmark runs it). Rank 0
+prints the median step time (CUDA events; the maximum over ranks, and each rank's). Then ``--profile-steps`` steps
+run under ``torch.profiler``: GPU time per kernel, and how much NCCL kernel time no other kernel overlaps
+(``exposed``); ``--out`` gets every rank's Chrome trace. One process works too (``--nproc-per-node 1``, or plain
+``python launch/profile_tp.py``: tp=1, one GPU). Tuning notes, not a benchmark: the numbers that count come from
+``python -m vpce.bench --tp``.
 """
 
 from __future__ import annotations
@@ -34,9 +26,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import vpce  # noqa: E402
-from vpce import triton_backend  # noqa: E402
-
-SWITCHES = ("SPLIT_FOR_OVERLAP", "REDUCE_DX_IN_FORWARD", "FUSED_STATS")
+from vpce.bench.launch_env import init_process_group  # noqa: E402
 
 
 def _timed_ms(step, reps: int) -> list[float]:
@@ -69,23 +59,21 @@ def _exposed(intervals_comm, intervals_other) -> float:
     return exposed
 
 
-def main() -> int:
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="16384x4096x128256", help="NxDxV of the whole head")
     ap.add_argument("--sp", action="store_true")
-    ap.add_argument("--reps", type=int, default=5, help="timed steps per variant per round")
-    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--reps", type=int, default=30, help="timed steps")
     ap.add_argument("--out", type=Path, default=None, help="each rank's Chrome trace goes here")
     ap.add_argument("--profile-steps", type=int, default=5)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        ap.error("expected CUDA GPUs (one per process), got none: this script profiles GPU kernels")
     n, d, v = (int(t) for t in args.shape.split("x"))
     local = int(os.environ.get("LOCAL_RANK", 0))
     torch.cuda.set_device(local)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+    init_process_group("nccl", device_id=torch.device("cuda", local))
     rank, tp = dist.get_rank(), dist.get_world_size()
-    opts = dist.ProcessGroupNCCL.Options()
-    opts.is_high_priority_stream = True
-    hi = dist.new_group(list(range(tp)), pg_options=opts)
 
     torch.manual_seed(0)
     x = torch.randn(n, d, device="cuda", dtype=torch.bfloat16)
@@ -96,43 +84,16 @@ def main() -> int:
     w = (torch.randn(rows, d, device="cuda") / d**0.5).to(torch.bfloat16).requires_grad_()
     xs = (x[rank * n // tp:(rank + 1) * n // tp] if args.sp else x).clone().requires_grad_()
 
-    def step(group=dist.group.WORLD):
+    def step():
         xs.grad = w.grad = None
-        vpce.linear_cross_entropy(xs, w, y, group=group, sequence_parallel=args.sp).backward()
+        vpce.linear_cross_entropy(xs, w, y, group=dist.group.WORLD, sequence_parallel=args.sp).backward()
 
-    defaults = {name: getattr(triton_backend, name) for name in SWITCHES}
-
-    def with_flags(group=dist.group.WORLD, **switches):
-        def run():
-            for name, value in switches.items():
-                setattr(triton_backend, name, value)
-            try:
-                step(group)
-            finally:
-                for name, value in defaults.items():
-                    setattr(triton_backend, name, value)
-        return run
-
-    variants = {"default": with_flags(), "no-split": with_flags(SPLIT_FOR_OVERLAP=False),
-                "dx-in-backward": with_flags(REDUCE_DX_IN_FORWARD=False),
-                "neither": with_flags(SPLIT_FOR_OVERLAP=False, REDUCE_DX_IN_FORWARD=False),
-                "unfused-stats": with_flags(FUSED_STATS=False),
-                "default-again": with_flags(),
-                "high-priority": with_flags(group=hi)}
-    # Interleaved rounds (every variant once per round): the GPUs' clocks drift under sustained load, and a
-    # variant timed in one block would carry that drift.
-    samples = {name: [] for name in variants}
-    for _ in range(args.rounds):
-        for name, fn in variants.items():
-            samples[name] += _timed_ms(fn, args.reps)
+    median = statistics.median(_timed_ms(step, args.reps))
     every = [None] * tp
-    dist.all_gather_object(every, {name: statistics.median(x) for name, x in samples.items()})
+    dist.all_gather_object(every, median)
     if rank == 0:
-        print(f"tp={tp} N={n} D={d} V={v} sp={args.sp}: median step ms over {args.rounds} interleaved rounds of "
-              f"{args.reps} steps, max over ranks (each rank's)")
-        for name in variants:
-            per_rank = [e[name] for e in every]
-            print(f"  {name:16s} {max(per_rank):8.3f}   ({' '.join(f'{x:.3f}' for x in per_rank)})")
+        print(f"tp={tp} N={n} D={d} V={v} sp={args.sp}: median step {max(every):.3f} ms over {args.reps} steps, "
+              f"max over ranks ({' '.join(f'{t:.3f}' for t in every)})")
 
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     steps = args.profile_steps

@@ -7,7 +7,8 @@ logits GEMM (the reference for the fused kernel), the fused kernel in stats-only
 written, the probabilities -> gradient pass, and the two cuBLAS gradient GEMMs (fp32 outputs). Then it times the
 probabilities -> gradient pass over a few launch shapes and the fused kernel over a list of block shapes. It
 prints TFLOP/s (GB/s for the memory-bound pass) next to each so that the gap to cuBLAS is visible.
-Notes for tuning, not a benchmark: the numbers that count come from ``python -m vpce.bench``.
+Notes for tuning, not a benchmark: the numbers that count come from ``python -m vpce.bench``. One process, one
+GPU, no process group; this script imports the ``vpce`` of the checkout it sits in.
 """
 
 from __future__ import annotations
@@ -15,12 +16,16 @@ from __future__ import annotations
 import argparse
 import itertools
 import math
+import sys
+from pathlib import Path
 
 import torch
 import triton
 
-from vpce import kernels
-from vpce.gemm import addmm_out_, mm_out
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from vpce import kernels  # noqa: E402
+from vpce.gemm import addmm_out_, mm_out  # noqa: E402
 
 SHAPES = {"llama3-8b": (4096, 128256), "gemma2-2b": (2304, 256000)}
 CONFIGS = [  # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages)

@@ -18,8 +18,8 @@ of ``launch_env.set_collective_env`` (NVLink multicast off; NCCL on a high-prior
 2. **Float64 reference** (``vpce.reference.chunked_reference``), per rank on its shard, in token chunks: the
    shard's float64 logits, their max all-reduced, then the sum of exponentials and the target logit all-reduced
    together; the global ``lse``; ``g = (softmax - onehot) / N``; this shard's part of ``dX`` (``g @ w_shard``)
-   all-reduced in float64; ``dW`` of the shard accumulated in float64. That is the full-vocab float64 loss and gradients of the same problem, so
-   ``ref_loss`` is the same at every ``tp``.
+   all-reduced in float64; ``dW`` of the shard accumulated in float64. That is the full-vocab float64 loss and
+   gradients of the same problem, so ``ref_loss`` is the same at every ``tp``.
 3. **Per-rank floor**: the three GEMMs of exact fwd+bwd on this rank's shard, ``N x D x V/tp`` (``runner.
    measure_floor``), with no communication. For reference the shape record also has ``comm``: the time of the
    collective that every row's step must contain, alone: the ``[N, D]`` ``dX`` all-reduce (hidden replicated), or
@@ -28,9 +28,9 @@ of ``launch_env.set_collective_env`` (NVLink multicast off; NCCL on a high-prior
    step checked against the reference, then timed and its peak memory taken, on every rank (the phases of
    ``runner.fwd_bwd_phases``). Each row's status is agreed between ranks after every phase
    (``all_gather_object``): a row that is missing or that fails on any rank is reported by every rank, with that
-   rank's reason, and skipped by all, so that the ranks' collectives stay in step. A failure inside a step on some ranks only cannot be recovered this way (the others
-   wait inside a collective): the process-group ``--timeout`` then ends the run, and the JSON keeps every shape
-   finished before.
+   rank's reason, and skipped by all, so that the ranks' collectives stay in step. A failure inside a step on
+   some ranks only cannot be recovered this way (the others wait inside a collective): the process-group
+   ``--timeout`` then ends the run, and the JSON keeps every shape finished before.
 5. **Time.** As the single-GPU benchmark (``harness.measure``), and every rank runs the same steps: the warmup
    estimate is all-reduced (max) before the number of timed steps is chosen, and that all-reduce starts the timed
    steps together. A rank's ``ms`` is the median of its own steps (CUDA events on its device); the table shows,
@@ -248,10 +248,10 @@ def run_shape_tp(shape: Shape, env: Env, names: list[str], settings: Settings, p
 
     t0 = time.perf_counter()
     prob = _shard_problem(shape, env, settings, split)
-    ref, record["ref_seconds"] = reference_of(prob, settings, group=env.group, vocab_start=sum(split[:env.rank]),
-                                              max_rows=max(split))
+    ref, seconds = reference_of(prob, settings, group=env.group, vocab_start=sum(split[:env.rank]),
+                                max_rows=max(split))
     free_memory(env.device)
-    record["ref_loss"] = float(ref.loss)
+    record["ref_loss"], record["ref_seconds"] = float(ref.loss), seconds
     progress.note(f"inputs + float64 reference in {time.perf_counter() - t0:.1f} s (loss {record['ref_loss']:.6f})")
     x_in, ref_dx = prob.x, ref.dhidden
     if env.sequence_parallel:
