@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 VERSION = re.search(r'(?m)^version = "([^"]+)"', (ROOT / "pyproject.toml").read_text()).group(1)
 
 # One uneven split of a padded vocab over 2 gloo ranks, in float64, against the unsharded torch loss and gradients.
-EXAMPLE = textwrap.dedent('''
+EXAMPLE = textwrap.dedent(r'''
     import sys
 
     import torch
@@ -52,7 +52,8 @@ EXAMPLE = textwrap.dedent('''
     torch.testing.assert_close(loss.double(), ref, msg=lambda m: f"rank {rank}: loss: {m}")
     torch.testing.assert_close(h.grad, h_ref.grad, msg=lambda m: f"rank {rank}: dX: {m}")
     torch.testing.assert_close(w.grad, w_ref.grad[rows], msg=lambda m: f"rank {rank}: dW rows {rows}: {m}")
-    print(f"rank {rank} of {world}: OK, loss {loss.item():.6f}, vpce {vpce.__version__} from {vpce.__file__}")
+    sys.stdout.write(f"rank {rank} of {world}: OK, loss {loss.item():.6f}, vpce {vpce.__version__} from "
+                     f"{vpce.__file__}\n")  # one write: the ranks share torchrun's stdout
     dist.destroy_process_group()
 ''')
 
@@ -112,5 +113,6 @@ def test_wheel_in_fresh_venv_runs_sharded_example(dists, tmp_path):
 
     run = _run([python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "sharded_example.py"],
                cwd=work, env=env, timeout=120)
-    ok = sorted(line for line in run.stdout.splitlines() if " OK, " in line)
-    assert len(ok) == 2 and all(str(env_dir) in line for line in ok), run.stdout
+    ok = dict(re.findall(r"rank (\d) of 2: OK, loss \S+, vpce \S+ from (\S+?/vpce/__init__\.py)", run.stdout))
+    assert sorted(ok) == ["0", "1"], run.stdout
+    assert all(Path(f).is_relative_to(env_dir) for f in ok.values()), f"not the venv's vpce: {ok}"
