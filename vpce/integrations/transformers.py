@@ -86,6 +86,11 @@ class _Patch:
     """Validated vpce options from ``apply``."""
     softcap: bool
     """Whether this family soft-caps its logits (read from ``config.final_logit_softcapping`` at each call)."""
+    signature: inspect.Signature
+    """The family forward's signature, read once here rather than at each call (under ``torch.compile`` a cached
+    lookup in the forward would be traced every time, and Dynamo warns about ``lru_cache``)."""
+    var_kw: str
+    """The name of that forward's ``**kwargs``."""
     previous: object
     """The instance-level ``forward`` that ``apply`` replaced (e.g. an accelerate hook), or None."""
 
@@ -122,7 +127,6 @@ def causal_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Ten
     return loss
 
 
-@functools.lru_cache(maxsize=None)
 def _signature(cls: type) -> tuple[inspect.Signature, str]:
     """The class forward's signature (through transformers' decorators) and the name of its ``**kwargs``."""
     sig = inspect.signature(cls.forward)
@@ -130,8 +134,9 @@ def _signature(cls: type) -> tuple[inspect.Signature, str]:
     return sig, var_kw[0] if var_kw else ""
 
 
-def _family(model) -> type:
-    """The supported transformers class ``model`` is (a subclass of), checked to run that class's forward."""
+def _family(model) -> tuple[type, inspect.Signature, str]:
+    """The supported transformers class ``model`` is (a subclass of), checked to run that class's forward, with
+    that forward's signature and the name of its ``**kwargs``."""
     for cls in type(model).__mro__:
         if cls.__name__ in FAMILIES and cls.__module__.startswith("transformers.models."):
             break
@@ -147,7 +152,7 @@ def _family(model) -> type:
                         f"(labels, logits_to_keep and **kwargs for the loss); check the transformers version")
     if not isinstance(getattr(model, "lm_head", None), torch.nn.Linear):
         raise TypeError(f"model.lm_head: expected a torch.nn.Linear, got {type(getattr(model, 'lm_head', None))}")
-    return cls
+    return cls, sig, var_kw
 
 
 def apply(model, **options):
@@ -156,7 +161,7 @@ def apply(model, **options):
     ``options`` are among ``OPTIONS`` (``label_smoothing``, ``z_loss``, ``backend``, ``memory_budget``,
     ``validate``), passed to every ``vpce.linear_cross_entropy`` call. Applying again replaces the options.
     """
-    family = _family(model)
+    family, sig, var_kw = _family(model)
     unknown = sorted(set(options) - set(OPTIONS))
     if unknown:
         raise TypeError(f"options: expected keywords among {OPTIONS}, got {unknown}")
@@ -173,8 +178,8 @@ def apply(model, **options):
         return _patched_forward(self, *args, **kwargs)
 
     functools.update_wrapper(forward, family.forward)  # inspect.signature(model.forward) stays the stock one
-    setattr(model, _ATTR, _Patch(options=dict(options), softcap=FAMILIES[family.__name__],
-                                 previous=model.__dict__.get("forward")))
+    setattr(model, _ATTR, _Patch(options=dict(options), softcap=FAMILIES[family.__name__], signature=sig,
+                                 var_kw=var_kw, previous=model.__dict__.get("forward")))
     model.forward = types.MethodType(forward, model)
     return model
 
@@ -202,8 +207,8 @@ def _stock_forward(model, patch: _Patch):
 
 def _patched_forward(model, *args, **kwargs):
     patch = model.__dict__[_ATTR]
-    sig, var_kw = _signature(type(model))
-    call = sig.bind(model, *args, **kwargs).arguments
+    var_kw = patch.var_kw
+    call = patch.signature.bind(model, *args, **kwargs).arguments
     if call.get("labels") is None:
         return _stock_forward(model, patch)(*args, **kwargs)
     if model.loss_function is not ForCausalLMLoss:
