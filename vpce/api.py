@@ -175,8 +175,8 @@ def _prepare(entry: str, hidden, weight, target, bias, *, group, vocab_start, vo
                   ("hidden dtype", _dtype_name(hidden.dtype)), ("weight dtype", _dtype_name(weight.dtype)),
                   ("bias", bias is not None), ("target dtype", _dtype_name(target.dtype)),
                   ("sequence_parallel", sequence_parallel), ("requires_grad", sum(b << i for i, b in enumerate(needs))),
-                  ("backend", call_plan.backend), ("route", call_plan.route), ("dx_reduce", call_plan.dx_reduce),
-                  *fields()]
+                  *fields(), ("backend", call_plan.backend), ("route", call_plan.route),
+                  ("dx_reduce", call_plan.dx_reduce)]  # the options before the route they decide
     except (ValueError, TypeError) as e:
         if world == 1:
             raise

@@ -295,11 +295,10 @@ def agree(group, facts: CallFacts, device: torch.device, *, read: bool) -> Agree
     err = host[:, _ERR].tolist()
     if any(err):
         r = next(i for i, e in enumerate(err) if e)
-        if facts.error is not None and r == rank:
-            raise facts.error
         raw = b"".join(int(w).to_bytes(8, "little", signed=True) for w in host[r, -_MSG_WORDS:].tolist())
         text = raw.rstrip(b"\0").decode(errors="replace")
-        raise _ERROR_TYPES[err[r]](f"{text} (raised on rank {r} of the group: every rank fails with it)")
+        # the same text on every rank (the first failing rank's message), chained to this rank's own error
+        raise _ERROR_TYPES[err[r]](f"{text} (found on rank {r} of the group; every rank raises it)") from facts.error
     names = [*_EQUAL, *(name for name, _ in facts.fields)]
     hp = host[:, _HEAD:_HEAD + 2 * _N_FIELDS].view(world, _N_FIELDS, 2)
     differ = (hp != hp[:1]).any(2).any(0).tolist()
@@ -315,22 +314,25 @@ def agree(group, facts: CallFacts, device: torch.device, *, read: bool) -> Agree
     msg = _layout_error(rows, starts, size)
     if msg is not None:
         raise ValueError(msg)
+    if facts.target is not None and facts.target.numel():
+        for r in range(world):  # every rank's targets against the agreed vocab: the first offender, on every rank
+            lo, hi = int(host[r, _TMIN]), int(host[r, _TMAX])
+            if lo < 0 or hi >= size:
+                value, at = (lo, int(host[r, _TMIN_AT])) if lo < 0 else (hi, int(host[r, _TMAX_AT]))
+                _raise_bad_target(facts.target, facts.ignore_index, size, value, at,
+                                  f" on rank {r} of the group")
     sums = host[:, _TSUM].tolist()
     if any(s != sums[0] for s in sums):
         raise ValueError(f"target: expected the same targets on every rank of the group (each rank computes every "
                          f"token's loss), got different targets (checksums {sums} on ranks 0..{world - 1})")
-    if facts.target is not None and facts.target.numel():
-        lo, hi = int(host[0, _TMIN]), int(host[0, _TMAX])
-        if lo < 0 or hi >= size:
-            value, at = (lo, int(host[0, _TMIN_AT])) if lo < 0 else (hi, int(host[0, _TMAX_AT]))
-            _raise_bad_target(facts.target, facts.ignore_index, size, value, at)
     return Agreement(VocabShard(group, rank, world, starts[rank], rows[rank], size), None)
 
 
-def _raise_bad_target(target: torch.Tensor, ignore_index: int, vocab_size: int, value: int, flat_at: int):
+def _raise_bad_target(target: torch.Tensor, ignore_index: int, vocab_size: int, value: int, flat_at: int,
+                      where: str = ""):
     pos = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat_at), tuple(target.shape)))
     raise ValueError(f"target: expected ids in [0, {vocab_size}) or ignore_index={ignore_index}, got {value} at "
-                     f"index {pos}")
+                     f"index {pos}{where}")
 
 
 def _check_target_range(target: torch.Tensor, ignore_index: int, vocab_size: int):

@@ -45,7 +45,11 @@ def reference(hidden, weight, target, bias=None, *, grad=None, ignore_index=-100
     safe = torch.where(keep, t, 0)
     lse = torch.logsumexp(z, dim=-1)
     zt = z.gather(1, safe[:, None]).squeeze(1)
-    per = lse - (1 - label_smoothing) * zt - label_smoothing * z.mean(-1) + z_loss * lse**2
+    per = lse - (1 - label_smoothing) * zt
+    if label_smoothing:  # (a -inf logit makes the mean -inf: no 0 * inf where there is no smoothing)
+        per = per - label_smoothing * z.mean(-1)
+    if z_loss:
+        per = per + z_loss * lse**2
     tw = torch.ones_like(per) if token_weight is None else token_weight.reshape(-1).double()
     per = torch.where(keep, per * tw, torch.zeros_like(per))
     if reduction == "mean":
@@ -117,7 +121,9 @@ def reference_log_probs(hidden, weight, target, bias=None, *, g_logp=None, g_ent
     logq = torch.log_softmax(z / temperature, dim=-1)
     keep = target != ignore_index
     logp = torch.where(keep, logq.gather(-1, torch.where(keep, target, 0).long()[..., None]).squeeze(-1), 0)
-    ent = torch.where(keep, -(logq.exp() * logq).sum(-1), 0)
+    zt = z / temperature
+    finite = torch.where(torch.isneginf(zt), 0.0, zt)  # p = 0 there: no 0 * inf, in forward or backward
+    ent = torch.where(keep, torch.logsumexp(zt, -1) - (logq.exp() * finite).sum(-1), 0)
     total = 0
     if g_logp is not None:
         total = total + (logp * g_logp.double()).sum()

@@ -85,7 +85,8 @@ def _logit_grad_(z: torch.Tensor, rows: RowStats, co: Coefficients, t_idx: torch
     zc = z.sub_(rows.m[:, None])  # z - M: exact where z is the max
     idx = t_idx[:, None]
     zc_t = zc.gather(1, idx).squeeze(1)
-    bz = None if co.b is None else zc * co.b[:, None] + co.a[:, None]
+    # (z - M) b + a, with z = -inf (where p = 0) taken as 0: no 0 * inf
+    bz = None if co.b is None else torch.where(torch.isneginf(zc), 0.0, zc) * co.b[:, None] + co.a[:, None]
     g = zc.sub_(rows.log_s[:, None]).exp_()  # p
     g.mul_(co.a[:, None] if bz is None else bz)
     if co.d is not None:
