@@ -95,17 +95,19 @@ def test_wheel_in_fresh_venv_runs_sharded_example(dists, tmp_path):
     env_dir = tmp_path / "venv"
     venv.create(env_dir, system_site_packages=True, with_pip=False)
     python = env_dir / "bin" / "python"
+    # nothing of a checkout on sys.path, for pip too: a vpce.egg-info reached through PYTHONPATH makes pip skip the
+    # wheel as "already installed"
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "TRITON_INTERPRET")}
+    env["OMP_NUM_THREADS"] = "1"
     # the running interpreter's pip installs into the venv (no pip of the venv's own, which would bring an older
     # setuptools that shadows the one torch needs); --no-index: the dependency must be satisfied by what is there
     install = _run([sys.executable, "-m", "pip", "--python", python, "install", "--no-index",
-                    "--disable-pip-version-check", dists["wheel"]], cwd=tmp_path)
+                    "--disable-pip-version-check", dists["wheel"]], cwd=tmp_path, env=env)
     assert re.search(r"Requirement already satisfied: torch>=2\.4", install.stdout), install.stdout
 
     work = tmp_path / "outside"  # outside the repository: nothing of the checkout on sys.path
     work.mkdir()
     (work / "sharded_example.py").write_text(EXAMPLE)
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "TRITON_INTERPRET")}
-    env["OMP_NUM_THREADS"] = "1"
     version = _run([python, "-c", "import vpce; print(vpce.__version__); print(vpce.__file__)"], cwd=work, env=env)
     got_version, got_file = version.stdout.split()
     assert got_version == VERSION, version.stdout
