@@ -113,8 +113,8 @@ def test_fast_route_mean_is_exact_on_confident_tokens(delta):
         loss = vpce.linear_cross_entropy(hl, wl, t.to(DEV), backend=backend)
         loss.backward()
         ref = reference(h, w, t)
-        _, t_dh, t_dw = _torch_own(h.to(DEV), w.to(DEV), t.to(DEV), torch.full((48,), 1 / 48, dtype=torch.float64),
-                                   log_probs=False)
+        _, t_dh, t_dw = _torch_own(h.to(DEV), w.to(DEV), t.to(DEV),
+                                   torch.full((48,), 1 / 48, dtype=torch.float64, device=DEV), log_probs=False)
         t_loss = F.cross_entropy(F.linear(h.to(DEV), w.to(DEV)).float(), t.to(DEV))
         _check((rel_err(loss, ref.loss), rel_err(hl.grad, ref.dhidden), rel_err(wl.grad, ref.dweight)),
                (rel_err(t_loss, ref.loss), rel_err(t_dh, ref.dhidden), rel_err(t_dw, ref.dweight)),

@@ -185,8 +185,8 @@ def _prepare(entry: str, hidden, weight, target, bias, *, group, vocab_start, vo
     compiling = torch.compiler.is_compiling()
     # read the agreement on the host where it costs nothing (CPU), where asked (validate), or where the layout must
     # be learned; else it is decided on the device (NaN on disagreement, no sync)
-    read = not compiling and (device.type != "cuda" or validate is not False or vocab_start is None
-                              or vocab_size is None)
+    learn_layout = world > 1 and (vocab_start is None or vocab_size is None)
+    read = not compiling and (device.type != "cuda" or validate is not False or learn_layout)
     facts = CallFacts(entry=entry, fields=tuple(agreed), rows=weight.shape[0] if error is None else -1,
                       vocab_start=vocab_start if error is None else None,
                       vocab_size=vocab_size if error is None else None,

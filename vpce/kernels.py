@@ -85,7 +85,7 @@ def _dlogits(p, zc, hit, col_ok, ca, cb, cc, cd, q, dcap, HAS_CB: tl.constexpr, 
 def _logits_tile(
     pid_m, pid_n,
     # pointers
-    X, W, BIAS, TL, TILE_M, TILE_S, TILE_Z, TILE_EZ, ZT, P, RM, RLS, RQ, CA, CB, CC, CD,
+    X, W, BIAS, TL, TILE_M, TILE_S, TILE_Z, TILE_EZ, ZT, P, RM, RLSE, RQ, CA, CB, CC, CD,
     # shapes
     M, V, D, n_tiles,
     # strides
@@ -141,15 +141,14 @@ def _logits_tile(
         acc, dcap = _softcap(acc, softcap)
     if TEMPERATURE:
         acc = acc * inv_t
-    z = tl.where(col_ok, acc, float("-inf"))
     t = tl.load(TL + rm, mask=row_ok, other=-1)
     hit = rn[None, :] == t[:, None]
     p_offs = rm.to(tl.int64)[:, None] * stride_pm + rn.to(tl.int64)[None, :] * stride_pn
     p_mask = row_ok[:, None] & col_ok
 
     if GRAD:
-        m_row = tl.load(RM + rm, mask=row_ok, other=0.0)
-        ls_row = tl.load(RLS + rm, mask=row_ok, other=0.0)
+        z = tl.where(col_ok, acc, float("-inf"))
+        lse_row = tl.load(RLSE + rm, mask=row_ok, other=0.0)
         q_row = tl.load(RQ + rm, mask=row_ok, other=0.0)
         ca = tl.load(CA + rm, mask=row_ok, other=0.0)
         cc = tl.load(CC + rm, mask=row_ok, other=0.0)
@@ -159,17 +158,21 @@ def _logits_tile(
             cb = tl.load(CB + rm, mask=row_ok, other=0.0)
         if HAS_CD:
             cd = tl.load(CD + rm, mask=row_ok, other=0.0)
-        zc = z - m_row[:, None]  # exact where z is the row's max
-        p = tl.exp(zc - ls_row[:, None])
+        # off the target p needs no more than z's own precision; the target's entry comes from q (_dlogits)
+        p = tl.exp(z - lse_row[:, None])
+        zc = p
+        if HAS_CB:
+            zc = z - tl.load(RM + rm, mask=row_ok, other=0.0)[:, None]
         g = _dlogits(p, zc, hit, col_ok, ca, cb, cc, cd, q_row, dcap, HAS_CB, HAS_CD, SOFTCAP)
         tl.store(P + p_offs, g.to(P.dtype.element_ty), mask=p_mask)
     else:
-        # -- online-softmax statistics of this tile --
+        # -- online-softmax statistics of this tile, over every column but the target's (kept apart in ZT) --
+        z = tl.where(col_ok & (rn[None, :] != t[:, None]), acc, float("-inf"))
         m_t = tl.max(z, axis=1)
         e = tl.exp(z - tl.where(m_t == float("-inf"), 0.0, m_t)[:, None])  # an all -inf row gives 0, not NaN
         stat = rm.to(tl.int64) * n_tiles + pid_n
         tl.store(TILE_M + stat, m_t, mask=row_ok)
-        tl.store(TILE_S + stat, tl.sum(tl.where(hit, 0.0, e), axis=1), mask=row_ok)  # the target's term apart
+        tl.store(TILE_S + stat, tl.sum(e, axis=1), mask=row_ok)
         if SUM_Z:
             tl.store(TILE_Z + stat, tl.sum(tl.where(col_ok, acc, 0.0), axis=1), mask=row_ok)
         if SUM_EZ:
@@ -185,7 +188,7 @@ def _logits_tile(
 @triton.jit
 def _logits_tiles_kernel(
     # pointers
-    X, W, BIAS, TL, TILE_M, TILE_S, TILE_Z, TILE_EZ, ZT, P, RM, RLS, RQ, CA, CB, CC, CD,
+    X, W, BIAS, TL, TILE_M, TILE_S, TILE_Z, TILE_EZ, ZT, P, RM, RLSE, RQ, CA, CB, CC, CD,
     # shapes
     M, V, D, n_tiles,
     # strides
@@ -207,7 +210,7 @@ def _logits_tiles_kernel(
     first_m = (pid // width) * GROUP_M
     size_m = min(num_m - first_m, GROUP_M)
     _logits_tile(first_m + (pid % width) % size_m, (pid % width) // size_m,
-                 X, W, BIAS, TL, TILE_M, TILE_S, TILE_Z, TILE_EZ, ZT, P, RM, RLS, RQ, CA, CB, CC, CD,
+                 X, W, BIAS, TL, TILE_M, TILE_S, TILE_Z, TILE_EZ, ZT, P, RM, RLSE, RQ, CA, CB, CC, CD,
                  M, V, D, n_tiles, stride_xm, stride_xk, stride_wv, stride_wk, stride_pm, stride_pn,
                  softcap, inv_t, HAS_BIAS, SOFTCAP, TEMPERATURE, GRAD, WRITE_P, SUM_Z, SUM_EZ, HAS_CB, HAS_CD,
                  IEEE, TMA, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
@@ -329,6 +332,7 @@ def _combine_rank_stats_kernel(EVERY, OUT, POISON, C, W, R, N_SUMS: tl.constexpr
     for w in range(0, W):
         m = tl.maximum(m, tl.load(EVERY + w * R * C + rows, mask=ok, other=0.0))
         t = tl.maximum(t, tl.load(EVERY + (w * R + 2) * C + rows, mask=ok, other=0.0))
+    m = tl.maximum(m, t)  # the ranks' maxima leave the target out
     if HAS_POISON:
         m = m + tl.load(POISON)
     safe = tl.where(m == float("-inf"), 0.0, m)
@@ -336,7 +340,8 @@ def _combine_rank_stats_kernel(EVERY, OUT, POISON, C, W, R, N_SUMS: tl.constexpr
     for w in range(0, W):
         r = tl.exp(tl.load(EVERY + w * R * C + rows, mask=ok, other=0.0) - safe)
         x += tl.load(EVERY + (w * R + 1) * C + rows, mask=ok, other=0.0) * r
-    s = x + tl.exp(t - safe)
+    e_t = tl.exp(t - safe)
+    s = x + e_t
     log_s = tl.log(s)
     d = m - t
     nll = tl.where(d <= 20.0, _log1p(x * tl.exp(tl.minimum(d, 20.0))), d + log_s)
@@ -354,6 +359,7 @@ def _combine_rank_stats_kernel(EVERY, OUT, POISON, C, W, R, N_SUMS: tl.constexpr
         for w in range(0, W):
             r = tl.exp(tl.load(EVERY + w * R * C + rows, mask=ok, other=0.0) - safe)
             acc += tl.load(EVERY + (w * R + 3 + N_SUMS + j) * C + rows, mask=ok, other=0.0) * r
+        acc += tl.where(e_t == 0.0, 0.0, e_t * t)  # the target's term of sum_j exp(z_j - M) z_j
         tl.store(OUT + (4 + N_SUMS + j) * C + rows, acc / s, mask=ok)
 
 
@@ -390,10 +396,10 @@ def logits_tiles(x, w, b, t_local, *, softcap=None, inv_t=1.0, tile_m=None, tile
     """Launch the GEMM + epilogue over ``x [M, D]`` and ``w [V, D]`` (``t_local``: int32 local target column,
     -1 where the target is not in this shard).
 
-    Stats mode (``rows is None``) fills ``tile_m``, ``tile_s`` (the sum of exp over every column but the
-    target's; ``tile_z``, ``tile_ez``) ``[M, n_tiles]`` and ``zt [M]`` (callers fill it with ``-inf``) and, if
-    ``p`` is given, writes ``exp(z - m_t)`` into it. Grad mode (``rows``: the global ``(M, log S, 1 - p_t)`` per
-    row, and ``coef = (a, b, c, d)``, per-row fp32 vectors, ``b``/``d`` may be None) writes the gradient into
+    Stats mode (``rows is None``) fills ``tile_m``, ``tile_s`` (max and sum of exp over every column but the
+    target's; ``tile_z``: sum of every logit, ``tile_ez``: sum of exp * logit but the target's) ``[M, n_tiles]``
+    and ``zt [M]`` (callers fill it with ``-inf``) and, if ``p`` is given, writes ``exp(z - m_t)`` into it (0 at
+    the target's column). Grad mode (``rows``: the global ``(M, lse, 1 - p_t)`` per row, and ``coef = (a, b, c, d)``, per-row fp32 vectors, ``b``/``d`` may be None) writes the gradient into
     ``p``.
     ``config`` overrides the block shapes (for ``launch/tune_kernels.py``).
     """

@@ -23,14 +23,14 @@ import, a fallback flag) can change the number, order or size of collectives. Th
   combine adds to every token's max, so a disagreement makes the loss and gradients NaN on every rank and never a
   finite wrong value, with no host sync.
 
-Statistics exchange. Per token chunk each rank has, over its valid rows, the local max ``m_r``, the sum of
-``exp(z - m_r)`` over every column but the target ``x_r``, the target logit ``t_r`` (``-inf`` on ranks that do
-not hold it) and optionally additive sums (the sum of logits) and weighted sums (``w_r = sum_j exp(z_j - m_r)
-z_j``, for the entropy). They are packed into one ``[k, chunk]`` fp32 tensor and exchanged with one all-gather;
+Statistics exchange. Per token chunk each rank has, over its valid rows but the target's, the local max
+``m_r`` and the sum ``x_r`` of ``exp(z - m_r)``; the target logit ``t_r`` (``-inf`` on ranks that do not hold
+it); and optionally additive sums (the sum of all logits) and weighted sums (``w_r = sum_j exp(z_j - m_r) z_j``
+but the target's, for the entropy). They are packed into one ``[k, chunk]`` fp32 tensor and exchanged with one all-gather;
 every rank combines them identically (``combine_rank_stats``)::
 
-    M = max_r m_r,  X = sum_r x_r exp(m_r - M),  T = max_r t_r,  S = X + exp(T - M),  log S,
-    nll = -log p_t = log1p(X exp(M - T)),  1 - p_t = X / S,  E[z] = sum_r w_r exp(m_r - M) / S
+    T = max_r t_r,  M = max(max_r m_r, T),  X = sum_r x_r exp(m_r - M),  S = X + exp(T - M),  log S,
+    nll = -log p_t = log1p(X exp(M - T)),  1 - p_t = X / S,  E[z] = (sum_r w_r exp(m_r - M) + exp(T - M) T) / S
 
 Keeping the target's term out of ``X`` is what makes confident tokens exact: ``-log p_t`` and ``1 - p_t`` of a
 token with ``p_t = 1 - 1e-7`` come without cancellation. A rank (or tile) whose logits are all ``-inf`` has
@@ -382,19 +382,20 @@ def combine_rank_stats(every: torch.Tensor, n_sums: int, poison: torch.Tensor | 
     additive statistics, then the weighted sums) -> ``RankStats``; the same bytes in the same order on every rank.
     (``vpce.kernels.combine_rank_stats`` is the one-launch form.)"""
     m_all, x_all, t_all = every[:, 0], every[:, 1], every[:, 2]
-    m = m_all.amax(0)
+    t = t_all.amax(0)
+    m = torch.maximum(m_all.amax(0), t)  # the ranks' maxima leave the target out
     if poison is not None:
         m = m + poison
     safe = torch.where(m == -math.inf, 0.0, m)
     rescale = torch.exp(m_all - safe)  # a rank with m_r = -inf contributes 0; NaN or +inf propagate
     x = (x_all * rescale).sum(0)
-    t = t_all.amax(0)
     e_t = torch.exp(t - safe)
     s = x + e_t
     d = m - t
     # -log p_t = log(S / e_t) = log1p(X exp(M - T)); past d = 20 the loss is large and plain sums lose nothing
     nll = torch.where(d <= 20, torch.log1p(x * torch.exp(torch.clamp(d, max=20))), d + torch.log(s))
-    expect = [(every[:, 3 + n_sums + i] * rescale).sum(0) / s for i in range(every.shape[1] - 3 - n_sums)]
+    at_t = torch.where(e_t == 0, 0.0, e_t * t)  # the target's term of sum_j exp(z_j - M) z_j
+    expect = [((every[:, 3 + n_sums + i] * rescale).sum(0) + at_t) / s for i in range(every.shape[1] - 3 - n_sums)]
     return RankStats(m, torch.log(s), nll, x / s, [every[:, 3 + i].sum(0) for i in range(n_sums)], expect)
 
 

@@ -61,12 +61,14 @@ def _chunk_stats(hidden, w, b, tg: TokenTargets, sl: slice, call: Call, softcap,
     full = lambda value: torch.full((c,), value, dtype=acc, device=hidden.device)  # noqa: E731
     if call.shard.valid_rows > 0:
         z = _logits(hidden[sl], w, b, softcap, acc, inv_t)
-        m = z.amax(1)
-        e = torch.exp(z - torch.where(m == -math.inf, 0.0, m)[:, None])  # a row of -inf gives 0, not NaN
-        weighted = [torch.where(e > 0, e * z, 0).sum(1)] if sum_ez else []
         idx, mine = tg.idx[sl, None], tg.in_shard[sl]
-        e.scatter_(1, idx, torch.where(mine[:, None], 0, e.gather(1, idx)))  # the target's term stays out of x
-        packed = [m, e.sum(1), torch.where(mine, z.gather(1, idx).squeeze(1), -math.inf)]
+        zt = torch.where(mine, z.gather(1, idx).squeeze(1), -math.inf)
+        # max and sum of exp over every column but the target's (its term is kept apart, in zt)
+        e = z.scatter(1, idx, torch.where(mine[:, None], -math.inf, z.gather(1, idx)))
+        m = e.amax(1)
+        e = e.sub_(torch.where(m == -math.inf, 0.0, m)[:, None]).exp_()  # a row of -inf gives 0, not NaN
+        weighted = [torch.where(e == 0, 0, e * z).sum(1)] if sum_ez else []
+        packed = [m, e.sum(1), zt]
         del e
         if sum_z:
             packed.append(z.sum(1))

@@ -147,11 +147,12 @@ def recompute_grads(hidden, weight, bias, tg: TokenTargets, rows: RowStats, coef
     bn = kernels.tile_n(hidden)
     vb = _round_to(int(LEAN_BLOCK_GIB * 2**30) // max(1, n * hidden.element_size()), bn)
     block = torch.empty(n, min(vb, max(v, 1)), dtype=dtype, device=hidden.device) if n and v else None
+    per_row = (rows.m, rows.lse, rows.q)
     for v0 in range(0, v if n else 0, vb):
         v1 = min(v, v0 + vb)
         gz = block[:, : v1 - v0]
         kernels.logits_tiles(hidden, weight[v0:v1], None if bias is None else bias[v0:v1], tl_local - v0,
-                             softcap=softcap, inv_t=inv_t, p=gz, rows=rows, coef=coef)
+                             softcap=softcap, inv_t=inv_t, p=gz, rows=per_row, coef=coef)
         if dw is not None:
             torch.mm(gz.t(), hidden, out=dw[v0:v1])  # the block's dW over all tokens: one GEMM, one rounding
         elif main_weight is not None and need_dw:
