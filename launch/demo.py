@@ -56,6 +56,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import vpce
+from vpce.bench.launch_env import set_collective_env
 from vpce.memory import PeakMemory
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
@@ -248,6 +249,7 @@ def init_distributed() -> tuple[int, int, object, torch.device]:
     """(rank, world, group, device): torchrun's environment when present, else one process, no group."""
     if "WORLD_SIZE" not in os.environ:
         return 0, 1, None, torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    set_collective_env()  # NVLink multicast off, as every launch script
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)

@@ -1,8 +1,10 @@
 """vpce: exact vocab-parallel fused linear + cross-entropy that never materializes [tokens, vocab] logits.
 
-Layout: ``api`` (public function and module, argument checks), ``parallel`` (shard ranges, statistics
-exchange, autograd-aware collectives), ``torch_backend`` (pure-PyTorch chunked backend, the CPU path),
-``triton_backend`` (fused GPU kernels), ``bench`` (``python -m vpce.bench``).
+Layout: ``api`` (the public functions and module, argument checks), ``routing`` (the route of a call),
+``parallel`` (the agreement between ranks, shard ranges, statistics exchange, autograd-aware collectives),
+``autograd`` (the autograd shells), ``torch_backend`` (pure-PyTorch chunked backend, the CPU path),
+``triton_backend`` and ``kernels`` (fused GPU kernels), ``reference`` (the float64 reference), ``bench``
+(``python -m vpce.bench``).
 """
 
 from .api import LinearCrossEntropy, linear_cross_entropy, linear_log_probs

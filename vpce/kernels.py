@@ -1,25 +1,28 @@
-"""Triton kernels: the lm_head GEMM with a softmax epilogue, the in-place probabilities -> gradient pass, and a
-one-pass scale-and-cast.
+"""Triton kernels: the lm_head GEMM with a softmax epilogue, the in-place probabilities -> gradient pass, the
+per-row reduction of the tile statistics, the combine of every rank's statistics, and a one-pass scale-and-cast.
 
 ``logits_tiles`` computes ``x = X @ W.T (+ b)`` one ``[BLOCK_M, BLOCK_N]`` tile at a time (fp32 accumulation over
 D, TMA loads on Hopper, int64 addressing) and never writes it. The epilogue, per tile:
 
 1. bias, the soft cap ``c * tanh(x / c)``, the temperature ``z = cap(x) / T``; columns past the valid vocab
    become ``-inf``;
-2. stats mode: the tile's row max ``m_t`` and ``s_t = sum exp(z - m_t)`` go to ``[rows, n_tiles]`` buffers,
-   optionally ``sum z`` (label smoothing) and ``sum exp(z - m_t) z`` (entropy) too; the target's ``z`` goes to
-   ``ZT[row]``, stored by the one tile that holds the target (no atomics); optionally the tile of
-   ``exp(z - m_t)`` in 16 bits (the fast route's ``P``);
-3. grad mode: with the global ``lse`` known it writes the gradient with respect to the pre-cap logit directly.
+2. stats mode: over every column but the target's, the tile's row max ``m_t`` and ``x_t = sum exp(z - m_t)`` go to
+   ``[rows, n_tiles]`` buffers, optionally ``sum z`` over all columns (label smoothing) and ``sum exp(z - m_t) z``
+   (entropy) too; the target's ``z`` goes to ``ZT[row]``, stored by the one tile that holds it (no atomics);
+   optionally the tile of ``exp(z - m_t)`` in the inputs' dtype (the fast route's ``P``, 0 at the target).
+   Keeping the target apart is what makes ``-log p_t`` and ``1 - p_t`` exact for confident tokens
+   (``vpce.parallel`` has the combine);
+3. grad mode: with the global statistics known it writes the gradient with respect to the pre-cap logit.
 
 The gradient of every loss vpce offers has one form per row, with per-row coefficients ``a, b, c, d`` computed
 on the host (``vpce.formulas``; they include the upstream gradient, the temperature and the token weight)::
 
-    dL/dx_j = (p_j (a + b z_j) + c [j == t] + d) * dcap_j,     p_j = exp(z_j - lse)
+    dL/dx_j = (p_j (a + b (z_j - M)) + d) * dcap_j,   dL/dx_t = ((a + c) - a q + b (z_t - M) p_t + d) * dcap_t
 
-and ``dcap = sech^2(x / c)``. ``probs_to_grad_`` forms the same gradient in place from the fast route's ``P`` once
-the global statistics are known: ``p = P exp(m_t - lse)``; with a soft cap the capped logit is recovered as
-``m_t + log P`` (exactly, from ``ZT``, at the target column).
+with ``p_j = exp(z_j - lse)``, ``q = 1 - p_t`` and ``dcap = sech^2(x / c)``. ``probs_to_grad_`` forms the same
+gradient in place from the fast route's ``P`` once the global statistics are known: ``p = P exp((m_t - M) -
+log S)``; with a soft cap the capped logit is recovered as ``m_t + log P`` (exactly, from ``ZT``, at the target
+column). A tile whose logits are all ``-inf`` contributes 0 (``exp`` is taken against 0 there, not ``-inf``).
 
 Everything is deterministic (plain stores, no atomics) and runs under ``TRITON_INTERPRET=1`` on the CPU.
 """

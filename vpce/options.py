@@ -14,7 +14,7 @@ DEFAULT_CHUNK_GIB = 0.25
 
 @dataclass(frozen=True, kw_only=True)
 class LossOptions:
-    """What the cross-entropy computes per token; see ``docs/api.md`` for the formulas."""
+    """What the cross-entropy computes per token (the formulas: ``vpce.formulas``)."""
 
     ignore_index: int = -100
     """Target id whose token contributes nothing (loss 0, gradient 0, not counted by ``mean``)."""

@@ -41,6 +41,16 @@ class Env:
     sequence_parallel: bool = False
     """Under ``--tp --sp``: each rank's hidden input is its slice of the tokens along dim 0 (Megatron SP); the
     targets stay full."""
+    vocab_start: int | None = None
+    """Under ``--tp``, per shape: the global id of this rank's first vocab row."""
+    vocab_size: int | None = None
+    """Under ``--tp``, per shape: the vocab size. vpce's rows pass both, as the Megatron and DTensor paths do, so
+    that a call reads nothing back on the host (see docs/api.md, "Across the ranks of a group")."""
+
+    def vpce_layout(self) -> dict:
+        """The ``group``, ``vocab_start``, ``vocab_size`` and ``sequence_parallel`` keywords of vpce's rows."""
+        return dict(group=self.group, vocab_start=self.vocab_start, vocab_size=self.vocab_size,
+                    sequence_parallel=self.sequence_parallel)
 
     @property
     def cuda(self) -> bool:

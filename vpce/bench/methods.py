@@ -87,8 +87,8 @@ def device_backend(env: Env) -> str:
 
 def _vpce(env: Env, *, backend: str, memory_budget: str = "auto") -> LossFn:
     from .. import linear_cross_entropy
-    return functools.partial(linear_cross_entropy, backend=backend, memory_budget=memory_budget, group=env.group,
-                             sequence_parallel=env.sequence_parallel)
+    return functools.partial(linear_cross_entropy, backend=backend, memory_budget=memory_budget,
+                             **env.vpce_layout())
 
 
 def _vpce_variant(env: Env, **options) -> LossFn:
@@ -102,7 +102,7 @@ def _vpce_variant(env: Env, **options) -> LossFn:
         if weights and "tw" not in cache:
             gen = torch.Generator(device=y.device).manual_seed(0)
             cache["tw"] = torch.rand(y.shape, generator=gen, device=y.device)
-        return linear_cross_entropy(x, w, y, backend=backend, group=env.group, token_weight=cache.get("tw"),
+        return linear_cross_entropy(x, w, y, backend=backend, token_weight=cache.get("tw"), **env.vpce_layout(),
                                     **options)
     return fn
 
@@ -113,7 +113,7 @@ def _vpce_log_probs(env: Env, *, entropy: bool) -> LossFn:
     backend = device_backend(env)
 
     def fn(x, w, y):
-        out = linear_log_probs(x, w, y, backend=backend, group=env.group, return_entropy=entropy)
+        out = linear_log_probs(x, w, y, backend=backend, return_entropy=entropy, **env.vpce_layout())
         if entropy:
             return -out[0].mean() + 0.01 * out[1].mean()
         return -out.mean()

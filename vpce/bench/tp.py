@@ -219,6 +219,7 @@ def run_shape_tp(shape: Shape, env: Env, names: list[str], settings: Settings, p
     """Every selected row of ``shape`` on every rank; returns (shape record, aggregate rows, per-rank rows), the
     same on every rank."""
     split = shard_rows(shape.v, env.tp)
+    env = dataclasses.replace(env, vocab_start=sum(split[:env.rank]), vocab_size=shape.v)
     n_local = shape.n // env.tp if env.sequence_parallel else shape.n
     elem = torch.finfo(env.dtype).bits // 8
     record = dict(name=shape.name, n=shape.n, d=shape.d, v=shape.v, sweeps=list(shape.sweeps), layout=_layout(env),
