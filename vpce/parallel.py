@@ -276,7 +276,10 @@ def agree(group, facts: CallFacts, device: torch.device, *, read: bool) -> Agree
             _check_target_range(facts.target, facts.ignore_index, size)
         return Agreement(VocabShard(None, 0, 1, 0, facts.rows, size), None)
 
-    dev = device if dist.get_backend(group) != "gloo" else torch.device("cpu")
+    if dist.get_backend(group) == "gloo":
+        dev = torch.device("cpu")
+    else:  # NCCL needs CUDA tensors, even where this rank's arguments were not tensors at all
+        dev = device if device.type == "cuda" else torch.device("cuda", torch.cuda.current_device())
     mine = _fingerprint(facts, dev, read)
     every = torch.empty(world * mine.numel(), dtype=torch.int64, device=dev)
     all_gather_tensor(every, mine, group=group)
