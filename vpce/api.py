@@ -143,8 +143,19 @@ def _check_token_weight(token_weight, target: torch.Tensor):
                          "weights), got requires_grad=True; pass token_weight.detach()")
 
 
+def _autocast_operands(hidden, weight, bias):
+    """Under ``torch.autocast`` the GEMM operands are cast to the autocast dtype, as ``nn.Linear``'s are. The casts
+    are differentiable, so the gradients come back in the parameters' own dtype (fp32 for fp32 parameters); the
+    logits and the statistics stay fp32, as on 16-bit inputs."""
+    if not isinstance(hidden, torch.Tensor) or not torch.is_autocast_enabled(hidden.device.type):
+        return hidden, weight, bias
+    dtype = torch.get_autocast_dtype(hidden.device.type)
+    cast = lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.dtype == torch.float32 else t  # noqa: E731
+    return cast(hidden), cast(weight), cast(bias)
+
+
 def _prepare(entry: str, hidden, weight, target, bias, *, group, vocab_start, vocab_size, sequence_parallel,
-             backend, validate, ignore_index: int, local_checks: Callable[[], None],
+             backend, validate, ignore_index: int, local_checks: Callable[[torch.Tensor, bool], None],
              plan: Callable[[tuple, torch.dtype, str, bool, bool], Plan], fields: Callable[[], list]):
     """Checks, the route, and the group's agreement: ``(hidden 2-D, weight, bias, target, Call)``.
 
@@ -154,6 +165,8 @@ def _prepare(entry: str, hidden, weight, target, bias, *, group, vocab_start, vo
     hidden, weight, bias, target, group, vocab_start, vocab_size, sequence_parallel = parallel.from_dtensors(
         hidden, weight, bias, target, group=group, vocab_start=vocab_start, vocab_size=vocab_size,
         sequence_parallel=sequence_parallel)
+    original_weight = weight
+    hidden, weight, bias = _autocast_operands(hidden, weight, bias)
     _, world = parallel.group_rank_and_size(group)
     error, call_plan, needs, agreed = None, None, (False, False, False), []
     try:
@@ -168,7 +181,7 @@ def _prepare(entry: str, hidden, weight, target, bias, *, group, vocab_start, vo
             raise ValueError("sequence_parallel: expected a process group in `group` with sequence_parallel=True, "
                              "got group=None")
         _check_tensors(hidden, weight, target, bias, world, sequence_parallel, backend)
-        local_checks()
+        local_checks(original_weight, weight is not original_weight)
         needs = tuple(torch.is_grad_enabled() and t is not None and t.requires_grad for t in (hidden, weight, bias))
         call_plan = plan(needs, hidden.dtype, backend, world > 1, sequence_parallel)
         agreed = [("hidden tokens", hidden.numel() // hidden.shape[-1]), ("hidden size", hidden.shape[-1]),
@@ -253,12 +266,16 @@ def linear_cross_entropy(hidden, weight, target, bias=None, *, ignore_index=-100
 def _cross_entropy(hidden, weight, target, bias, box: dict, make: Callable[[], None], *, token_weight, group,
                    vocab_start, vocab_size, sequence_parallel, backend, validate, accumulate_main_grad,
                    ignore_index):
-    def local_checks():
+    def local_checks(w, cast_by_autocast):
         make()
         _check_token_weight(token_weight, target)
         _check_bool("accumulate_main_grad", accumulate_main_grad)
         if accumulate_main_grad:
-            check_main_grad(weight)
+            check_main_grad(w)
+            if cast_by_autocast:
+                raise ValueError(f"accumulate_main_grad: expected a weight that torch.autocast leaves as it is, got "
+                                 f"a {w.dtype} weight cast to {torch.get_autocast_dtype(w.device.type)}; keep the "
+                                 f"lm_head weight in the compute dtype or call vpce outside the autocast region")
 
     def plan(needs, dtype, backend_name, sharded, sp):
         return plan_cross_entropy(box["opts"], needs, dtype, backend_name, sharded, sp)
@@ -282,11 +299,13 @@ def _cross_entropy(hidden, weight, target, bias, box: dict, make: Callable[[], N
             raise NotImplementedError("vpce under torch.compile supports one process without "
                                       "accumulate_main_grad; call it outside the compiled region under a group")
         from . import library
-        loss = library.linear_cross_entropy(h2, weight, bias, t1, tw1, call.plan.backend, opts,
-                                            call.shard.vocab_size, call.needs_grad)
+        with torch.autocast(h2.device.type, enabled=False):  # the operands are already in the compute dtype
+            loss = library.linear_cross_entropy(h2, weight, bias, t1, tw1, call.plan.backend, opts,
+                                                call.shard.vocab_size, call.needs_grad)
     else:
         call = Call(call.shard, call.plan, call.needs_grad, accumulate_main_grad, call.poison)
-        loss = LinearCrossEntropyFunction.apply(_enter(h2, call), weight, bias, t1, tw1, opts, call)
+        with torch.autocast(h2.device.type, enabled=False):
+            loss = LinearCrossEntropyFunction.apply(_enter(h2, call), weight, bias, t1, tw1, opts, call)
     return loss.reshape(target.shape) if opts.reduction == "none" else loss
 
 
@@ -309,7 +328,7 @@ def linear_log_probs(hidden, weight, target, bias=None, *, temperature=1.0, soft
         backend). Gradients are exact for any upstream gradients on both outputs, sharded or not (the building
         block for PPO/GRPO-style losses).
     """
-    def local_checks():
+    def local_checks(_weight, _cast):
         _check_int("ignore_index", ignore_index, allow_none=False)
         _check_number("temperature", temperature, low=0.0, low_open=True)
         _check_number("softcap", softcap, low=0.0, low_open=True, allow_none=True)
@@ -329,7 +348,8 @@ def linear_log_probs(hidden, weight, target, bias=None, *, temperature=1.0, soft
         plan=plan, fields=fields)
     lp = LogProbOptions(ignore_index=int(ignore_index), softcap=None if softcap is None else float(softcap),
                         inv_t=1.0 / float(temperature), entropy=return_entropy)
-    out = LinearLogProbsFunction.apply(_enter(h2, call), weight, bias, target.reshape(-1), lp, call)
+    with torch.autocast(h2.device.type, enabled=False):  # the operands are already in the compute dtype
+        out = LinearLogProbsFunction.apply(_enter(h2, call), weight, bias, target.reshape(-1), lp, call)
     if return_entropy:
         return out[0].reshape(target.shape), out[1].reshape(target.shape)
     return out.reshape(target.shape)

@@ -63,6 +63,11 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        with torch.autocast(grad.device.type, enabled=False):  # (a backward called inside an autocast region)
+            return LinearCrossEntropyFunction._backward(ctx, grad)
+
+    @staticmethod
+    def _backward(ctx, grad):
         none = (None,) * 4
         if ctx.call.plan.route != "fast":
             hidden, weight, bias, target, token_weight, *rows = ctx.saved_tensors
@@ -96,6 +101,11 @@ class LinearLogProbsFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_logp, g_ent=None):
+        with torch.autocast(ctx.saved_tensors[0].device.type, enabled=False):
+            return LinearLogProbsFunction._backward(ctx, g_logp, g_ent)
+
+    @staticmethod
+    def _backward(ctx, g_logp, g_ent):
         hidden, weight, bias, target, m, log_s, q, centred = ctx.saved_tensors
         lp, call = ctx.lp, ctx.call
         tg = TokenTargets(target, call.shard, lp.ignore_index)
