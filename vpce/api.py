@@ -211,7 +211,7 @@ def _prepare(entry: str, hidden, weight, target, bias, *, group, vocab_start, vo
 
 def _enter(h2: torch.Tensor, call: Call) -> torch.Tensor:
     """The hidden states as the backend needs them (``vpce.routing``: where dX is summed over the group)."""
-    if call.plan.dx_reduce == "region" or (call.shard.sharded and call.plan.route == "forward"):
+    if call.plan.dx_reduce == "region":
         return parallel.enter_vocab_parallel(h2, call.shard, call.plan.sequence_parallel)
     return h2
 
