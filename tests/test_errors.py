@@ -17,6 +17,7 @@ CASES = [
     ({"hidden": [[1.0]]}, TypeError, ["hidden", "torch.Tensor", "list"]),
     ({"weight": torch.randn(20, 8, 1)}, ValueError, ["weight", "[V_local, D]", "(20, 8, 1)"]),
     ({"weight": torch.randn(20, 7)}, ValueError, ["weight", "[V_local, 8]", "(20, 7)"]),
+    ({"hidden": torch.randn(6, 20)}, ValueError, ["weight", "(20, 8)", "is the vocab size", "not its logits"]),
     ({"weight": torch.randn(0, 8)}, ValueError, ["weight", "at least one row"]),
     ({"weight": torch.randn(20, 8, dtype=torch.float64)}, TypeError, ["weight", "torch.float32", "float64"]),
     ({"hidden": torch.randn(6, 8, dtype=torch.float64), "backend": "torch"}, TypeError, ["weight", "float64"]),
