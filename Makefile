@@ -17,8 +17,13 @@ setup:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) "$(TORCH)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	@$(PIP) -e .
 
+# torchtune and the packages it needs come without pip resolving their requirements (pyproject.toml, `torchtune`).
+# About 25 s on a bare machine, then a no-op.
+TORCHTUNE ?= torchtune==0.6.1 torchao==0.15.0 torchdata==0.11.0
+
 setup-test: setup
-	@$(PIP) -e ".[test]"
+	@$(PIP) --no-deps $(TORCHTUNE)
+	@$(PIP) -e ".[test,torchtune]"
 
 test: setup-test
 	$(PYTHON) -m pytest -q tests
