@@ -5,7 +5,8 @@ recipe file is loaded as ``tune run`` loads it, and its ``_loss_step`` (shift th
 run the model, flatten, call the loss) runs twice on the same model and batch. Once it runs the way the recipe
 sets up ``CEWithChunkedOutputLoss`` (``set_num_output_chunks``), and once with vpce's loss named by
 ``_component_`` and ``set_model_output``. Losses and every parameter gradient must agree to fp32 rounding, then
-again after an AdamW step. Negative controls show that the tolerances can fail.
+the parameters after two AdamW steps within 5% of the distance Adam moves
+them. Negative controls show that the tolerances can fail.
 """
 
 import contextlib
@@ -114,8 +115,10 @@ def test_recipe_training_step_matches_chunked_ce(tied):
     stock = recipe_with(stock_model, {"_component_": "torchtune.modules.loss.CEWithChunkedOutputLoss"})
     assert isinstance(ours._loss_fn, vtt.LinearCrossEntropyLoss)
 
-    optims = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, stock_model)]
-    for step in range(2):
+    start = {name: p.detach().clone() for name, p in stock_model.named_parameters()}
+    lr, steps = 1e-2, 2
+    optims = [torch.optim.AdamW(m.parameters(), lr=lr) for m in (model, stock_model)]
+    for step in range(steps):
         losses = []
         for recipe in (ours, stock):
             batch = make_batch(seed=1 + step)  # _loss_step pops the labels: a fresh dict for each
@@ -127,8 +130,13 @@ def test_recipe_training_step_matches_chunked_ce(tied):
         for opt in optims:
             opt.step()
             opt.zero_grad()
+    # Adam divides each gradient entry by its own RMS, so an entry with a ~0 gradient moves by up to lr on rounding
+    # noise alone: compare parameters in units of the Adam step (as tests/test_integration_transformers.py does).
+    tol = 0.05 * lr * steps
     for (name, p), q in zip(model.named_parameters(), stock_model.parameters()):
-        assert_close(p, q, GRAD_RTOL, f"{name} after 2 AdamW steps")
+        moved, diff = (q - start[name]).abs().max().item(), (p - q).abs().max().item()
+        assert moved > 10 * tol, f"{name} moved only {moved:.2e}: the comparison below would be weak"
+        assert diff <= tol, f"{name}: differs by {diff:.2e} after {steps} AdamW steps (> {tol:.1e})"
 
 
 def test_model_returns_hidden_states_and_state_dict_is_unchanged():
