@@ -8,7 +8,6 @@ the distance AdamW moves them (its per-entry normalization amplifies rounding no
 a z-loss is the negative control: its logged losses must differ by more than the tolerance.
 """
 
-import copy
 import pathlib
 
 import pytest
@@ -71,11 +70,18 @@ def rel(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1e-30)
 
 
-def test_trainer_matches_unpatched_step_by_step(tmp_path):
+@pytest.fixture(scope="module")
+def stock_run(tmp_path_factory):
+    """The unpatched run: (initial parameters, trained model, log), shared by the tests below."""
     stock = tiny_llama()
-    model = apply(copy.deepcopy(stock))
     initial = {name: p.detach().clone() for name, p in stock.named_parameters()}
-    stock_log = train(stock, tmp_path, "stock")
+    return initial, stock, train(stock, tmp_path_factory.mktemp("trainer"), "stock")
+
+
+def test_trainer_matches_unpatched_step_by_step(stock_run, tmp_path):
+    initial, stock, stock_log = stock_run
+    model = apply(tiny_llama())
+    assert all(torch.equal(p, initial[name]) for name, p in model.named_parameters())  # same start
     vpce_log = train(model, tmp_path, "vpce")
     assert is_applied(model) and not is_applied(stock)
 
@@ -97,8 +103,8 @@ def test_trainer_matches_unpatched_step_by_step(tmp_path):
         assert diff <= tol, f"{name}: differs by {diff:.2e} after {STEPS} AdamW steps (> {tol:.1e})"
 
 
-def test_negative_control_z_loss_shows(tmp_path):
-    stock_log = train(tiny_llama(), tmp_path, "stock")
+def test_negative_control_z_loss_shows(stock_run, tmp_path):
+    stock_log = stock_run[2]
     z_log = train(apply(tiny_llama(), z_loss=1e-3), tmp_path, "zloss")
     worst = max(rel(got["loss"], want["loss"]) for got, want in zip(z_log, stock_log))
     assert worst > 100 * LOSS_RTOL, f"a z-loss run should log different losses; worst rel diff {worst:.1e}"
