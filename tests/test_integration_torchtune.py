@@ -19,6 +19,8 @@ import runpy
 import pytest
 import torch
 
+from compare import assert_close, assert_grads_close
+
 torchtune = pytest.importorskip("torchtune")
 
 from omegaconf import OmegaConf  # noqa: E402  (a torchtune dependency)
@@ -86,27 +88,6 @@ def recipe_with(model, loss_cfg: dict):
     return recipe
 
 
-def rel_err(got: torch.Tensor, want: torch.Tensor) -> tuple[float, str]:
-    """Max abs error over max |want|, and where the max error sits."""
-    diff = (got.detach().double() - want.detach().double()).abs()
-    idx = tuple(int(i) for i in torch.unravel_index(diff.argmax(), diff.shape)) if diff.dim() else ()
-    return diff.max().item() / max(want.detach().abs().max().item(), 1e-30), f"index {idx}"
-
-
-def assert_close(got, want, rtol, what):
-    err, where = rel_err(got, want)
-    assert err <= rtol, f"{what}: rel err {err:.3e} > {rtol:.0e} at {where} (got {got.flatten()[:4]}...)"
-
-
-def assert_grads_close(model, stock, rtol=GRAD_RTOL):
-    stock_params = dict(stock.named_parameters())
-    for name, p in model.named_parameters():
-        q = stock_params[name]
-        assert (p.grad is None) == (q.grad is None), f"{name}: grad presence differs"
-        if p.grad is not None:
-            assert_close(p.grad, q.grad, rtol, f"grad of {name}")
-
-
 @pytest.mark.parametrize("tied", [False, True], ids=["llama3-linear", "llama3_2-tied"])
 def test_recipe_training_step_matches_chunked_ce(tied):
     model = build(tied)
@@ -126,7 +107,7 @@ def test_recipe_training_step_matches_chunked_ce(tied):
             loss.backward()
             losses.append(loss)
         assert_close(losses[0], losses[1], LOSS_RTOL, f"loss at step {step}")
-        assert_grads_close(model, stock_model)
+        assert_grads_close(model, stock_model, GRAD_RTOL)
         for opt in optims:
             opt.step()
             opt.zero_grad()
