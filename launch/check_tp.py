@@ -68,7 +68,10 @@ def check(rank: int, world: int, budget: str, sp: bool, *, device: torch.device,
     xs = (x[rows] if sp else x).clone().requires_grad_()
     ws = w[lo:hi].clone().requires_grad_()
     group = group or dist.group.WORLD
-    loss = vpce.linear_cross_entropy(xs, ws, y, group=group, sequence_parallel=sp, **opts)
+    # with vocab_start given too (as Megatron gives it) a CUDA call decides the ranks' agreement on the device (no
+    # host read); without it the layout is learned and read back: the two layouts take the two paths
+    start = dict(vocab_start=lo) if sp else {}
+    loss = vpce.linear_cross_entropy(xs, ws, y, group=group, sequence_parallel=sp, **start, **opts)
     (loss * g).backward()
     want_dx = x1.grad[rows] if sp else x1.grad
     return {"loss": _rel(loss.detach(), loss1), "dX": _rel(xs.grad, want_dx), "dW": _rel(ws.grad, w1.grad[lo:hi])}
