@@ -187,6 +187,23 @@ def test_device_verdict_is_nan_on_every_rank(differ):
     assert all(math.isnan(g) for g in got) if differ else got == [0.0, 0.0]
 
 
+def _device_verdict_with_error(rank, world):
+    """On the device path a rank with an argument error still sends its fingerprint, then raises its own error;
+    the others get NaN."""
+    error = ValueError("reduction: expected one of ('mean', 'sum', 'none'), got 'avg'") if rank == 1 else None
+    facts = parallel.CallFacts(entry="ce", rows=10, vocab_start=10 * rank, vocab_size=20, target=torch.arange(5),
+                               error=error)
+    try:
+        return float(parallel.agree(dist.group.WORLD, facts, torch.device("cpu"), read=False).poison)
+    except ValueError as e:
+        return str(e)
+
+
+def test_device_verdict_with_an_argument_error():
+    got = run_ranks(_device_verdict_with_error, 2, timeout=TIMEOUT)
+    assert math.isnan(got[0]) and "reduction" in got[1], got
+
+
 # -- -inf logits over whole shards and tiles ----------------------------------------------------------------------
 
 def _neg_inf_shards(rank, world, backend, entry):

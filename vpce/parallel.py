@@ -287,6 +287,8 @@ def agree(group, facts: CallFacts, device: torch.device, *, read: bool) -> Agree
     pairs = every[:, _HEAD:_HEAD + 2 * _N_FIELDS]
 
     if not read:  # decided on the device: no host sync
+        if facts.error is not None:  # this rank cannot go on; the others see its error flag and turn NaN
+            raise facts.error
         bad = (pairs != pairs[:1]).any() | (every[:, _ERR] != 0).any()
         starts, order = every[:, _START].sort()
         ends = starts + every[:, _ROWS][order]
