@@ -51,7 +51,7 @@ def check(p, memory_budget="auto", **opts):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("shape", [(37, 40, 75), (19, 123, 507), (1, 16, 3)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("shape", [(37, 40, 75), (19, 123, 507), (1, 16, 3), (37, 40, 64)], ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("budget", ["auto", "lean"])
 def test_matches_oracle(dtype, shape, reduction, budget):
@@ -68,6 +68,14 @@ def test_variants_confident_logits_padded_vocab(dtype, variant, budget):
     p = make_problem(128, 32, 90, dtype=dtype, bias=variant != "plain", vocab_size=83, ignore_frac=0.2, scale=20.0,
                      seed=5)
     check(p, reduction="mean", memory_budget=budget, **VARIANTS[variant])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("budget", ["auto", "lean"])
+def test_vocab_a_multiple_of_the_tile(dtype, budget):
+    # every column of every tile is a vocab entry: the kernel drops its column masks (EVEN_N)
+    p = make_problem(128, 32, 64, dtype=dtype, bias=True, ignore_frac=0.2, scale=20.0, seed=6)
+    check(p, reduction="mean", memory_budget=budget, **VARIANTS["all"])
 
 
 def test_multiple_chunks_and_tiny_p_budget():

@@ -6,10 +6,11 @@ D, TMA loads on Hopper, int64 addressing) and never writes it. The epilogue, per
 
 1. bias, the soft cap ``c * tanh(x / c)``, the temperature ``z = cap(x) / T``; columns past the valid vocab
    become ``-inf``;
-2. stats mode: over every column but the target's, the tile's row max ``m_t`` and ``x_t = sum exp(z - m_t)`` go to
-   ``[rows, n_tiles]`` buffers, optionally ``sum z`` over all columns (label smoothing) and ``sum exp(z - m_t) z``
-   (entropy) too; the target's ``z`` goes to ``ZT[row]``, stored by the one tile that holds it (no atomics);
-   optionally the tile of ``exp(z - m_t)`` in the inputs' dtype (the fast route's ``P``, 0 at the target).
+2. stats mode: the tile's row max ``m_t`` (over every column) and ``x_t = sum exp(z - m_t)`` over every column but
+   the target's go to ``[rows, n_tiles]`` buffers, optionally ``sum z`` over all columns (label smoothing) and
+   ``sum exp(z - m_t) z`` but the target's (entropy) too; the target's ``z`` goes to ``ZT[row]``, stored by the one
+   tile that holds it (no atomics); optionally the tile of ``exp(z - m_t)`` in the inputs' dtype (the fast route's
+   ``P``; its target column is never read).
    Keeping the target apart is what makes ``-log p_t`` and ``1 - p_t`` exact for confident tokens
    (``vpce.parallel`` has the combine);
 3. grad mode: with the global statistics known it writes the gradient with respect to the pre-cap logit.
@@ -66,10 +67,10 @@ def _log1p(u):
 
 
 @triton.jit
-def _dlogits(p, zc, hit, col_ok, ca, cb, cc, cd, q, dcap, HAS_CB: tl.constexpr, HAS_CD: tl.constexpr,
+def _dlogits(p, zc, hit, ca, cb, cc, cd, q, dcap, HAS_CB: tl.constexpr, HAS_CD: tl.constexpr,
              SOFTCAP: tl.constexpr):
     """The gradient of ``vpce.formulas`` for a tile: ``p (a + b zc) + d`` off the target, ``(a + c) - a q
-    + b zc p + d`` at it (``zc = z - M``, ``q = 1 - p_t``), times ``dcap``; 0 on padding columns."""
+    + b zc p + d`` at it (``zc = z - M``, ``q = 1 - p_t``), times ``dcap``."""
     at_t = ca + cc - ca * q
     if HAS_CB:
         bz = cb[:, None] * zc
@@ -81,7 +82,7 @@ def _dlogits(p, zc, hit, col_ok, ca, cb, cc, cd, q, dcap, HAS_CB: tl.constexpr, 
         g = g + cd[:, None]
     if SOFTCAP:
         g = g * dcap
-    return tl.where(col_ok, g, 0.0)
+    return g  # padding columns hold garbage here: every caller's store masks them
 
 
 @triton.jit
@@ -100,6 +101,7 @@ def _logits_tile(
     WRITE_P: tl.constexpr, SUM_Z: tl.constexpr, SUM_EZ: tl.constexpr, HAS_CB: tl.constexpr,
     HAS_CD: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    EVEN_N: tl.constexpr,
 ):
     """One [BLOCK_M, BLOCK_N] tile: the GEMM over D, then the epilogue."""
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -134,9 +136,8 @@ def _logits_tile(
             x_ptrs += BLOCK_K * stride_xk
             w_ptrs += BLOCK_K * stride_wk
 
-    # -- epilogue: bias, soft cap, temperature, padding columns --
+    # -- epilogue: bias, soft cap, temperature --
     row_ok = rm < M
-    col_ok = (rn < V)[None, :]
     if HAS_BIAS:
         acc += tl.load(BIAS + rn, mask=rn < V, other=0.0).to(tl.float32)[None, :]
     dcap = acc
@@ -147,10 +148,13 @@ def _logits_tile(
     t = tl.load(TL + rm, mask=row_ok, other=-1)
     hit = rn[None, :] == t[:, None]
     p_offs = rm.to(tl.int64)[:, None] * stride_pm + rn.to(tl.int64)[None, :] * stride_pn
-    p_mask = row_ok[:, None] & col_ok
+    if EVEN_N:  # every column is a vocab entry: no column mask anywhere (each 2-D op costs in this epilogue)
+        p_mask = row_ok[:, None]
+    else:
+        p_mask = row_ok[:, None] & (rn < V)[None, :]
 
     if GRAD:
-        z = tl.where(col_ok, acc, float("-inf"))
+        # padding columns are computed like the others and never stored
         lse_row = tl.load(RLSE + rm, mask=row_ok, other=0.0)
         q_row = tl.load(RQ + rm, mask=row_ok, other=0.0)
         ca = tl.load(CA + rm, mask=row_ok, other=0.0)
@@ -162,24 +166,27 @@ def _logits_tile(
         if HAS_CD:
             cd = tl.load(CD + rm, mask=row_ok, other=0.0)
         # off the target p needs no more than z's own precision; the target's entry comes from q (_dlogits)
-        p = tl.exp(z - lse_row[:, None])
+        p = tl.exp(acc - lse_row[:, None])
         zc = p
         if HAS_CB:
-            zc = z - tl.load(RM + rm, mask=row_ok, other=0.0)[:, None]
-        g = _dlogits(p, zc, hit, col_ok, ca, cb, cc, cd, q_row, dcap, HAS_CB, HAS_CD, SOFTCAP)
+            zc = acc - tl.load(RM + rm, mask=row_ok, other=0.0)[:, None]
+        g = _dlogits(p, zc, hit, ca, cb, cc, cd, q_row, dcap, HAS_CB, HAS_CD, SOFTCAP)
         tl.store(P + p_offs, g.to(P.dtype.element_ty), mask=p_mask)
     else:
-        # -- online-softmax statistics of this tile, over every column but the target's (kept apart in ZT) --
-        z = tl.where(col_ok & (rn[None, :] != t[:, None]), acc, float("-inf"))
+        # -- online-softmax statistics of this tile: the max over every column, the sum of exp over every column
+        # but the target's (its logit is kept apart in ZT) --
+        z = acc
+        if not EVEN_N:
+            z = acc + tl.where(rn < V, 0.0, float("-inf"))[None, :]  # padding columns: -inf
         m_t = tl.max(z, axis=1)
         e = tl.exp(z - tl.where(m_t == float("-inf"), 0.0, m_t)[:, None])  # an all -inf row gives 0, not NaN
         stat = rm.to(tl.int64) * n_tiles + pid_n
         tl.store(TILE_M + stat, m_t, mask=row_ok)
-        tl.store(TILE_S + stat, tl.sum(e, axis=1), mask=row_ok)
+        tl.store(TILE_S + stat, tl.sum(tl.where(hit, 0.0, e), axis=1), mask=row_ok)
         if SUM_Z:
-            tl.store(TILE_Z + stat, tl.sum(tl.where(col_ok, acc, 0.0), axis=1), mask=row_ok)
+            tl.store(TILE_Z + stat, tl.sum(tl.where(rn[None, :] < V, acc, 0.0), axis=1), mask=row_ok)
         if SUM_EZ:
-            tl.store(TILE_EZ + stat, tl.sum(tl.where(col_ok & (e != 0.0), e * acc, 0.0), axis=1), mask=row_ok)
+            tl.store(TILE_EZ + stat, tl.sum(tl.where(hit | (e == 0.0), 0.0, e * acc), axis=1), mask=row_ok)
         zt = tl.sum(tl.where(hit, acc, 0.0), axis=1)
         mine = row_ok & (t >= pid_n * BLOCK_N) & (t < pid_n * BLOCK_N + BLOCK_N)
         tl.store(ZT + rm, zt, mask=mine)
@@ -187,7 +194,8 @@ def _logits_tile(
             tl.store(P + p_offs, e.to(P.dtype.element_ty), mask=p_mask)
 
 
-@triton.heuristics({"EVEN_K": lambda a: a["D"] % a["BLOCK_K"] == 0})
+@triton.heuristics({"EVEN_K": lambda a: a["D"] % a["BLOCK_K"] == 0,
+                    "EVEN_N": lambda a: a["V"] % a["BLOCK_N"] == 0})
 @triton.jit
 def _logits_tiles_kernel(
     # pointers
@@ -203,7 +211,7 @@ def _logits_tiles_kernel(
     WRITE_P: tl.constexpr, SUM_Z: tl.constexpr, SUM_EZ: tl.constexpr, HAS_CB: tl.constexpr,
     HAS_CD: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
 ):
     # -- grouped tile order: GROUP_M row blocks share each W tile while it sits in L2 --
     num_m = tl.cdiv(M, BLOCK_M)
@@ -216,7 +224,7 @@ def _logits_tiles_kernel(
                  X, W, BIAS, TL, TILE_M, TILE_S, TILE_Z, TILE_EZ, ZT, P, RM, RLSE, RQ, CA, CB, CC, CD,
                  M, V, D, n_tiles, stride_xm, stride_xk, stride_wv, stride_wk, stride_pm, stride_pn,
                  softcap, inv_t, HAS_BIAS, SOFTCAP, TEMPERATURE, GRAD, WRITE_P, SUM_Z, SUM_EZ, HAS_CB, HAS_CD,
-                 IEEE, TMA, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
+                 IEEE, TMA, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N)
 
 
 @triton.jit
@@ -262,7 +270,7 @@ def _probs_to_grad_kernel(
         z_rec = tl.where(e > 0, m_t[:, None] + tl.log(tl.where(e > 0, e, 1.0)), 0.0)
         r = tl.where(hit, zt[:, None], z_rec) / softcap
         dcap = (1.0 - r) * (1.0 + r)
-    g = _dlogits(p, e, hit, col_ok, ca, ca, cc, cd, q_row, dcap, False, HAS_CD, SOFTCAP)
+    g = _dlogits(p, e, hit, ca, ca, cc, cd, q_row, dcap, False, HAS_CD, SOFTCAP)
     tl.store(G + offs, g.to(G.dtype.element_ty), mask=mask)
 
 
@@ -325,7 +333,7 @@ def _reduce_tiles_kernel(TM, TS, TZ, TEZ, ZT, OUT, C, T, SUM_Z: tl.constexpr, SU
 @triton.jit
 def _combine_rank_stats_kernel(EVERY, OUT, POISON, C, W, R, N_SUMS: tl.constexpr, N_W: tl.constexpr,
                                HAS_POISON: tl.constexpr, BLOCK_C: tl.constexpr):
-    """``EVERY [W, R, C]`` (each rank's packed statistics: max, sum of exp but the target, target logit, sums,
+    """``EVERY [W, R, C]`` (each rank's packed statistics: max, sum of exp but the target's, target logit, sums,
     weighted sums) -> ``OUT [R + 1, C]``: ``M``, ``log S``, ``-log p_t``, ``1 - p_t``, the summed additive
     statistics, the softmax expectations (the formulas of ``vpce.parallel``)."""
     rows = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -335,7 +343,7 @@ def _combine_rank_stats_kernel(EVERY, OUT, POISON, C, W, R, N_SUMS: tl.constexpr
     for w in range(0, W):
         m = tl.maximum(m, tl.load(EVERY + w * R * C + rows, mask=ok, other=0.0))
         t = tl.maximum(t, tl.load(EVERY + (w * R + 2) * C + rows, mask=ok, other=0.0))
-    m = tl.maximum(m, t)  # the ranks' maxima leave the target out
+    m = tl.maximum(m, t)  # a rank's max may leave the target out
     if HAS_POISON:
         m = m + tl.load(POISON)
     safe = tl.where(m == float("-inf"), 0.0, m)
@@ -399,10 +407,10 @@ def logits_tiles(x, w, b, t_local, *, softcap=None, inv_t=1.0, tile_m=None, tile
     """Launch the GEMM + epilogue over ``x [M, D]`` and ``w [V, D]`` (``t_local``: int32 local target column,
     -1 where the target is not in this shard).
 
-    Stats mode (``rows is None``) fills ``tile_m``, ``tile_s`` (max and sum of exp over every column but the
-    target's; ``tile_z``: sum of every logit, ``tile_ez``: sum of exp * logit but the target's) ``[M, n_tiles]``
-    and ``zt [M]`` (callers fill it with ``-inf``) and, if ``p`` is given, writes ``exp(z - m_t)`` into it (0 at
-    the target's column). Grad mode (``rows``: the global ``(M, lse, 1 - p_t)`` per row, and ``coef = (a, b, c, d)``, per-row fp32 vectors, ``b``/``d`` may be None) writes the gradient into
+    Stats mode (``rows is None``) fills ``tile_m``, ``tile_s`` (the max over every column, the sum of exp over
+    every column but the target's; ``tile_z``: sum of every logit, ``tile_ez``: sum of exp * logit but the
+    target's) ``[M, n_tiles]`` and ``zt [M]`` (callers fill it with ``-inf``) and, if ``p`` is given, writes
+    ``exp(z - m_t)`` into it. Grad mode (``rows``: the global ``(M, lse, 1 - p_t)`` per row, and ``coef = (a, b, c, d)``, per-row fp32 vectors, ``b``/``d`` may be None) writes the gradient into
     ``p``.
     ``config`` overrides the block shapes (for ``launch/tune_kernels.py``).
     """

@@ -23,8 +23,9 @@ import, a fallback flag) can change the number, order or size of collectives. Th
   combine adds to every token's max, so a disagreement makes the loss and gradients NaN on every rank and never a
   finite wrong value, with no host sync.
 
-Statistics exchange. Per token chunk each rank has, over its valid rows but the target's, the local max
-``m_r`` and the sum ``x_r`` of ``exp(z - m_r)``; the target logit ``t_r`` (``-inf`` on ranks that do not hold
+Statistics exchange. Per token chunk each rank has a local max ``m_r`` (over its valid rows, with or without the
+target's: the combine holds for either) and the sum ``x_r`` of ``exp(z - m_r)`` over its valid rows but the
+target's; the target logit ``t_r`` (``-inf`` on ranks that do not hold
 it); and optionally additive sums (the sum of all logits) and weighted sums (``w_r = sum_j exp(z_j - m_r) z_j``
 but the target's, for the entropy). They are packed into one ``[k, chunk]`` fp32 tensor and exchanged with one all-gather;
 every rank combines them identically (``combine_rank_stats``)::
@@ -388,7 +389,7 @@ def combine_rank_stats(every: torch.Tensor, n_sums: int, poison: torch.Tensor | 
     (``vpce.kernels.combine_rank_stats`` is the one-launch form.)"""
     m_all, x_all, t_all = every[:, 0], every[:, 1], every[:, 2]
     t = t_all.amax(0)
-    m = torch.maximum(m_all.amax(0), t)  # the ranks' maxima leave the target out
+    m = torch.maximum(m_all.amax(0), t)  # a rank's max may leave the target out
     if poison is not None:
         m = m + poison
     safe = torch.where(m == -math.inf, 0.0, m)
