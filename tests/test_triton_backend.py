@@ -78,6 +78,38 @@ def test_vocab_a_multiple_of_the_tile(dtype, budget):
     check(p, reduction="mean", memory_budget=budget, **VARIANTS["all"])
 
 
+@pytest.mark.parametrize("blocks", ["one-vocab-block", "many-blocks"])
+def test_lean_backward_token_major(monkeypatch, blocks):
+    # N > V_local: the lean backward walks token blocks (dX finished per block, dW summed in fp32); small blocks
+    # give several token blocks (a ragged last one) and, for "many-blocks", several vocab blocks per token block
+    from vpce import triton_backend
+
+    monkeypatch.setattr(triton_backend, "LEAN_TOKEN_BLOCK", 48)
+    if blocks == "many-blocks":
+        monkeypatch.setattr(triton_backend, "LEAN_BLOCK_GIB", 1e-9)  # one tile column per vocab block
+    p = make_problem(200, 24, 90, dtype=torch.float32, bias=True, vocab_size=83, ignore_frac=0.2, scale=20.0,
+                     seed=8)
+    check(p, reduction="mean", memory_budget="lean", **VARIANTS["all"])
+    check(p, reduction="none", memory_budget="auto")
+
+
+def test_lean_backward_token_major_main_grad(monkeypatch):
+    from vpce import triton_backend
+
+    monkeypatch.setattr(triton_backend, "LEAN_TOKEN_BLOCK", 48)
+    monkeypatch.setattr(triton_backend, "LEAN_BLOCK_GIB", 1e-9)
+    p = make_problem(150, 16, 70, dtype=torch.float32, vocab_size=64, ignore_frac=0.1, seed=3)
+    w = torch.nn.Parameter(p.weight.to(DEV))
+    w.main_grad = torch.zeros(w.shape, dtype=torch.float32, device=DEV)
+    loss = vpce.linear_cross_entropy(leaf(p.hidden.to(DEV)), w, p.target.to(DEV), vocab_size=64, backend="triton",
+                                     memory_budget="lean", accumulate_main_grad=True)
+    (2.0 * loss).backward()
+    want = reference(p.hidden, p.weight, p.target, grad=torch.tensor(2.0), vocab_size=64).dweight
+    err = rel_err(w.main_grad, want)
+    assert err <= 2e-5, f"main_grad rel err {err:.2e}"
+    assert w.main_grad[64:].abs().max() == 0
+
+
 def test_multiple_chunks_and_tiny_p_budget():
     # a P budget of one tile row forces many fast-route chunks (statistics exchanged per chunk)
     p = make_problem(300, 24, 130, dtype=torch.float32, bias=True, ignore_frac=0.1, seed=9)
@@ -155,8 +187,17 @@ def test_gpu_large_shape(dtype, budget):
 
 
 @gpu_only
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_gpu_lean_token_major(dtype):
+    # N > V: the lean backward's token-major order (odd N and V, a ragged last token block, several vocab blocks)
+    p = make_problem(9001, 512, 7993, dtype=dtype, bias=True, ignore_frac=0.1, seed=2)
+    check(p, reduction="mean", memory_budget="lean", label_smoothing=0.1)
+
+
+@gpu_only
 def test_gpu_int64_offsets():
-    # N * V_local > 2**31 elements in the fast route's P chunk and the lean route's block
+    # N * V_local > 2**31 elements in the fast route's P chunk and the lean route's block (N < V: vocab-major;
+    # the token-major blocks hold 4096 rows)
     n, d, v = 17000, 64, 131072
     p = make_problem(n, d, v, dtype=torch.bfloat16, seed=4)
     for budget in (8.0, "lean"):

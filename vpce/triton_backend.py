@@ -19,10 +19,12 @@ accumulator's size), the fp32 ``dW`` accumulator, fp32 ``dX``.
 
 Lean route (``memory_budget="lean"``, ``reduction="none"``, and ``linear_log_probs``), 8NDV.
 Forward runs the GEMM in stats mode only (no ``P``) and keeps the global ``lse`` (and ``E[z]`` for the entropy)
-per token. Backward walks the vocab in blocks of ``Vb`` rows over all tokens: the GEMM in grad mode writes the
-gradient ``[N, Vb]`` directly, then cuBLAS ``dW[block] = dz.T @ X`` (each block's dW in one GEMM over all tokens:
-no dW accumulator) and ``dX += dz @ W[block]`` into an fp32 ``[N, D]`` accumulator. Memory: one ``[N, Vb]`` block
-plus fp32 dX.
+per token. Backward recomputes the gradient in blocks with the GEMM in grad mode (``recompute_grads``), in the
+order that holds the smaller fp32 accumulator: vocab-major while ``N <= V_local`` (each ``[N, Vb]`` block's dW in
+one GEMM over all tokens, no dW accumulator; ``dX += dz @ W[block]`` into fp32 ``[N, D]``), token-major beyond
+(each token block's dX finished before the next, ``dW += dz.T @ X[block]`` into fp32 ``[V_local, D]`` or straight
+into ``main_grad``), so the extra memory stops growing with N. Memory: one ``LEAN_BLOCK_GIB`` block plus the
+smaller of the two accumulators.
 
 No-grad: the stats-mode GEMM over token chunks; O(N) memory beyond the small per-tile statistics.
 
@@ -53,6 +55,7 @@ __all__ = ["cross_entropy", "log_probs", "recompute_grads", "scale_cast", "FAST_
 FAST_P_GIB = 1.5     # default size of the fast route's P chunk (freed before backward's peak)
 MIN_P_GIB = 0.25     # ... and its floor when the fp32 dW accumulator is smaller than FAST_P_GIB
 LEAN_BLOCK_GIB = 0.2  # default size of the lean route's [N, Vb] block
+LEAN_TOKEN_BLOCK = 4096  # tokens per block of the lean backward's token-major order (N > V_local)
 STATS_TOKENS = 8192  # tokens per stats-only launch (bounds the per-tile statistics buffers)
 ROW_ALIGN = 128      # chunk and sub-chunk boundaries are multiples of the kernel's largest BLOCK_M
 
@@ -132,7 +135,14 @@ class _ChunkStats:
 
 def recompute_grads(hidden, weight, bias, tg: TokenTargets, rows: RowStats, coef: Coefficients, call: Call,
                     softcap, inv_t: float, main_weight=None):
-    """dX, dW and db from the logits recomputed over vocab blocks of all tokens (grad mode).
+    """dX, dW and db from the logits recomputed in blocks (grad mode), in whichever order holds the smaller fp32
+    accumulator:
+
+    * vocab-major (``N <= V_local``): each vocab block over all tokens; its dW in one GEMM (no dW accumulator),
+      dX summed over the blocks in fp32 ``[N, D]``;
+    * token-major (``N > V_local``, long sequences): each token block over the whole vocab; its dX finished
+      before the next block (fp32 ``[N_b, D]`` only), dW summed over the token blocks in fp32 ``[V_local, D]``
+      (or straight into ``main_grad``). The extra memory then stays fixed as N grows.
 
     ``main_weight``: add dW in fp32 into its ``main_grad`` instead of returning it.
     """
@@ -141,29 +151,57 @@ def recompute_grads(hidden, weight, bias, tg: TokenTargets, rows: RowStats, coef
     v, n_rows, dtype = call.shard.valid_rows, weight.shape[0], hidden.dtype
     tl_local = _local_targets(tg)
     need_dx, need_dw, need_db = call.needs_grad
-    dx = torch.zeros(n, d, dtype=torch.float32, device=hidden.device) if need_dx else None
-    dw = torch.zeros(n_rows, d, dtype=dtype, device=hidden.device) if need_dw and main_weight is None else None
+    into_main = main_weight is not None and need_dw
     db = torch.zeros(n_rows, dtype=torch.float32, device=hidden.device) if need_db and bias is not None else None
     bn = kernels.tile_n(hidden)
-    vb = _round_to(int(LEAN_BLOCK_GIB * 2**30) // max(1, n * hidden.element_size()), bn)
-    block = torch.empty(n, min(vb, max(v, 1)), dtype=dtype, device=hidden.device) if n and v else None
-    per_row = (rows.m, rows.lse, rows.q)
-    for v0 in range(0, v if n else 0, vb):
-        v1 = min(v, v0 + vb)
-        gz = block[:, : v1 - v0]
-        kernels.logits_tiles(hidden, weight[v0:v1], None if bias is None else bias[v0:v1], tl_local - v0,
-                             softcap=softcap, inv_t=inv_t, p=gz, rows=per_row, coef=coef)
-        if dw is not None:
-            torch.mm(gz.t(), hidden, out=dw[v0:v1])  # the block's dW over all tokens: one GEMM, one rounding
-        elif main_weight is not None and need_dw:
-            addmm_out_(main_weight.main_grad[v0:v1], gz.t(), hidden)  # fp32 accumulation into main_grad
-        if dx is not None:
-            addmm_out_(dx, gz, weight[v0:v1])
-        if db is not None:
-            db[v0:v1] = gz.sum(0, dtype=torch.float32)
-    if main_weight is not None and need_dw:
+    token_major = 0 < v < n
+    nb = max(1, min(n, LEAN_TOKEN_BLOCK) if token_major else n)
+    vb = _round_to(int(LEAN_BLOCK_GIB * 2**30) // max(1, nb * hidden.element_size()), bn)
+    block = torch.empty(nb, min(vb, max(v, 1)), dtype=dtype, device=hidden.device) if n and v else None
+    dx = dw = dx_acc = None
+    if token_major:
+        if need_dx:
+            dx = torch.empty(n, d, dtype=dtype, device=hidden.device)
+            dx_acc = torch.empty(nb, d, dtype=torch.float32, device=hidden.device) if v > vb else None
+        if need_dw and not into_main:
+            dw = torch.zeros(n_rows, d, dtype=torch.float32, device=hidden.device)
+    else:
+        dx = torch.zeros(n, d, dtype=torch.float32, device=hidden.device) if need_dx else None
+        dw = torch.zeros(n_rows, d, dtype=dtype, device=hidden.device) if need_dw and not into_main else None
+    for n0 in range(0, n if v else 0, nb):
+        n1 = min(n, n0 + nb)
+        h, tok = hidden[n0:n1], slice(n0, n1)
+        per_row = rows.rows(tok)
+        per_row = (per_row.m, per_row.lse, per_row.q)
+        for v0 in range(0, v, vb):
+            v1 = min(v, v0 + vb)
+            gz = block[: n1 - n0, : v1 - v0]
+            kernels.logits_tiles(h, weight[v0:v1], None if bias is None else bias[v0:v1], tl_local[tok] - v0,
+                                 softcap=softcap, inv_t=inv_t, p=gz, rows=per_row, coef=coef.rows(tok))
+            if into_main:
+                addmm_out_(main_weight.main_grad[v0:v1], gz.t(), h)  # fp32 accumulation into main_grad
+            elif dw is not None and token_major:
+                addmm_out_(dw[v0:v1], gz.t(), h)  # fp32, summed over the token blocks
+            elif dw is not None:
+                torch.mm(gz.t(), h, out=dw[v0:v1])  # the block's dW over all tokens: one GEMM, one rounding
+            if dx is not None and not token_major:
+                addmm_out_(dx, gz, weight[v0:v1])
+            elif dx is not None and dx_acc is None:
+                torch.mm(gz, weight[v0:v1], out=dx[tok])  # the whole vocab in one block: one GEMM, one rounding
+            elif dx is not None:
+                acc = dx_acc[: n1 - n0]
+                mm_into(acc, gz, weight[v0:v1]) if v0 == 0 else addmm_out_(acc, gz, weight[v0:v1])
+            if db is not None:
+                db[v0:v1] += gz.sum(0, dtype=torch.float32)
+        if dx_acc is not None and dx is not None:
+            dx[tok] = dx_acc[: n1 - n0]
+    if dx is not None and dx.dtype != dtype:
+        dx = dx.to(dtype)
+    if into_main:
         dw = weight_grad(None, main_weight, dtype)
-    return (None if dx is None else dx.to(dtype), dw, None if db is None else db.to(dtype))
+    elif dw is not None and dw.dtype != dtype:
+        dw = dw.to(dtype)
+    return dx, dw, None if db is None else db.to(dtype)
 
 
 def cross_entropy(hidden, weight, bias, tg: TokenTargets, opts: LossOptions, call: Call):
