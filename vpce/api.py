@@ -20,7 +20,7 @@ from .autograd import LinearCrossEntropyFunction, LinearLogProbsFunction, accumu
 from .grads import check_main_grad
 from .options import BACKENDS, BUDGET_NAMES, REDUCTIONS, LogProbOptions, LossOptions
 from .parallel import CallFacts
-from .routing import Call, Plan, plan_cross_entropy, plan_log_probs, resolve_backend
+from .routing import Call, Plan, plan_cross_entropy, plan_log_probs, resolve_backend, settle, settle_by_memory
 
 __all__ = ["linear_cross_entropy", "linear_log_probs", "LinearCrossEntropy"]
 
@@ -156,7 +156,8 @@ def _autocast_operands(hidden, weight, bias):
 
 def _prepare(entry: str, hidden, weight, target, bias, *, group, vocab_start, vocab_size, sequence_parallel,
              backend, validate, ignore_index: int, local_checks: Callable[[torch.Tensor, bool], None],
-             plan: Callable[[tuple, torch.dtype, str, bool, bool], Plan], fields: Callable[[], list]):
+             plan: Callable[[tuple, torch.dtype, str, bool, bool], Plan], fields: Callable[[], list],
+             memory: Callable[..., tuple[Plan, bool | None]] = lambda p, *_: (p, None)):
     """Checks, the route, and the group's agreement: ``(hidden 2-D, weight, bias, target, Call)``.
 
     DTensor inputs are unwrapped to this rank's tensors first (a ``Shard(0)`` hidden means sequence parallel).
@@ -168,7 +169,7 @@ def _prepare(entry: str, hidden, weight, target, bias, *, group, vocab_start, vo
     original_weight = weight
     hidden, weight, bias = _autocast_operands(hidden, weight, bias)
     _, world = parallel.group_rank_and_size(group)
-    error, call_plan, needs, agreed = None, None, (False, False, False), []
+    error, call_plan, needs, agreed, fast_fits = None, None, (False, False, False), [], None
     try:
         if not isinstance(hidden, torch.Tensor):
             raise TypeError(f"hidden: expected a torch.Tensor, got {type(hidden).__name__}")
@@ -184,6 +185,7 @@ def _prepare(entry: str, hidden, weight, target, bias, *, group, vocab_start, vo
         local_checks(original_weight, weight is not original_weight)
         needs = tuple(torch.is_grad_enabled() and t is not None and t.requires_grad for t in (hidden, weight, bias))
         call_plan = plan(needs, hidden.dtype, backend, world > 1, sequence_parallel)
+        call_plan, fast_fits = memory(call_plan, hidden, weight.shape[0], needs, world)
         agreed = [("hidden tokens", hidden.numel() // hidden.shape[-1]), ("hidden size", hidden.shape[-1]),
                   ("hidden dtype", _dtype_name(hidden.dtype)), ("weight dtype", _dtype_name(weight.dtype)),
                   ("bias", bias is not None), ("target dtype", _dtype_name(target.dtype)),
@@ -199,12 +201,15 @@ def _prepare(entry: str, hidden, weight, target, bias, *, group, vocab_start, vo
     # read the agreement on the host where it costs nothing (CPU), where asked (validate), or where the layout must
     # be learned; else it is decided on the device (NaN on disagreement, no sync)
     learn_layout = world > 1 and (vocab_start is None or vocab_size is None)
-    read = not compiling and (device.type != "cuda" or validate is not False or learn_layout)
+    read = not compiling and (device.type != "cuda" or validate is not False or learn_layout or fast_fits is not None)
     facts = CallFacts(entry=entry, fields=tuple(agreed), rows=weight.shape[0] if error is None else -1,
                       vocab_start=vocab_start if error is None else None,
                       vocab_size=vocab_size if error is None else None,
-                      target=target.reshape(-1) if error is None else None, ignore_index=ignore_index, error=error)
-    shard, poison = parallel.agree(group, facts, device, read=read)
+                      target=target.reshape(-1) if error is None else None, ignore_index=ignore_index, error=error,
+                      fast_fits=fast_fits)
+    shard, poison, all_fit = parallel.agree(group, facts, device, read=read)
+    if all_fit is not None:  # the route left to memory: fast only where it fits on every rank
+        call_plan = settle(call_plan, all_fit)
     call = Call(shard, call_plan, needs, poison=poison)
     return hidden.reshape(-1, hidden.shape[-1]), weight, bias, target, call
 
@@ -280,6 +285,9 @@ def _cross_entropy(hidden, weight, target, bias, box: dict, make: Callable[[], N
     def plan(needs, dtype, backend_name, sharded, sp):
         return plan_cross_entropy(box["opts"], needs, dtype, backend_name, sharded, sp)
 
+    def memory(p, h, rows, needs, world):
+        return settle_by_memory(p, h, rows, needs, box["opts"], world)
+
     def fields():
         o = box["opts"]
         return [("reduction", o.reduction), ("ignore_index", o.ignore_index), ("label_smoothing", o.label_smoothing),
@@ -290,7 +298,7 @@ def _cross_entropy(hidden, weight, target, bias, box: dict, make: Callable[[], N
         "ce", hidden, weight, target, bias, group=group, vocab_start=vocab_start, vocab_size=vocab_size,
         sequence_parallel=sequence_parallel, backend=backend, validate=validate,
         ignore_index=ignore_index if isinstance(ignore_index, int) else -100, local_checks=local_checks,
-        plan=plan, fields=fields)
+        plan=plan, fields=fields, memory=memory)
     opts = box["opts"]
     t1 = target.reshape(-1)
     tw1 = None if token_weight is None else token_weight.reshape(-1).to(accumulation_dtype(h2.dtype))

@@ -26,7 +26,7 @@ from .autograd import accumulation_dtype, backend_module, cross_entropy_grads
 from .formulas import RowStats
 from .options import BUDGET_NAMES, LossOptions
 from .parallel import VocabShard
-from .routing import Call, plan_cross_entropy
+from .routing import Call, plan_cross_entropy, settle
 from .targets import TokenTargets
 
 __all__ = ["linear_cross_entropy"]
@@ -37,7 +37,8 @@ def _call(backend, ignore_index, reduction, label_smoothing, z_loss, softcap, me
     budget = memory_budget if memory_budget in BUDGET_NAMES else float(memory_budget)
     opts = LossOptions(ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
                        z_loss=z_loss, softcap=softcap, memory_budget=budget)
-    plan = plan_cross_entropy(opts, tuple(needs), hidden.dtype, backend, False, False)
+    # the compiled graph's outputs must not depend on free memory: "auto" is the fast route here
+    plan = settle(plan_cross_entropy(opts, tuple(needs), hidden.dtype, backend, False, False), True)
     return opts, Call(VocabShard(None, 0, 1, 0, weight.shape[0], vocab_size), plan, tuple(needs))
 
 

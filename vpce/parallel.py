@@ -165,14 +165,17 @@ class CallFacts:
     ignore_index: int = -100
     error: Exception | None = None
     """An argument error this rank found; with a group, every rank raises it."""
+    fast_fits: bool | None = None
+    """Only where the route is left to memory (``memory_budget="auto"`` on a long call): whether the fast route's
+    buffers fit in this rank's free device memory. The agreement returns the AND over the group."""
 
 
 _EQUAL = ("call", "vocab_start given", "vocab_size", "host check")  # compared first, before ``fields``
 _N_FIELDS = 40                       # slots for ``_EQUAL`` and ``fields``: a (type, payload) pair each
 _MSG_WORDS = 32                      # 256 bytes of error message
 # fingerprint layout: head, then the (type, payload) pairs, then the message words
-_ERR, _ROWS, _START, _TSUM, _TMIN, _TMIN_AT, _TMAX, _TMAX_AT = range(8)
-_HEAD = 8
+_ERR, _ROWS, _START, _TSUM, _TMIN, _TMIN_AT, _TMAX, _TMAX_AT, _FITS = range(9)
+_HEAD = 9
 _ERROR_TYPES = {1: ValueError, 2: TypeError}
 _NONE, _INT, _FLOAT, _STR, _LONG_STR = range(5)
 
@@ -220,6 +223,7 @@ def _fingerprint(facts: CallFacts, device: torch.device, read: bool) -> torch.Te
         msg = [int.from_bytes(raw[8 * i: 8 * i + 8], "little", signed=True) for i in range(_MSG_WORDS)]
     head[_ROWS] = facts.rows
     head[_START] = -1 if facts.vocab_start is None else facts.vocab_start
+    head[_FITS] = -1 if facts.fast_fits is None else int(facts.fast_fits)
     host = torch.tensor(head + [x for pair in pairs for x in pair] + msg, dtype=torch.int64)
     out = host.to(device, non_blocking=True) if device.type == "cuda" else host
     t = facts.target
@@ -241,6 +245,8 @@ class Agreement(NamedTuple):
     shard: VocabShard
     poison: torch.Tensor | None
     """A 0-d fp32 device scalar (0, or NaN where the ranks disagreed) to add to every token's max, or None."""
+    fast_fits: bool | None = None
+    """``CallFacts.fast_fits`` of every rank ANDed (read on the host), or this rank's own without a group."""
 
 
 def _layout_error(rows: list[int], starts: list[int], vocab_size: int) -> str | None:
@@ -275,7 +281,7 @@ def agree(group, facts: CallFacts, device: torch.device, *, read: bool) -> Agree
             raise ValueError(f"vocab_size: expected at most the weight's {facts.rows} rows, got {size}")
         if read and facts.target is not None:
             _check_target_range(facts.target, facts.ignore_index, size)
-        return Agreement(VocabShard(None, 0, 1, 0, facts.rows, size), None)
+        return Agreement(VocabShard(None, 0, 1, 0, facts.rows, size), None, facts.fast_fits)
 
     if dist.get_backend(group) == "gloo":
         dev = torch.device("cpu")
@@ -331,7 +337,9 @@ def agree(group, facts: CallFacts, device: torch.device, *, read: bool) -> Agree
     if any(s != sums[0] for s in sums):
         raise ValueError(f"target: expected the same targets on every rank of the group (each rank computes every "
                          f"token's loss), got different targets (checksums {sums} on ranks 0..{world - 1})")
-    return Agreement(VocabShard(group, rank, world, starts[rank], rows[rank], size), None)
+    fits = host[:, _FITS].tolist()
+    fast_fits = None if facts.fast_fits is None else all(f == 1 for f in fits)
+    return Agreement(VocabShard(group, rank, world, starts[rank], rows[rank], size), None, fast_fits)
 
 
 def _raise_bad_target(target: torch.Tensor, ignore_index: int, vocab_size: int, value: int, flat_at: int,

@@ -5,6 +5,11 @@ group shares (and checks, through ``vpce.parallel.agree``).
 * ``route``: ``"fast"`` (6NDV: the gradients are formed in forward while each chunk's logits are live; the
   cross-entropy with ``mean``/``sum``), ``"lean"`` (8NDV: statistics in forward, logits recomputed in backward;
   ``reduction="none"``, ``memory_budget="lean"``, ``linear_log_probs``), or ``"forward"`` (no gradient needed).
+  With ``memory_budget="auto"`` on CUDA (Triton backend) the fast route is taken only where its buffers fit in
+  the free device memory with ``FAST_HEADROOM`` to spare, else the lean route (``settle_by_memory``). Under a group
+  that is weighed only for long calls (fp32 dX of at least ``AUTO_CHECK_BYTES``): every rank sends whether the
+  fast route fits in the agreement's fingerprint, the agreement is then read on the host (one sync), and every rank
+  takes the fast route only if it fits on all of them. Shorter calls take the fast route with no reading.
 * ``dx_reduce``: where the hidden states' gradient is summed over the group: ``"none"`` (not sharded),
   ``"region"`` (``vpce.parallel.enter_vocab_parallel`` around the backend: all-reduce or reduce-scatter in
   backward) or ``"forward"`` (the Triton fast route sums each chunk's ``dX`` in forward, overlapped with its dW
@@ -22,7 +27,11 @@ import torch
 from .options import BACKENDS, LossOptions
 from .parallel import VocabShard
 
-__all__ = ["Plan", "Call", "resolve_backend", "plan_cross_entropy", "plan_log_probs"]
+__all__ = ["Plan", "Call", "resolve_backend", "plan_cross_entropy", "plan_log_probs", "settle_by_memory",
+           "settle"]
+
+FAST_HEADROOM = 0.9      # the fast route's buffers may take at most this share of the free device memory
+AUTO_CHECK_BYTES = 2**30  # under a group, "auto" weighs memory only when the fp32 dX alone is at least this
 
 
 @dataclass(frozen=True)
@@ -30,7 +39,7 @@ class Plan:
     backend: str
     """``"triton"`` or ``"torch"``."""
     route: str
-    """``"fast"``, ``"lean"`` or ``"forward"``."""
+    """``"fast"``, ``"lean"`` or ``"forward"``; ``"auto"`` until ``settle_by_memory`` / ``settle`` decide."""
     dx_reduce: str
     """``"none"``, ``"region"`` or ``"forward"``."""
     sequence_parallel: bool
@@ -94,9 +103,48 @@ def plan_cross_entropy(opts: LossOptions, needs_grad: tuple[bool, bool, bool], d
         route = "forward"
     elif opts.reduction == "none" or opts.lean or (backend == "triton" and _softcap_corner(opts, dtype)):
         route = "lean"
+    elif opts.memory_budget == "auto" and backend == "triton":
+        route = "auto"  # fast where its buffers fit: settle_by_memory
     else:
         route = "fast"
     return Plan(backend, route, _dx_reduce(backend, route, sharded), sequence_parallel)
+
+
+def settle(plan: Plan, fast: bool) -> Plan:
+    """A plan whose route was left to memory, decided."""
+    if plan.route != "auto":
+        return plan
+    route = "fast" if fast else "lean"
+    return Plan(plan.backend, route, _dx_reduce(plan.backend, route, plan.dx_reduce != "none"),
+                plan.sequence_parallel)
+
+
+def _free_bytes(device: torch.device) -> int:
+    """Free device memory: the driver's, plus what PyTorch's caching allocator holds unused."""
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
+def settle_by_memory(plan: Plan, hidden: torch.Tensor, rows: int, needs: tuple[bool, bool, bool],
+                     opts: LossOptions, world: int) -> tuple[Plan, bool | None]:
+    """Decide a route left to memory where this rank can: ``(plan, None)``; or, under a group on a long call,
+    ``(plan still "auto", whether the fast route fits here)`` for the agreement to AND over the ranks."""
+    if plan.route != "auto":
+        return plan, None
+    capturing = hidden.is_cuda and torch.cuda.is_current_stream_capturing()
+    if not hidden.is_cuda or capturing or torch.compiler.is_compiling():
+        return settle(plan, True), None  # nothing to weigh (CPU interpreter), or no host calls wanted
+    tokens, d = hidden.numel() // hidden.shape[-1], hidden.shape[-1]
+    if plan.sequence_parallel:
+        tokens *= world  # the fast route gathers the sequence
+    if world > 1 and tokens * d * 4 < AUTO_CHECK_BYTES:
+        return settle(plan, True), None
+    from .triton_backend import fast_route_bytes
+
+    fits = fast_route_bytes(tokens, d, rows, hidden.dtype, needs, opts) <= FAST_HEADROOM * _free_bytes(hidden.device)
+    if world == 1:
+        return settle(plan, fits), None
+    return plan, fits
 
 
 def plan_log_probs(needs_grad: tuple[bool, bool, bool], backend: str, sharded: bool,

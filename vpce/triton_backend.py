@@ -50,7 +50,8 @@ from .parallel import HiddenGradReduce, RankStats, VocabShard, gather_sequence, 
 from .routing import Call
 from .targets import TokenTargets
 
-__all__ = ["cross_entropy", "log_probs", "recompute_grads", "scale_cast", "FAST_P_GIB", "LEAN_BLOCK_GIB"]
+__all__ = ["cross_entropy", "log_probs", "recompute_grads", "scale_cast", "fast_route_bytes", "FAST_P_GIB",
+           "LEAN_BLOCK_GIB"]
 
 FAST_P_GIB = 1.5     # default size of the fast route's P chunk (freed before backward's peak)
 MIN_P_GIB = 0.25     # ... and its floor when the fp32 dW accumulator is smaller than FAST_P_GIB
@@ -66,19 +67,30 @@ def _round_to(x: int, m: int) -> int:
     return max(m, (x // m) * m)
 
 
-def _fast_chunk(opts: LossOptions, shard: VocabShard, dtype: torch.dtype, d: int) -> int:
-    """Tokens per fast-route chunk; equal on every rank (depends on vocab_size / world, not V_local).
+def _fast_chunk(opts: LossOptions, cols: int, dtype: torch.dtype, d: int) -> int:
+    """Tokens per fast-route chunk for ``cols`` vocab columns per rank; equal on every rank (``cols`` is
+    ``vocab_size / world``, not V_local).
 
     By default ``P`` gets ``FAST_P_GIB``, but never more than the fp32 dW accumulator (at least
     ``MIN_P_GIB``): under tensor parallelism the shard's accumulator shrinks with the group and so does ``P``.
     """
-    cols = shard.columns_per_rank
     if isinstance(opts.memory_budget, float):
         gib = opts.memory_budget
     else:
         gib = min(FAST_P_GIB, max(MIN_P_GIB, cols * d * 4 / 2**30))
     per_tok = cols * torch.empty((), dtype=dtype).element_size()
     return _round_to(int(gib * 2**30) // per_tok, ROW_ALIGN)
+
+
+def fast_route_bytes(tokens: int, d: int, rows: int, dtype: torch.dtype, needs: tuple[bool, bool, bool],
+                     opts: LossOptions) -> int:
+    """What the fast route holds beyond its inputs and outputs for ``tokens`` tokens (all of them under sequence
+    parallelism) and ``rows`` vocab rows: the ``P`` chunk, its tile statistics, fp32 dX and the fp32 dW
+    accumulator (``vpce.routing`` weighs it against free memory)."""
+    chunk = min(max(tokens, 1), _fast_chunk(opts, max(rows, 1), dtype, d))
+    p = chunk * rows * torch.empty((), dtype=dtype).element_size()
+    tiles = chunk * 2 * math.ceil(rows / 128) * 4
+    return p + tiles + (tokens * d * 4 if needs[0] else 0) + (rows * d * 4 if needs[1] else 0)
 
 
 def _local_targets(tg: TokenTargets) -> torch.Tensor:
@@ -232,7 +244,7 @@ def cross_entropy(hidden, weight, bias, tg: TokenTargets, opts: LossOptions, cal
                     rows.store(part, st)
         return loss_tok, rows, None
 
-    chunk = min(max(n, 1), _fast_chunk(opts, shard, hidden.dtype, d))
+    chunk = min(max(n, 1), _fast_chunk(opts, shard.columns_per_rank, hidden.dtype, d))
     stats = _ChunkStats(chunk, v, hidden, smooth, False)
     p = torch.empty(chunk, v, dtype=hidden.dtype, device=dev) if v > 0 else None
     unit = tg.row_scale(torch.ones((), device=dev).expand(n))

@@ -1,0 +1,90 @@
+"""``memory_budget="auto"``: the fast route only where its buffers fit in free device memory, the same route on
+every rank (``vpce.routing.settle_by_memory``, the AND over the group in ``vpce.parallel.agree``)."""
+
+import dataclasses
+
+import pytest
+import torch
+
+import vpce
+from distributed import run_ranks
+from vpce import parallel, routing
+from vpce.options import LossOptions
+from vpce.reference import rel_err
+from problems import leaf, make_problem
+
+CUDA = torch.cuda.is_available()
+
+
+def test_auto_is_left_to_memory_only_on_the_triton_fast_route():
+    auto, lean, fast = (LossOptions(memory_budget=b) for b in ("auto", "lean", "fast"))
+    needs = (True, True, False)
+    assert routing.plan_cross_entropy(auto, needs, torch.bfloat16, "triton", False, False).route == "auto"
+    assert routing.plan_cross_entropy(auto, needs, torch.bfloat16, "torch", False, False).route == "fast"
+    assert routing.plan_cross_entropy(fast, needs, torch.bfloat16, "triton", False, False).route == "fast"
+    assert routing.plan_cross_entropy(lean, needs, torch.bfloat16, "triton", False, False).route == "lean"
+    no_grad = routing.plan_cross_entropy(auto, (False,) * 3, torch.bfloat16, "triton", False, False)
+    assert no_grad.route == "forward"
+    sharded = routing.plan_cross_entropy(auto, needs, torch.bfloat16, "triton", True, False)
+    assert routing.settle(sharded, True).dx_reduce == "forward"  # the fast route sums dX in forward
+    assert routing.settle(sharded, False) == routing.Plan("triton", "lean", "region", False)
+    # on the CPU (the interpreter) there is no device memory to weigh: the fast route, nothing for the group
+    plan, fits = routing.settle_by_memory(sharded, torch.zeros(4, 8), 16, needs, auto, world=2)
+    assert plan.route == "fast" and fits is None
+
+
+def _agree_main(rank, world, fits):
+    import torch.distributed as dist
+
+    facts = parallel.CallFacts(entry="ce", fields=(("route", "auto"),), rows=8, vocab_start=8 * rank,
+                               vocab_size=8 * world, fast_fits=fits[rank])
+    got = parallel.agree(dist.group.WORLD, facts, torch.device("cpu"), read=True).fast_fits
+    # a call right after that leaves nothing to memory: the fingerprint keeps its size, and no verdict comes back
+    again = parallel.agree(dist.group.WORLD, dataclasses.replace(facts, fast_fits=None), torch.device("cpu"),
+                           read=True).fast_fits
+    return got, again
+
+
+@pytest.mark.parametrize("fits", [(True, True, True), (True, False, True), (False, False, False)],
+                         ids=["all-fit", "one-does-not", "none-fit"])
+def test_the_group_takes_the_fast_route_only_where_it_fits_on_every_rank(fits):
+    for rank, (got, again) in enumerate(run_ranks(_agree_main, 3, fits)):
+        assert got is all(fits), f"rank {rank}: {got} for {fits}"
+        assert again is None
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_gpu_auto_takes_the_lean_route_where_the_fast_one_does_not_fit():
+    # N > V: the fast route holds fp32 dX (0.5 GiB) + dW + a P chunk; the lean route a 0.2 GiB block + fp32 dW
+    n, d, v = 65536, 2048, 16001
+    p = make_problem(n, d, v, dtype=torch.bfloat16, ignore_frac=0.1, seed=5)
+    h, w, t = p.hidden.cuda(), p.weight.cuda(), p.target.cuda()
+    from vpce.triton_backend import fast_route_bytes
+
+    need = fast_route_bytes(n, d, v, torch.bfloat16, (True, True, False), LossOptions())
+
+    def step(budget):
+        hh, ww = leaf(h), leaf(w)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        vpce.linear_cross_entropy(hh, ww, t, memory_budget=budget).backward()
+        torch.cuda.synchronize()
+        return hh.grad, ww.grad, torch.cuda.max_memory_allocated() - base
+
+    ref_dx, ref_dw, lean_peak = step("lean")
+    _, _, fast_peak = step("fast")
+    assert lean_peak < need < fast_peak + 2**28, (lean_peak, need, fast_peak)
+    torch.cuda.empty_cache()
+    free = routing._free_bytes(torch.device("cuda"))
+    # leave room for the lean route, not for the fast one (with the route's headroom)
+    room = int(0.95 * need / routing.FAST_HEADROOM)
+    assert room > 1.15 * lean_peak, (room, lean_peak)
+    blocker = torch.empty(max(0, free - room), dtype=torch.uint8, device="cuda")
+    dx, dw, peak = step("auto")
+    del blocker
+    assert peak < need, f"auto took {peak / 2**30:.2f} GiB: the fast route ({need / 2**30:.2f} GiB) did not fit"
+    assert rel_err(dx, ref_dx) == 0 and rel_err(dw, ref_dw) == 0  # the same (lean, deterministic) computation
+    torch.cuda.empty_cache()
+    _, _, peak = step("auto")  # with the memory back, the fast route
+    assert peak >= need - 2**27, f"auto took {peak / 2**30:.2f} GiB with room for the fast route"
