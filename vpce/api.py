@@ -246,8 +246,9 @@ def linear_cross_entropy(hidden, weight, target, bias=None, *, ignore_index=-100
         vocab_size: real vocab size; rows with global id >= it are padding (default: all rows).
         sequence_parallel: ``hidden`` is this rank's slice along dim 0 (Megatron SP); ``target`` is full.
         backend: ``"auto"`` (Triton on CUDA, torch otherwise), ``"triton"`` or ``"torch"``.
-        memory_budget: ``"auto"``/``"fast"`` (gradients formed in forward), ``"lean"`` (recomputed in backward),
-            or GiB of live chunk data on the fast route.
+        memory_budget: ``"fast"`` (gradients formed in forward), ``"lean"`` (recomputed in backward), ``"auto"``
+            (fast where its buffers fit in free device memory, else lean; the same on every rank; see
+            docs/api.md), or GiB of live chunk data on the fast route.
         validate: check target ids and the group's agreement eagerly on GPU too (a host sync). On CPU they are
             always checked; on GPU without it a bad target gives NaN for that token and a disagreement between
             ranks NaN everywhere.
