@@ -27,6 +27,10 @@ SHAPES = {
     "gemma2-2b": (8192, 2304, 256000),
     "llama3-70b": (16384, 8192, 128256),
     "qwen2.5-7b": (16384, 3584, 152064),
+    # long context on the Llama-3-8B head (the lean route and "auto"; peers that run out of memory say so)
+    "llama3-8b-64k": (65536, 4096, 128256),
+    "llama3-8b-128k": (131072, 4096, 128256),
+    "llama3-8b-256k": (262144, 4096, 128256),
     # --quick: seconds on a CPU
     "tiny": (256, 64, 1024),
     "tiny-odd": (200, 72, 2003),
@@ -36,7 +40,7 @@ TP_DEFAULT_SHAPES = "llama3-8b"  # --tp: the head of the multi-GPU bars (llama3-
 QUICK_SHAPES = "tiny,tiny-odd"
 
 #: Sweeps: the axis varies over these values, the other two stay at the centre shape's.
-SWEEPS = {"N": (2048, 4096, 8192, 16384, 32768), "D": (1024, 2048, 4096, 8192), "V": (32000, 64000, 128256, 256000)}
+SWEEPS = {"N": (2048, 4096, 8192, 16384, 32768, 65536, 131072, 262144), "D": (1024, 2048, 4096, 8192), "V": (32000, 64000, 128256, 256000)}
 SWEEP_CENTRE = "llama3-8b"
 QUICK_SWEEPS = {"N": (64, 128, 256, 512), "D": (32, 64, 128), "V": (256, 1024, 4096)}
 QUICK_SWEEP_CENTRE = "tiny"
