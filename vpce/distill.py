@@ -617,7 +617,8 @@ def linear_distillation_loss(hidden, weight, teacher_hidden, teacher_weight, tar
 
     def fields():
         o = box["o"]
-        return [("divergence", divergence), ("beta", o.beta), ("temperature", float(temperature)),
+        short = {"forward_kl": "fwd_kl", "reverse_kl": "rev_kl"}.get(divergence, divergence)  # read in messages
+        return [("divergence", short), ("beta", o.beta), ("temperature", float(temperature)),
                 ("temperature_squared", temperature_squared), ("ce_weight", o.ce_weight),
                 ("target given", has_target), ("reduction", o.reduction), ("ignore_index", o.ignore_index),
                 ("softcap", o.softcap), ("teacher_softcap", o.teacher_softcap), ("memory_budget", o.memory_budget),
