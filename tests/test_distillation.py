@@ -306,3 +306,51 @@ def test_errors_name_argument_expected_and_got(over, exc, words):
         _call(x, **over)
     for word in words:
         assert word in str(info.value), f"{word!r} not in {str(info.value)!r}"
+
+
+def test_autocast_casts_both_heads():
+    """Under CPU autocast (bf16), fp32 student and teacher tensors compute as if passed in bf16; the student's
+    gradients come back in fp32."""
+    x = make_pair(7, 6, 10, 17, dtype=torch.float32, bias=True, seed=13)
+    out = []
+    for auto in (True, False):
+        cast = (lambda t: t) if auto else (lambda t: None if t is None else t.to(torch.bfloat16))
+        h, w, b = leaf(cast(x.hidden)), leaf(cast(x.weight)), leaf(cast(x.bias))
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=auto):
+            loss = vpce.linear_distillation_loss(h, w, cast(x.t_hidden), cast(x.t_weight), x.target, b,
+                                                 cast(x.t_bias), divergence="jsd", ce_weight=0.3)
+        loss.backward()
+        out.append((loss, h.grad, w.grad, b.grad))
+    assert out[0][1].dtype == torch.float32 and torch.equal(out[0][0], out[1][0])
+    for got, want in zip(out[0][1:], out[1][1:]):
+        assert torch.equal(got, want.float())
+
+
+CUDA = torch.cuda.is_available()
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("divergence,beta", DIVERGENCES[:3], ids=DIV_IDS[:3])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_cuda_auto_backend_bf16(divergence, beta, reduction):
+    """On CUDA ``backend="auto"`` runs the chunked torch backend: bf16 errors no worse than plain torch's on the
+    GPU, the logits never held beyond a chunk (peak extra memory well under one [N, V] fp32 logits tensor)."""
+    from vpce.memory import PeakMemory
+
+    x = make_pair(2048, 256, 384, 8000, dtype=torch.bfloat16, bias=True, scale=4.0, reduction=reduction, seed=14)
+    dev = lambda t: None if t is None else t.cuda()  # noqa: E731
+    g = SimpleNamespace(**{k: dev(v) if isinstance(v, torch.Tensor) else v for k, v in vars(x).items()})
+    opts = dict(divergence=divergence, beta=beta, reduction=reduction, temperature=1.5, ce_weight=0.1,
+                memory_budget=0.01)
+    with PeakMemory("cuda") as pm:
+        got = run(g, **opts)
+    ref = oracle(x, **opts)
+    ours = errors(got, ref)
+    eager = reference_distillation(g.hidden, g.weight, g.t_hidden, g.t_weight, g.target, g.bias, g.t_bias,
+                                   grad=g.grad, vocab_size=g.vocab_size, dtype=torch.bfloat16,
+                                   **{k: v for k, v in opts.items() if k != "memory_budget"})
+    theirs = errors((eager.loss, eager.dhidden, eager.dweight, eager.dbias), ref)
+    for name in ours:
+        assert ours[name] <= 1.5 * theirs[name] + 1e-6, f"{name}: {ours[name]:.2e} vs torch's {theirs[name]:.2e}"
+    logits_bytes = 2048 * 8000 * 4
+    assert pm.peak < logits_bytes, f"peak extra {pm.peak / 2**20:.1f} MiB >= one fp32 logits tensor"

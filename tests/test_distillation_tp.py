@@ -140,3 +140,45 @@ def test_disagreeing_ranks_fail_together():
         for word in words:
             assert word in messages[0], f"{what}: {word!r} not in {messages[0]!r}"
         assert ranks[0][what][1] == ranks[1][what][1], f"{what}: the group is usable after the error and agrees"
+
+
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _nccl_main(rank, world):
+    """bf16 on NCCL, layout given (the device-decided agreement, no host sync): the sharded result against the
+    same call on one GPU, replicated and sequence parallel, uneven shards with padding."""
+    dev = torch.device("cuda", rank)
+    sizes = [4100, 3900][:world]
+    x = make_pair(1024 * world, 128, 192, sum(sizes), vocab_size=sum(sizes) - 37, dtype=torch.bfloat16, bias=True,
+                  scale=3.0, seed=15)
+    c = lambda t: None if t is None else t.to(dev)  # noqa: E731
+    out = []
+    for divergence, sp in (("forward_kl", False), ("jsd", True), ("reverse_kl", True)):
+        opts = dict(divergence=divergence, ce_weight=0.2, temperature=1.3, vocab_size=x.vocab_size)
+        mine = slice(rank * 1024, (rank + 1) * 1024)
+        h = leaf(c(x.hidden[mine] if sp else x.hidden))
+        w = leaf(c(_shard(x.weight, sizes, rank)))
+        loss = vpce.linear_distillation_loss(h, w, c(x.t_hidden[mine] if sp else x.t_hidden),
+                                             c(_shard(x.t_weight, sizes, rank)), c(x.target),
+                                             None, c(_shard(x.t_bias, sizes, rank)), group=dist.group.WORLD,
+                                             vocab_start=sum(sizes[:rank]), sequence_parallel=sp, **opts)
+        loss.backward()
+        h1, w1 = leaf(c(x.hidden)), leaf(c(x.weight))
+        one = vpce.linear_distillation_loss(h1, w1, c(x.t_hidden), c(x.t_weight), c(x.target), None, c(x.t_bias),
+                                            **opts)
+        one.backward()
+        want_dx = h1.grad[mine] if sp else h1.grad
+        out.append((divergence, sp, rel_err(loss, one), rel_err(h.grad, want_dx),
+                    rel_err(w.grad, _shard(w1.grad, sizes, rank))))
+    return out
+
+
+@pytest.mark.skipif(GPUS < 2, reason="needs 2 CUDA GPUs")
+def test_nccl_sharded_equals_single_gpu():
+    for rank, results in enumerate(run_ranks(_nccl_main, 2, backend="nccl", timeout=TIMEOUT)):
+        for divergence, sp, loss_err, dx_err, dw_err in results:
+            where = f"rank {rank} {divergence} sp={sp}"
+            assert loss_err < 1e-5, f"{where}: loss differs from tp=1 by {loss_err:.2e}"
+            # dX is summed over the shards in fp32 and rounded to bf16 once, like tp=1's
+            assert dx_err < 1e-2 and dw_err < 1e-2, f"{where}: dX {dx_err:.2e} dW {dw_err:.2e} vs tp=1"

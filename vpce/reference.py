@@ -241,8 +241,8 @@ def reference_distillation(hidden, weight, teacher_hidden, teacher_weight, targe
     if temperature_squared:
         per = per * temperature**2
     lead = tuple(z1.shape[:-1])
-    t = torch.zeros(lead, dtype=torch.int64) if target is None else target.long()
-    keep = torch.ones(lead, dtype=torch.bool) if target is None else t != ignore_index
+    t = torch.zeros(lead, dtype=torch.int64, device=z1.device) if target is None else target.long()
+    keep = torch.ones(lead, dtype=torch.bool, device=z1.device) if target is None else t != ignore_index
     if ce_weight:
         ce = F.cross_entropy(z1.reshape(-1, v), torch.where(keep, t, 0).reshape(-1), reduction="none")
         per = (1 - ce_weight) * per + ce_weight * ce.reshape(lead)
