@@ -354,3 +354,34 @@ def test_cuda_auto_backend_bf16(divergence, beta, reduction):
         assert ours[name] <= 1.5 * theirs[name] + 1e-6, f"{name}: {ours[name]:.2e} vs torch's {theirs[name]:.2e}"
     logits_bytes = 2048 * 8000 * 4
     assert pm.peak < logits_bytes, f"peak extra {pm.peak / 2**20:.1f} MiB >= one fp32 logits tensor"
+
+
+def _peak(n, divergence, beta, reduction, d, v, budget):
+    from vpce.memory import PeakMemory
+
+    x = make_pair(n, d, d, v, dtype=torch.float32, bias=True, reduction=reduction, seed=n)
+    h, w, b = leaf(x.hidden), leaf(x.weight), leaf(x.bias)
+    with PeakMemory("cpu") as pm:
+        loss = vpce.linear_distillation_loss(h, w, x.t_hidden, x.t_weight, x.target, b, x.t_bias,
+                                             divergence=divergence, beta=beta, reduction=reduction, ce_weight=0.1,
+                                             memory_budget=budget)
+        (loss * x.grad.float()).sum().backward()
+    return pm.peak
+
+
+@pytest.mark.parametrize("divergence,beta,reduction", [("forward_kl", None, "mean"), ("jsd", 0.5, "none")],
+                         ids=["fkl-fast", "jsd-lean"])
+def test_peak_memory_flat_in_n(divergence, beta, reduction):
+    """Forward and backward never hold ``[N, V]``: the peak extra memory (CPU, every storage an operator creates)
+    is the chunk budget plus weight-sized terms, and grows by O(D) bytes per token, not O(V)."""
+    d, v, budget = 16, 1500, 1.0 / 1024
+    ns = (64, 256)
+    peaks = [_peak(n, divergence, beta, reduction, d, v, budget) for n in ns]
+    weight_terms = 4 * v * d * 4           # dW fp32 accumulator, dW, and slack for one more copy of each
+    per_token = 2 * d * 4 + 128            # dX in fp32 and in the input dtype, per-token statistics
+    for n, p in zip(ns, peaks):
+        bound = weight_terms + 1.5 * budget * 2**30 + n * per_token
+        assert p <= bound, f"N={n}: peak {p / 2**20:.2f} MiB > bound {bound / 2**20:.2f} MiB (peaks {peaks})"
+    assert peaks[1] < ns[1] * v * 4, f"peak {peaks[1] / 2**20:.2f} MiB >= one head's [N, V] fp32 logits"
+    growth = (peaks[1] - peaks[0]) / (ns[1] - ns[0])
+    assert growth <= per_token, f"peak grows by {growth:.0f} B/token, more than O(D) ({per_token} B): {peaks}"

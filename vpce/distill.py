@@ -206,7 +206,7 @@ def _rows_layout(o: DistillOptions) -> tuple[int, int]:
 
 def _local_stats(z1, y, tg: TokenTargets, sl: slice, o: DistillOptions, c: int, acc, device) -> torch.Tensor:
     """This rank's packed ``[R, c]`` statistics of the chunk (``z1 = None``: its rows are all padding)."""
-    ce_at, total = _rows_layout(o)
+    ce_at, _ = _rows_layout(o)
     if z1 is None:
         full = lambda value: torch.full((c,), value, dtype=acc, device=device)  # noqa: E731
         rows = [full(-math.inf), full(0.0), full(-math.inf), full(0.0)] + [full(0.0)] * (ce_at - 4)
