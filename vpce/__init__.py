@@ -12,6 +12,10 @@ from .options import LossOptions
 
 __all__ = ["linear_cross_entropy", "linear_log_probs", "LinearCrossEntropy", "LossOptions"]
 
+from .distill import linear_distillation_loss  # noqa: E402
+
+__all__ += ["linear_distillation_loss"]
+
 from importlib import metadata as _metadata
 
 try:

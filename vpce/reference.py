@@ -186,3 +186,76 @@ def chunked_reference(hidden, weight, target, *, chunk_gib: float = 1.0, group=N
         dw.addmm_(g.t(), xd)
         del z, g, xd, dxc
     return Result(loss / n, dx, dw.float(), None)
+
+
+def _xlogratio(prob: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``prob * (a - b)``, 0 where ``prob`` is 0 (``a`` or ``b`` may then be ``-inf``)."""
+    return torch.where(prob == 0, torch.zeros_like(prob), prob * (a - b))
+
+
+def distillation_per_token(s: torch.Tensor, u: torch.Tensor, divergence: str, beta: float | None) -> torch.Tensor:
+    """The per-token divergence from student and teacher log-probabilities ``s``, ``u`` ``[..., V]``, by the
+    generalized JSD's definition (TRL's ``generalized_jsd_loss``): ``forward_kl`` KL(q || p), ``reverse_kl``
+    KL(p || q), ``jsd`` ``beta KL(q || m) + (1 - beta) KL(p || m)`` with ``m = beta q + (1 - beta) p``, where beta
+    0 and 1 are the forward and the reverse KL."""
+    import math
+
+    beta = 0.5 if beta is None else beta
+    if divergence == "forward_kl" or (divergence == "jsd" and beta == 0):
+        return _xlogratio(u.exp(), u, s).sum(-1)
+    if divergence == "reverse_kl" or (divergence == "jsd" and beta == 1):
+        return _xlogratio(s.exp(), s, u).sum(-1)
+    log_m = torch.logsumexp(torch.stack([s + math.log(1 - beta), u + math.log(beta)]), dim=0)
+    return beta * _xlogratio(u.exp(), u, log_m).sum(-1) + (1 - beta) * _xlogratio(s.exp(), s, log_m).sum(-1)
+
+
+def reference_distillation(hidden, weight, teacher_hidden, teacher_weight, target=None, bias=None,
+                           teacher_bias=None, *, grad=None, divergence="forward_kl", beta=None, temperature=1.0,
+                           temperature_squared=False, ce_weight=0.0, ignore_index=-100, reduction="mean",
+                           token_weight=None, softcap=None, teacher_softcap=None, vocab_size=None,
+                           dtype=torch.float64) -> Result:
+    """``vpce.linear_distillation_loss`` by its definition, dense, differentiated by autograd (student only).
+
+    ``dtype`` float64 (default) is the oracle. A 16-bit or fp32 ``dtype`` computes what a user writes today in that
+    dtype, for error bars: ``F.linear`` in the inputs' dtype, then the loss on the fp32 logits, with autograd's
+    casts.
+    """
+    if dtype == torch.float64:
+        h, w, b, z1, v = _float64_logits(hidden, weight, bias, softcap, vocab_size)
+        _, _, _, y, _ = _float64_logits(teacher_hidden, teacher_weight, teacher_bias, teacher_softcap, vocab_size)
+    else:
+        v = weight.shape[0] if vocab_size is None else vocab_size
+        h, w = (x.detach().clone().requires_grad_() for x in (hidden, weight))
+        b = None if bias is None else bias.detach().clone().requires_grad_()
+        z1 = F.linear(h, w[:v], None if b is None else b[:v]).float()
+        y = F.linear(teacher_hidden, teacher_weight[:v],
+                     None if teacher_bias is None else teacher_bias[:v]).float().detach()
+        if softcap is not None:
+            z1 = softcap * torch.tanh(z1 / softcap)
+        if teacher_softcap is not None:
+            y = teacher_softcap * torch.tanh(y / teacher_softcap)
+    y = y.detach()
+    s = torch.log_softmax(z1 / temperature, -1)
+    u = torch.log_softmax(y / temperature, -1)
+    per = distillation_per_token(s, u, divergence, beta)
+    if temperature_squared:
+        per = per * temperature**2
+    lead = tuple(z1.shape[:-1])
+    t = torch.zeros(lead, dtype=torch.int64, device=z1.device) if target is None else target.long()
+    keep = torch.ones(lead, dtype=torch.bool, device=z1.device) if target is None else t != ignore_index
+    if ce_weight:
+        ce = F.cross_entropy(z1.reshape(-1, v), torch.where(keep, t, 0).reshape(-1), reduction="none")
+        per = (1 - ce_weight) * per + ce_weight * ce.reshape(lead)
+    tw = torch.ones_like(per) if token_weight is None else token_weight.to(per.dtype)
+    per = torch.where(keep, per * tw, torch.zeros_like(per))
+    if reduction == "mean":
+        den = torch.where(keep, tw, 0).sum()
+        loss = per.sum() / (den if den != 0 else 1)
+    elif reduction == "sum":
+        loss = per.sum()
+    else:
+        loss = per
+    g = torch.ones_like(loss) if grad is None else grad.to(loss.dtype).expand_as(loss)
+    dh, dw, *db = torch.autograd.grad(loss, [h, w] + ([b] if b is not None else []), g, allow_unused=True)
+    zero = lambda x, like: torch.zeros_like(like) if x is None else x  # noqa: E731
+    return Result(loss.detach(), zero(dh, h), zero(dw, w), zero(db[0], b) if b is not None else None)

@@ -151,3 +151,16 @@ def plan_log_probs(needs_grad: tuple[bool, bool, bool], backend: str, sharded: b
                    sequence_parallel: bool) -> Plan:
     route = "lean" if any(needs_grad) else "forward"
     return Plan(backend, route, _dx_reduce(backend, route, sharded), sequence_parallel)
+
+
+def plan_distillation(reduction: str, lean: bool, needs_grad: tuple[bool, bool, bool], backend: str, sharded: bool,
+                      sequence_parallel: bool) -> Plan:
+    """``linear_distillation_loss``: the gradient formed in forward for ``mean``/``sum`` (fast), recomputed in
+    backward for ``reduction="none"`` or ``memory_budget="lean"``."""
+    if not any(needs_grad):
+        route = "forward"
+    elif reduction == "none" or lean:
+        route = "lean"
+    else:
+        route = "fast"
+    return Plan(backend, route, _dx_reduce(backend, route, sharded), sequence_parallel)
