@@ -141,6 +141,7 @@ MISMATCHES = [
     ("backend", dict(backend="triton")),
     ("vocab_size", dict(vocab_size=19)),
     ("sequence_parallel", dict(sequence_parallel=True)),
+    ("logit_scale", dict(logit_scale=2.0)),
 ]
 OTHER = ["hidden tokens", "hidden size", "hidden dtype", "target", "bad target", "vocab_start", "local error",
          "requires_grad"]

@@ -72,7 +72,7 @@ def test_op_registration_passes_opcheck():
     p = make_problem(13, 8, 40, dtype=torch.float32, bias=True, ignore_frac=0.2)
     for budget, reduction in (("auto", "mean"), ("lean", "none")):
         args = (leaf(p.hidden), leaf(p.weight), leaf(p.bias), p.target, None, "torch", -100, reduction, 0.1, 0.0,
-                None, budget, 40, [True, True, True])
+                None, budget, 40, 1.5, [True, True, True])
         torch.library.opcheck(torch.ops.vpce.linear_cross_entropy.default, args,
                               test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
 

@@ -10,6 +10,7 @@ collectives, and calls the autograd shell (``vpce.autograd``) or, under ``torch.
 
 from __future__ import annotations
 
+import math
 import numbers
 from typing import Callable
 
@@ -54,8 +55,16 @@ def _check_bool(name: str, value):
         raise TypeError(f"{name}: expected a bool, got {type(value).__name__}")
 
 
+def _check_logit_scale(value):
+    """A finite number > 0: it multiplies the logits (a negative one would turn the ranking upside down, and 0
+    would make every class equally likely whatever the inputs; negate or zero the weight for that)."""
+    _check_number("logit_scale", value, low=0.0, low_open=True)
+    if math.isinf(value):
+        raise ValueError(f"logit_scale: expected a finite number > 0, got {value}")
+
+
 def make_options(*, ignore_index=-100, reduction="mean", label_smoothing=0.0, z_loss=0.0, softcap=None,
-                 memory_budget="auto") -> LossOptions:
+                 memory_budget="auto", logit_scale=1.0) -> LossOptions:
     """Validate the per-token options once and freeze them into ``LossOptions``."""
     _check_int("ignore_index", ignore_index, allow_none=False)
     if reduction not in REDUCTIONS:
@@ -70,9 +79,11 @@ def make_options(*, ignore_index=-100, reduction="mean", label_smoothing=0.0, z_
     else:
         _check_number("memory_budget", memory_budget, low=0.0, low_open=True)
         memory_budget = float(memory_budget)
+    _check_logit_scale(logit_scale)
     return LossOptions(ignore_index=int(ignore_index), reduction=reduction,
                        label_smoothing=float(label_smoothing), z_loss=float(z_loss),
-                       softcap=None if softcap is None else float(softcap), memory_budget=memory_budget)
+                       softcap=None if softcap is None else float(softcap), memory_budget=memory_budget,
+                       logit_scale=float(logit_scale))
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -219,7 +230,7 @@ def _enter(h2: torch.Tensor, call: Call) -> torch.Tensor:
 def linear_cross_entropy(hidden, weight, target, bias=None, *, ignore_index=-100, reduction="mean",
                          label_smoothing=0.0, z_loss=0.0, softcap=None, token_weight=None, group=None,
                          vocab_start=None, vocab_size=None, sequence_parallel=False, backend="auto",
-                         memory_budget="auto", validate=False, accumulate_main_grad=False):
+                         memory_budget="auto", validate=False, accumulate_main_grad=False, logit_scale=1.0):
     """Cross-entropy of ``hidden @ weight.T (+ bias)`` against ``target`` without materializing the logits.
 
     Args:
@@ -247,6 +258,8 @@ def linear_cross_entropy(hidden, weight, target, bias=None, *, ignore_index=-100
             always checked; on GPU without it a bad target gives NaN for that token and a disagreement between
             ranks NaN everywhere.
         accumulate_main_grad: add the weight gradient in fp32 into ``weight.main_grad`` (Megatron).
+        logit_scale: a finite number > 0 that multiplies the logits after the bias and before the soft cap
+            (Cohere's ``logit_scale``; Granite's ``1 / logits_scaling``).
 
     Returns:
         The fp32 loss (fp64 for fp64 inputs): a scalar, or target's shape for ``reduction="none"``. The full
@@ -256,7 +269,8 @@ def linear_cross_entropy(hidden, weight, target, bias=None, *, ignore_index=-100
 
     def checks():
         box["opts"] = make_options(ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
-                                   z_loss=z_loss, softcap=softcap, memory_budget=memory_budget)
+                                   z_loss=z_loss, softcap=softcap, memory_budget=memory_budget,
+                                   logit_scale=logit_scale)
     return _cross_entropy(hidden, weight, target, bias, box, checks, token_weight=token_weight, group=group,
                           vocab_start=vocab_start, vocab_size=vocab_size, sequence_parallel=sequence_parallel,
                           backend=backend, validate=validate, accumulate_main_grad=accumulate_main_grad,
@@ -284,7 +298,8 @@ def _cross_entropy(hidden, weight, target, bias, box: dict, make: Callable[[], N
         o = box["opts"]
         return [("reduction", o.reduction), ("ignore_index", o.ignore_index), ("label_smoothing", o.label_smoothing),
                 ("z_loss", o.z_loss), ("softcap", o.softcap), ("memory_budget", o.memory_budget),
-                ("token_weight", token_weight is not None), ("accumulate_main_grad", accumulate_main_grad)]
+                ("token_weight", token_weight is not None), ("accumulate_main_grad", accumulate_main_grad),
+                ("logit_scale", o.logit_scale)]
 
     h2, weight, bias, target, call = _prepare(
         "ce", hidden, weight, target, bias, group=group, vocab_start=vocab_start, vocab_size=vocab_size,
@@ -311,8 +326,9 @@ def _cross_entropy(hidden, weight, target, bias, box: dict, make: Callable[[], N
 
 def linear_log_probs(hidden, weight, target, bias=None, *, temperature=1.0, softcap=None, return_entropy=False,
                      ignore_index=-100, group=None, vocab_start=None, vocab_size=None, sequence_parallel=False,
-                     backend="auto", validate=False):
-    """Per-token ``log p(target)`` under ``softmax(softcap(hidden @ weight.T + bias) / temperature)``, and with
+                     backend="auto", validate=False, logit_scale=1.0):
+    """Per-token ``log p(target)`` under ``softmax(softcap(logit_scale * (hidden @ weight.T + bias)) /
+    temperature)``, and with
     ``return_entropy=True`` also the entropy of that distribution, without materializing the logits.
 
     Args:
@@ -322,6 +338,7 @@ def linear_log_probs(hidden, weight, target, bias=None, *, temperature=1.0, soft
         softcap: logits become ``softcap * tanh(logits / softcap)`` before the temperature.
         return_entropy: also return the entropy.
         ignore_index: targets equal to it give 0 for both outputs.
+        logit_scale: a finite number > 0 that multiplies the logits before the soft cap and the temperature.
 
     Returns:
         ``log_probs`` (or ``(log_probs, entropy)``), target's shape, fp32 (fp64 for fp64 inputs on the torch
@@ -333,10 +350,12 @@ def linear_log_probs(hidden, weight, target, bias=None, *, temperature=1.0, soft
         _check_number("temperature", temperature, low=0.0, low_open=True)
         _check_number("softcap", softcap, low=0.0, low_open=True, allow_none=True)
         _check_bool("return_entropy", return_entropy)
+        _check_logit_scale(logit_scale)
 
     def fields():
         return [("ignore_index", ignore_index), ("temperature", float(temperature)),
-                ("softcap", None if softcap is None else float(softcap)), ("return_entropy", return_entropy)]
+                ("softcap", None if softcap is None else float(softcap)), ("return_entropy", return_entropy),
+                ("logit_scale", float(logit_scale))]
 
     def plan(needs, dtype, backend_name, sharded, sp):
         return plan_log_probs(needs, backend_name, sharded, sp)
@@ -346,8 +365,10 @@ def linear_log_probs(hidden, weight, target, bias=None, *, temperature=1.0, soft
         sequence_parallel=sequence_parallel, backend=backend, validate=validate,
         ignore_index=ignore_index if isinstance(ignore_index, int) else -100, local_checks=local_checks,
         plan=plan, fields=fields)
-    lp = LogProbOptions(ignore_index=int(ignore_index), softcap=None if softcap is None else float(softcap),
-                        inv_t=1.0 / float(temperature), entropy=return_entropy)
+    # the logit scale s folds into the cap and the temperature: cap_c(s x) / T = cap_{c/s}(x) * (s / T)
+    s = float(logit_scale)
+    lp = LogProbOptions(ignore_index=int(ignore_index), softcap=None if softcap is None else float(softcap) / s,
+                        inv_t=s / float(temperature), entropy=return_entropy)
     with torch.autocast(h2.device.type, enabled=False):  # the operands are already in the compute dtype
         out = LinearLogProbsFunction.apply(_enter(h2, call), weight, bias, target.reshape(-1), lp, call)
     if return_entropy:
@@ -364,11 +385,11 @@ class LinearCrossEntropy(torch.nn.Module):
 
     def __init__(self, *, ignore_index=-100, reduction="mean", label_smoothing=0.0, z_loss=0.0, softcap=None,
                  group=None, vocab_start=None, vocab_size=None, sequence_parallel=False, backend="auto",
-                 memory_budget="auto", validate=False, accumulate_main_grad=False):
+                 memory_budget="auto", validate=False, accumulate_main_grad=False, logit_scale=1.0):
         super().__init__()
         self.options = make_options(ignore_index=ignore_index, reduction=reduction,
                                     label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
-                                    memory_budget=memory_budget)
+                                    memory_budget=memory_budget, logit_scale=logit_scale)
         if backend not in BACKENDS:
             raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
         _check_int("vocab_start", vocab_start, low=0)
@@ -388,5 +409,5 @@ class LinearCrossEntropy(torch.nn.Module):
     def extra_repr(self) -> str:
         o = self.options
         return (f"reduction={o.reduction!r}, ignore_index={o.ignore_index}, label_smoothing={o.label_smoothing}, "
-                f"z_loss={o.z_loss}, softcap={o.softcap}, backend={self.backend!r}, "
+                f"z_loss={o.z_loss}, softcap={o.softcap}, logit_scale={o.logit_scale}, backend={self.backend!r}, "
                 f"memory_budget={o.memory_budget!r}, sharded={self.group is not None}")

@@ -42,7 +42,7 @@ def cross_entropy_grads(hidden, weight, bias, target, token_weight, rows: RowSta
     scale = tg.row_scale(g.expand(hidden.shape[0]) if g.dim() == 0 else g.reshape(-1))
     coef = ce_coefficients(scale, rows.lse, opts, call.shard.vocab_size)
     return backend_module(call.plan.backend).recompute_grads(hidden, weight, bias, tg, rows, coef, call,
-                                                             opts.softcap, 1.0, main_weight)
+                                                             *opts.folded_cap(), main_weight)
 
 
 class LinearCrossEntropyFunction(torch.autograd.Function):

@@ -14,7 +14,8 @@ The gradient with respect to the pre-cap logit ``x_j`` always has the form::
 so a backend only needs the per-row vectors ``a, b, c, d`` (the ``1/T`` folded in). Writing the target's entry
 through ``q`` keeps a confident token's ``p_t - 1`` exact where ``p_t`` itself rounds to 1.
 
-* cross-entropy with label smoothing ``eps`` and z-loss ``zl``, row scale ``s`` (upstream gradient x token weight):
+* cross-entropy with label smoothing ``eps`` and z-loss ``zl``, row scale ``s`` (upstream gradient x token weight,
+  times the logit scale):
   ``loss = (1 - eps) nll + eps (lse - sum_j z_j / V) + zl lse^2``;
   ``a = s (1 + 2 zl lse)``, ``b = 0``, ``c = -s (1 - eps)``, ``d = -s eps / V``;
 * log-probability and entropy with upstream gradients ``gL``, ``gH``:
@@ -83,6 +84,8 @@ def ce_loss(st: RankStats, opts: LossOptions, vocab_size: int) -> torch.Tensor:
 
 def ce_coefficients(scale: torch.Tensor, lse: torch.Tensor, opts: LossOptions, vocab_size: int) -> Coefficients:
     eps = opts.label_smoothing
+    if opts.logit_scale != 1.0:
+        scale = scale * opts.logit_scale  # dz/dx = logit_scale (times the cap's derivative)
     a = scale * (1 + 2 * opts.z_loss * lse) if opts.z_loss else scale
     d = scale * (-eps / vocab_size) if eps else None
     return Coefficients(a.contiguous(), None, (scale * -(1 - eps)).contiguous(), None if d is None else d.contiguous())

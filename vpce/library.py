@@ -32,11 +32,11 @@ from .targets import TokenTargets
 __all__ = ["linear_cross_entropy"]
 
 
-def _call(backend, ignore_index, reduction, label_smoothing, z_loss, softcap, memory_budget, vocab_size, needs,
-          hidden, weight) -> tuple[LossOptions, Call]:
+def _call(backend, ignore_index, reduction, label_smoothing, z_loss, softcap, memory_budget, vocab_size,
+          logit_scale, needs, hidden, weight) -> tuple[LossOptions, Call]:
     budget = memory_budget if memory_budget in BUDGET_NAMES else float(memory_budget)
     opts = LossOptions(ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
-                       z_loss=z_loss, softcap=softcap, memory_budget=budget)
+                       z_loss=z_loss, softcap=softcap, memory_budget=budget, logit_scale=logit_scale)
     plan = plan_cross_entropy(opts, tuple(needs), hidden.dtype, backend, False, False)
     return opts, Call(VocabShard(None, 0, 1, 0, weight.shape[0], vocab_size), plan, tuple(needs))
 
@@ -44,10 +44,10 @@ def _call(backend, ignore_index, reduction, label_smoothing, z_loss, softcap, me
 @torch.library.custom_op("vpce::linear_cross_entropy", mutates_args=())
 def _forward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, token_weight: Optional[Tensor],
              backend: str, ignore_index: int, reduction: str, label_smoothing: float, z_loss: float,
-             softcap: Optional[float], memory_budget: str, vocab_size: int, needs: list[bool]
+             softcap: Optional[float], memory_budget: str, vocab_size: int, logit_scale: float, needs: list[bool]
              ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     opts, call = _call(backend, ignore_index, reduction, label_smoothing, z_loss, softcap, memory_budget,
-                       vocab_size, needs, hidden, weight)
+                       vocab_size, logit_scale, needs, hidden, weight)
     tg = TokenTargets(target, call.shard, opts.ignore_index, token_weight)
     loss_tok, rows, fast = backend_module(backend).cross_entropy(hidden, weight, bias, tg, opts, call)
     empty = lambda: hidden.new_empty(0, dtype=accumulation_dtype(hidden.dtype))  # noqa: E731 - fresh per output
@@ -59,9 +59,9 @@ def _forward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target: Ten
 
 @_forward.register_fake
 def _(hidden, weight, bias, target, token_weight, backend, ignore_index, reduction, label_smoothing, z_loss,
-      softcap, memory_budget, vocab_size, needs):
+      softcap, memory_budget, vocab_size, logit_scale, needs):
     _, call = _call(backend, ignore_index, reduction, label_smoothing, z_loss, softcap, memory_budget, vocab_size,
-                    needs, hidden, weight)
+                    logit_scale, needs, hidden, weight)
     fast, lean = call.plan.route == "fast", call.plan.route == "lean"
     n, d = hidden.shape
     v = min(weight.shape[0], vocab_size)
@@ -77,9 +77,9 @@ def _recompute_backward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], 
                         token_weight: Optional[Tensor], m: Tensor, log_s: Tensor, q: Tensor, denominator: Tensor,
                         grad: Tensor, backend: str, ignore_index: int, reduction: str, label_smoothing: float,
                         z_loss: float, softcap: Optional[float], memory_budget: str, vocab_size: int,
-                        needs: list[bool]) -> tuple[Tensor, Tensor, Tensor]:
+                        logit_scale: float, needs: list[bool]) -> tuple[Tensor, Tensor, Tensor]:
     opts, call = _call(backend, ignore_index, reduction, label_smoothing, z_loss, softcap, memory_budget,
-                       vocab_size, needs, hidden, weight)
+                       vocab_size, logit_scale, needs, hidden, weight)
     dx, dw, db = cross_entropy_grads(hidden, weight, bias, target, token_weight, RowStats(m, log_s, q), grad,
                                      denominator, opts, call)
     empty = lambda: hidden.new_empty(0)  # noqa: E731
@@ -88,7 +88,7 @@ def _recompute_backward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], 
 
 @_recompute_backward.register_fake
 def _(hidden, weight, bias, target, token_weight, m, log_s, q, denominator, grad, backend, ignore_index, reduction,
-      label_smoothing, z_loss, softcap, memory_budget, vocab_size, needs):
+      label_smoothing, z_loss, softcap, memory_budget, vocab_size, logit_scale, needs):
     like = lambda t, need: torch.empty_like(t) if need and t is not None else hidden.new_empty(0)  # noqa: E731
     return like(hidden, needs[0]), like(weight, needs[1]), like(bias, needs[2])
 
@@ -133,5 +133,5 @@ def linear_cross_entropy(hidden, weight, bias, target, token_weight, backend: st
     budget = opts.memory_budget if isinstance(opts.memory_budget, str) else repr(opts.memory_budget)
     out = torch.ops.vpce.linear_cross_entropy(hidden, weight, bias, target, token_weight, backend, opts.ignore_index,
                                               opts.reduction, opts.label_smoothing, opts.z_loss, opts.softcap,
-                                              budget, vocab_size, list(needs))
+                                              budget, vocab_size, opts.logit_scale, list(needs))
     return out[0]

@@ -20,25 +20,29 @@ class Result:
     dbias: torch.Tensor | None
 
 
-def _float64_logits(hidden, weight, bias, softcap, vocab_size):
-    """float64 leaves (h, w, b) and the (soft-capped) logits over the real vocab ``v`` (rows past it dropped)."""
+def _float64_logits(hidden, weight, bias, softcap, vocab_size, logit_scale=1.0):
+    """float64 leaves (h, w, b) and the (scaled, soft-capped) logits over the real vocab ``v`` (rows past it
+    dropped)."""
     v = weight.shape[0] if vocab_size is None else vocab_size
     h = hidden.detach().double().requires_grad_()
     w = weight.detach().double().requires_grad_()
     b = None if bias is None else bias.detach().double().requires_grad_()
     z = F.linear(h, w[:v], None if b is None else b[:v])
+    if logit_scale != 1.0:
+        z = z * logit_scale
     if softcap is not None:
         z = softcap * torch.tanh(z / softcap)
     return h, w, b, z, v
 
 
 def reference(hidden, weight, target, bias=None, *, grad=None, ignore_index=-100, reduction="mean",
-              label_smoothing=0.0, z_loss=0.0, softcap=None, vocab_size=None, token_weight=None) -> Result:
+              label_smoothing=0.0, z_loss=0.0, softcap=None, vocab_size=None, token_weight=None,
+              logit_scale=1.0) -> Result:
     """Loss and gradients in float64. ``weight`` is the whole vocab (padding rows allowed past vocab_size).
 
     ``grad`` is the upstream gradient of the returned loss (scalar or per-token); None means 1.
     """
-    h, w, b, z, v = _float64_logits(hidden, weight, bias, softcap, vocab_size)
+    h, w, b, z, v = _float64_logits(hidden, weight, bias, softcap, vocab_size, logit_scale)
     z = z.reshape(-1, v)
     t = target.reshape(-1).long()
     keep = t != ignore_index
@@ -114,10 +118,10 @@ def describe(a: torch.Tensor, b: torch.Tensor) -> str:
 
 
 def reference_log_probs(hidden, weight, target, bias=None, *, g_logp=None, g_ent=None, temperature=1.0,
-                        softcap=None, vocab_size=None, ignore_index=-100):
-    """float64 per-token log p(target) and entropy of softmax(cap(logits) / T); gradients for upstream
+                        softcap=None, vocab_size=None, ignore_index=-100, logit_scale=1.0):
+    """float64 per-token log p(target) and entropy of softmax(cap(logit_scale * logits) / T); gradients for upstream
     ``g_logp`` / ``g_ent`` (None: that output unused). Ignored tokens give 0 for both outputs."""
-    h, w, b, z, v = _float64_logits(hidden, weight, bias, softcap, vocab_size)
+    h, w, b, z, v = _float64_logits(hidden, weight, bias, softcap, vocab_size, logit_scale)
     logq = torch.log_softmax(z / temperature, dim=-1)
     keep = target != ignore_index
     logp = torch.where(keep, logq.gather(-1, torch.where(keep, target, 0).long()[..., None]).squeeze(-1), 0)

@@ -163,15 +163,16 @@ def cross_entropy(hidden, weight, bias, tg: TokenTargets, opts: LossOptions, cal
     loss_tok = torch.empty(n, dtype=acc, device=hidden.device)
     keep = call.plan.route == "lean"
     rows = RowStats.empty(n, acc, hidden.device) if keep else None
+    cap, mult = opts.folded_cap()
     for c0 in range(0, n, chunk):
         sl = slice(c0, min(n, c0 + chunk))
-        z, st = _chunk_stats(hidden, w, b, tg, sl, call, opts.softcap, acc, sum_z=smooth)
+        z, st = _chunk_stats(hidden, w, b, tg, sl, call, cap, acc, sum_z=smooth, inv_t=mult)
         loss_tok[sl] = tg.token_loss(ce_loss(st, opts, shard.vocab_size), sl)
         if keep:
             rows.store(sl, st)
         if fast and v > 0:
             co = ce_coefficients(unit[sl], st.lse, opts, shard.vocab_size)
-            g = _logit_grad_(z, RowStats.of(st), co, tg.idx[sl], tg.in_shard[sl], opts.softcap)
+            g = _logit_grad_(z, RowStats.of(st), co, tg.idx[sl], tg.in_shard[sl], cap, mult)
             _accumulate(g, hidden[sl], w, sl, dx, dw, db)
         del z  # before the next chunk's logits exist: one chunk live at a time
     return loss_tok, rows, FastGrads(dx, dw, db) if fast else None

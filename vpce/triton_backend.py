@@ -188,7 +188,7 @@ def cross_entropy(hidden, weight, bias, tg: TokenTargets, opts: LossOptions, cal
         stats = _ChunkStats(min(max(n, 1), STATS_TOKENS), v, hidden, smooth, False)
         for c0 in range(0, n, STATS_TOKENS):
             sl = slice(c0, min(n, c0 + STATS_TOKENS))
-            for part, _, st in stats.parts(hidden, w, b, tl_local, sl, call, opts.softcap):
+            for part, _, st in stats.parts(hidden, w, b, tl_local, sl, call, *opts.folded_cap()):
                 loss_tok[part] = tg.token_loss(ce_loss(st, opts, shard.vocab_size), part)
                 if keep:
                     rows.store(part, st)
@@ -208,12 +208,12 @@ def cross_entropy(hidden, weight, bias, tg: TokenTargets, opts: LossOptions, cal
     for c0 in range(0, n, chunk):
         sl = slice(c0, min(n, c0 + chunk))
         pc = None if p is None else p[: sl.stop - sl.start]
-        for part, r, st in stats.parts(hidden, w, b, tl_local, sl, call, opts.softcap, p=pc):
+        for part, r, st in stats.parts(hidden, w, b, tl_local, sl, call, *opts.folded_cap(), p=pc):
             loss_tok[part] = tg.token_loss(ce_loss(st, opts, shard.vocab_size), part)
             if v > 0:
                 co = ce_coefficients(unit[part], st.lse, opts, shard.vocab_size)
                 kernels.probs_to_grad_(pc[r], pc[r], stats.m[r], RowStats.of(st), stats.zt[r], tl_local[part],
-                                       (co.a, co.c, co.d), opts.softcap, kernels.tile_n(hidden))
+                                       (co.a, co.c, co.d), opts.softcap, kernels.tile_n(hidden))  # z's own cap
         if v > 0 and dx is not None:
             mm_into(dx[sl], pc, w)
         if reduce_dx is not None:  # overlaps this chunk's dW GEMM and the next chunk
