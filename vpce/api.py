@@ -154,6 +154,23 @@ def _check_token_weight(token_weight, target: torch.Tensor):
                          "weights), got requires_grad=True; pass token_weight.detach()")
 
 
+def _check_class_weight(class_weight, weight: torch.Tensor):
+    if class_weight is None:
+        return
+    if not isinstance(class_weight, torch.Tensor):
+        raise TypeError(f"class_weight: expected a torch.Tensor or None, got {type(class_weight).__name__}")
+    if not class_weight.is_floating_point():
+        raise TypeError(f"class_weight: expected a floating dtype, got {class_weight.dtype}")
+    if class_weight.shape != (weight.shape[0],):
+        raise ValueError(f"class_weight: expected shape ({weight.shape[0]},) (weight's rows: this shard's classes), "
+                         f"got {tuple(class_weight.shape)}")
+    if class_weight.device != weight.device:
+        raise ValueError(f"class_weight: expected device {weight.device} (weight's), got {class_weight.device}")
+    if class_weight.requires_grad:
+        raise ValueError("class_weight: expected a tensor that does not require grad (no gradient flows to the "
+                         "weights), got requires_grad=True; pass class_weight.detach()")
+
+
 def _autocast_operands(hidden, weight, bias):
     """Under ``torch.autocast`` the GEMM operands are cast to the autocast dtype, as ``nn.Linear``'s are. The casts
     are differentiable, so the gradients come back in the parameters' own dtype (fp32 for fp32 parameters); the
@@ -230,7 +247,8 @@ def _enter(h2: torch.Tensor, call: Call) -> torch.Tensor:
 def linear_cross_entropy(hidden, weight, target, bias=None, *, ignore_index=-100, reduction="mean",
                          label_smoothing=0.0, z_loss=0.0, softcap=None, token_weight=None, group=None,
                          vocab_start=None, vocab_size=None, sequence_parallel=False, backend="auto",
-                         memory_budget="auto", validate=False, accumulate_main_grad=False, logit_scale=1.0):
+                         memory_budget="auto", validate=False, accumulate_main_grad=False, logit_scale=1.0,
+                         class_weight=None):
     """Cross-entropy of ``hidden @ weight.T (+ bias)`` against ``target`` without materializing the logits.
 
     Args:
@@ -260,6 +278,9 @@ def linear_cross_entropy(hidden, weight, target, bias=None, *, ignore_index=-100
         accumulate_main_grad: add the weight gradient in fp32 into ``weight.main_grad`` (Megatron).
         logit_scale: a finite number > 0 that multiplies the logits after the bias and before the soft cap
             (Cohere's ``logit_scale``; Granite's ``1 / logits_scaling``).
+        class_weight: float ``[V_local]``, sharded like the weight rows (padding rows ignored), no grad: per-class
+            weights with ``torch.nn.functional.cross_entropy(weight=...)``'s semantics, label smoothing included;
+            ``mean`` divides by the sum of the target classes' weights over non-ignored tokens.
 
     Returns:
         The fp32 loss (fp64 for fp64 inputs): a scalar, or target's shape for ``reduction="none"``. The full
@@ -274,15 +295,16 @@ def linear_cross_entropy(hidden, weight, target, bias=None, *, ignore_index=-100
     return _cross_entropy(hidden, weight, target, bias, box, checks, token_weight=token_weight, group=group,
                           vocab_start=vocab_start, vocab_size=vocab_size, sequence_parallel=sequence_parallel,
                           backend=backend, validate=validate, accumulate_main_grad=accumulate_main_grad,
-                          ignore_index=ignore_index)
+                          ignore_index=ignore_index, class_weight=class_weight)
 
 
 def _cross_entropy(hidden, weight, target, bias, box: dict, make: Callable[[], None], *, token_weight, group,
                    vocab_start, vocab_size, sequence_parallel, backend, validate, accumulate_main_grad,
-                   ignore_index):
+                   ignore_index, class_weight=None):
     def local_checks(w, cast_by_autocast):
         make()
         _check_token_weight(token_weight, target)
+        _check_class_weight(class_weight, w)
         _check_bool("accumulate_main_grad", accumulate_main_grad)
         if accumulate_main_grad:
             check_main_grad(w)
@@ -299,7 +321,7 @@ def _cross_entropy(hidden, weight, target, bias, box: dict, make: Callable[[], N
         return [("reduction", o.reduction), ("ignore_index", o.ignore_index), ("label_smoothing", o.label_smoothing),
                 ("z_loss", o.z_loss), ("softcap", o.softcap), ("memory_budget", o.memory_budget),
                 ("token_weight", token_weight is not None), ("accumulate_main_grad", accumulate_main_grad),
-                ("logit_scale", o.logit_scale)]
+                ("logit_scale", o.logit_scale), ("class_weight", class_weight is not None)]
 
     h2, weight, bias, target, call = _prepare(
         "ce", hidden, weight, target, bias, group=group, vocab_start=vocab_start, vocab_size=vocab_size,
@@ -309,6 +331,7 @@ def _cross_entropy(hidden, weight, target, bias, box: dict, make: Callable[[], N
     opts = box["opts"]
     t1 = target.reshape(-1)
     tw1 = None if token_weight is None else token_weight.reshape(-1).to(accumulation_dtype(h2.dtype))
+    cw1 = None if class_weight is None else class_weight.to(accumulation_dtype(h2.dtype)).contiguous()
     if torch.compiler.is_compiling():
         if call.shard.sharded or accumulate_main_grad:
             raise NotImplementedError("vpce under torch.compile supports one process without "
@@ -316,11 +339,11 @@ def _cross_entropy(hidden, weight, target, bias, box: dict, make: Callable[[], N
         from . import library
         with torch.autocast(h2.device.type, enabled=False):  # the operands are already in the compute dtype
             loss = library.linear_cross_entropy(h2, weight, bias, t1, tw1, call.plan.backend, opts,
-                                                call.shard.vocab_size, call.needs_grad)
+                                                call.shard.vocab_size, call.needs_grad, cw1)
     else:
         call = Call(call.shard, call.plan, call.needs_grad, accumulate_main_grad, call.poison)
         with torch.autocast(h2.device.type, enabled=False):
-            loss = LinearCrossEntropyFunction.apply(_enter(h2, call), weight, bias, t1, tw1, opts, call)
+            loss = LinearCrossEntropyFunction.apply(_enter(h2, call), weight, bias, t1, tw1, opts, call, cw1)
     return loss.reshape(target.shape) if opts.reduction == "none" else loss
 
 
@@ -379,8 +402,8 @@ def linear_log_probs(hidden, weight, target, bias=None, *, temperature=1.0, soft
 class LinearCrossEntropy(torch.nn.Module):
     """Module form of ``linear_cross_entropy``; options are validated once, at construction.
 
-    ``forward(hidden, weight, target, bias=None, token_weight=None)``; the weight is passed in (not owned) so that a
-    tied or Megatron-owned lm_head weight can be used as is.
+    ``forward(hidden, weight, target, bias=None, token_weight=None, class_weight=None)``; the weight is passed in
+    (not owned) so that a tied or Megatron-owned lm_head weight can be used as is.
     """
 
     def __init__(self, *, ignore_index=-100, reduction="mean", label_smoothing=0.0, z_loss=0.0, softcap=None,
@@ -398,13 +421,13 @@ class LinearCrossEntropy(torch.nn.Module):
         self.sequence_parallel, self.backend, self.validate = sequence_parallel, backend, validate
         self.accumulate_main_grad = accumulate_main_grad
 
-    def forward(self, hidden, weight, target, bias=None, token_weight=None):
+    def forward(self, hidden, weight, target, bias=None, token_weight=None, class_weight=None):
         box = {"opts": self.options}
         return _cross_entropy(hidden, weight, target, bias, box, lambda: None, token_weight=token_weight,
                               group=self.group, vocab_start=self.vocab_start, vocab_size=self.vocab_size,
                               sequence_parallel=self.sequence_parallel, backend=self.backend,
                               validate=self.validate, accumulate_main_grad=self.accumulate_main_grad,
-                              ignore_index=self.options.ignore_index)
+                              ignore_index=self.options.ignore_index, class_weight=class_weight)
 
     def extra_repr(self) -> str:
         o = self.options

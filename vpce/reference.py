@@ -37,10 +37,13 @@ def _float64_logits(hidden, weight, bias, softcap, vocab_size, logit_scale=1.0):
 
 def reference(hidden, weight, target, bias=None, *, grad=None, ignore_index=-100, reduction="mean",
               label_smoothing=0.0, z_loss=0.0, softcap=None, vocab_size=None, token_weight=None,
-              logit_scale=1.0) -> Result:
+              logit_scale=1.0, class_weight=None) -> Result:
     """Loss and gradients in float64. ``weight`` is the whole vocab (padding rows allowed past vocab_size).
 
-    ``grad`` is the upstream gradient of the returned loss (scalar or per-token); None means 1.
+    ``grad`` is the upstream gradient of the returned loss (scalar or per-token); None means 1. ``class_weight``
+    (``[rows]``, padding rows ignored) weights the loss as ``F.cross_entropy(weight=...)`` does, written out here:
+    per token ``(1 - eps) w_t (-log p_t) + (eps / V) sum_c w_c (-log p_c) + z_loss w_t lse^2``, and ``mean``
+    divides by the sum of ``w_t`` (times the token weights) over non-ignored tokens.
     """
     h, w, b, z, v = _float64_logits(hidden, weight, bias, softcap, vocab_size, logit_scale)
     z = z.reshape(-1, v)
@@ -49,15 +52,26 @@ def reference(hidden, weight, target, bias=None, *, grad=None, ignore_index=-100
     safe = torch.where(keep, t, 0)
     lse = torch.logsumexp(z, dim=-1)
     zt = z.gather(1, safe[:, None]).squeeze(1)
-    per = lse - (1 - label_smoothing) * zt
-    if label_smoothing:  # (a -inf logit makes the mean -inf: no 0 * inf where there is no smoothing)
-        per = per - label_smoothing * z.mean(-1)
-    if z_loss:
-        per = per + z_loss * lse**2
-    tw = torch.ones_like(per) if token_weight is None else token_weight.reshape(-1).double()
+    tw = torch.ones_like(lse) if token_weight is None else token_weight.reshape(-1).double()
+    if class_weight is None:
+        per = lse - (1 - label_smoothing) * zt
+        if label_smoothing:  # (a -inf logit makes the mean -inf: no 0 * inf where there is no smoothing)
+            per = per - label_smoothing * z.mean(-1)
+        if z_loss:
+            per = per + z_loss * lse**2
+        counted = tw
+    else:
+        cw = class_weight.detach().double()[:v]
+        wt = cw[safe]
+        per = (1 - label_smoothing) * wt * (lse - zt)
+        if label_smoothing:
+            per = per + label_smoothing / v * ((lse[:, None] - z) * cw).sum(-1)
+        if z_loss:
+            per = per + z_loss * wt * lse**2
+        counted = tw * wt
     per = torch.where(keep, per * tw, torch.zeros_like(per))
     if reduction == "mean":
-        den = torch.where(keep, tw, 0).sum()
+        den = torch.where(keep, counted, 0).sum()
         loss = per.sum() / (den if den != 0 else 1)
     elif reduction == "sum":
         loss = per.sum()
