@@ -28,7 +28,7 @@ __all__ = ["linear_cross_entropy", "linear_log_probs", "LinearCrossEntropy"]
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def _check_number(name: str, value, *, low=None, low_open=False, high_open=None, allow_none=False):
+def _check_number(name: str, value, *, low=None, low_open=False, high_open=None, allow_none=False, high=None):
     if value is None and allow_none:
         return
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
@@ -39,6 +39,8 @@ def _check_number(name: str, value, *, low=None, low_open=False, high_open=None,
         raise ValueError(f"{name}: expected {'>' if low_open else '>='} {low}, got {value}")
     if high_open is not None and value >= high_open:
         raise ValueError(f"{name}: expected < {high_open}, got {value}")
+    if high is not None and value > high:
+        raise ValueError(f"{name}: expected <= {high}, got {value}")
 
 
 def _check_int(name: str, value, *, low=None, allow_none=True):
@@ -69,7 +71,7 @@ def make_options(*, ignore_index=-100, reduction="mean", label_smoothing=0.0, z_
     _check_int("ignore_index", ignore_index, allow_none=False)
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction: expected one of {REDUCTIONS}, got {reduction!r}")
-    _check_number("label_smoothing", label_smoothing, low=0.0, high_open=1.0)
+    _check_number("label_smoothing", label_smoothing, low=0.0, high=1.0)  # torch's range: 1.0 included
     _check_number("z_loss", z_loss, low=0.0)
     _check_number("softcap", softcap, low=0.0, low_open=True, allow_none=True)
     if isinstance(memory_budget, str):
@@ -258,7 +260,7 @@ def linear_cross_entropy(hidden, weight, target, bias=None, *, ignore_index=-100
             full sequence); ``ignore_index`` marks tokens that count for nothing.
         bias: ``[V_local]`` or None.
         reduction: ``"mean"`` over non-ignored tokens (0 when there are none), ``"sum"``, or ``"none"``.
-        label_smoothing: in [0, 1), torch's definition over the real global vocab.
+        label_smoothing: in [0, 1], torch's definition over the real global vocab.
         z_loss: adds ``z_loss * lse**2`` per token.
         softcap: logits become ``softcap * tanh(logits / softcap)`` (Gemma 2).
         token_weight: float, target's shape, no grad: scales each token's loss; ``mean`` divides by the weights'
