@@ -119,6 +119,8 @@ def _mismatch(rank, key):
             args["reduction"] = "avg"
         elif key == "requires_grad":
             args["hidden"] = args["hidden"].detach()
+        elif key == "class_weight":  # only rank 1 weights its classes
+            args["class_weight"] = torch.rand(args["weight"].shape[0])
         else:
             args.update(dict(MISMATCHES)[key])
     if key == "vocab_start" and rank != 1:
@@ -141,9 +143,10 @@ MISMATCHES = [
     ("backend", dict(backend="triton")),
     ("vocab_size", dict(vocab_size=19)),
     ("sequence_parallel", dict(sequence_parallel=True)),
+    ("logit_scale", dict(logit_scale=2.0)),
 ]
 OTHER = ["hidden tokens", "hidden size", "hidden dtype", "target", "bad target", "vocab_start", "local error",
-         "requires_grad"]
+         "requires_grad", "class_weight"]
 EXPECT = {  # the field the shared error must name
     "hidden tokens": "hidden", "hidden size": "hidden", "hidden dtype": "dtype", "target": "target",
     "bad target": "target: expected ids in [0, 20)", "vocab_start": "vocab_start", "local error": "reduction",

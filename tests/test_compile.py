@@ -35,6 +35,26 @@ def test_fullgraph_equals_eager(backend, reduction, budget):
         assert rel_err(c, a) < 1e-6, f"{name}: compiled differs from eager by {rel_err(c, a):.2e}"
 
 
+@pytest.mark.parametrize("budget", ["auto", "lean"])
+def test_fullgraph_with_class_weight_and_logit_scale(budget):
+    """The op carries the class weights and the logit scale (fast route; lean: its backward op too)."""
+    torch._dynamo.reset()
+    p = make_problem(21, 16, 50, dtype=torch.float32, bias=True, ignore_frac=0.2, seed=2)
+    cw = torch.rand(50, generator=torch.Generator().manual_seed(1)).to(DEV)
+
+    def loss_fn(h, w, t, b):
+        return vpce.linear_cross_entropy(h, w, t, b, memory_budget=budget, label_smoothing=0.1, logit_scale=1.5,
+                                         class_weight=cw)
+    results = []
+    for fn in (loss_fn, torch.compile(loss_fn, fullgraph=True)):
+        h, w, b = (leaf(x.to(DEV)) for x in (p.hidden, p.weight, p.bias))
+        loss = fn(h, w, p.target.to(DEV), b)
+        loss.backward()
+        results.append((loss.detach(), h.grad, w.grad, b.grad))
+    for name, a, c in zip(("loss", "dX", "dW", "db"), *results):
+        assert rel_err(c, a) < 1e-6, f"{name}: compiled differs from eager by {rel_err(c, a):.2e}"
+
+
 def test_compiled_training_step():
     """A tiny model's whole forward (trunk + vpce loss) compiled with fullgraph=True, then backward + SGD."""
     torch._dynamo.reset()
@@ -71,8 +91,8 @@ def test_op_registration_passes_opcheck():
 
     p = make_problem(13, 8, 40, dtype=torch.float32, bias=True, ignore_frac=0.2)
     for budget, reduction in (("auto", "mean"), ("lean", "none")):
-        args = (leaf(p.hidden), leaf(p.weight), leaf(p.bias), p.target, None, "torch", -100, reduction, 0.1, 0.0,
-                None, budget, 40, [True, True, True])
+        args = (leaf(p.hidden), leaf(p.weight), leaf(p.bias), p.target, None, torch.rand(40), "torch", -100,
+                reduction, 0.1, 0.0, None, budget, 40, 1.5, [True, True, True])
         torch.library.opcheck(torch.ops.vpce.linear_cross_entropy.default, args,
                               test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
 

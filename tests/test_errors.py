@@ -32,7 +32,7 @@ CASES = [
     ({"bias": [0.0]}, TypeError, ["bias", "Tensor", "list"]),
     ({"weight": torch.randn(20, 8, device="meta")}, ValueError, ["weight", "device cpu", "meta"]),
     ({"reduction": "avg"}, ValueError, ["reduction", "'mean'", "'avg'"]),
-    ({"label_smoothing": 1.0}, ValueError, ["label_smoothing", "< 1.0", "1.0"]),
+    ({"label_smoothing": 1.5}, ValueError, ["label_smoothing", "<= 1.0", "1.5"]),
     ({"label_smoothing": -0.1}, ValueError, ["label_smoothing", ">= 0.0", "-0.1"]),
     ({"label_smoothing": "0.1"}, TypeError, ["label_smoothing", "real number", "str"]),
     ({"z_loss": -1e-4}, ValueError, ["z_loss", ">= 0.0", "-0.0001"]),

@@ -3,14 +3,15 @@
 Layout: ``api`` (the public functions and module, argument checks), ``routing`` (the route of a call),
 ``parallel`` (the agreement between ranks, shard ranges, statistics exchange, autograd-aware collectives),
 ``autograd`` (the autograd shells), ``torch_backend`` (pure-PyTorch chunked backend, the CPU path),
-``triton_backend`` and ``kernels`` (fused GPU kernels), ``reference`` (the float64 reference), ``bench``
-(``python -m vpce.bench``).
+``triton_backend`` and ``kernels`` (fused GPU kernels), ``reference`` (the float64 reference), ``nn`` (torch's
+``linear_cross_entropy`` / ``LinearCrossEntropyLoss`` signatures on vpce), ``bench`` (``python -m vpce.bench``).
 """
 
+from . import nn
 from .api import LinearCrossEntropy, linear_cross_entropy, linear_log_probs
 from .options import LossOptions
 
-__all__ = ["linear_cross_entropy", "linear_log_probs", "LinearCrossEntropy", "LossOptions"]
+__all__ = ["linear_cross_entropy", "linear_log_probs", "LinearCrossEntropy", "LossOptions", "nn"]
 
 from .distill import linear_distillation_loss  # noqa: E402
 

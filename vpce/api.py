@@ -10,6 +10,7 @@ collectives, and calls the autograd shell (``vpce.autograd``) or, under ``torch.
 
 from __future__ import annotations
 
+import math
 import numbers
 from typing import Callable
 
@@ -27,7 +28,7 @@ __all__ = ["linear_cross_entropy", "linear_log_probs", "LinearCrossEntropy"]
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def _check_number(name: str, value, *, low=None, low_open=False, high_open=None, allow_none=False):
+def _check_number(name: str, value, *, low=None, low_open=False, high_open=None, allow_none=False, high=None):
     if value is None and allow_none:
         return
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
@@ -38,6 +39,8 @@ def _check_number(name: str, value, *, low=None, low_open=False, high_open=None,
         raise ValueError(f"{name}: expected {'>' if low_open else '>='} {low}, got {value}")
     if high_open is not None and value >= high_open:
         raise ValueError(f"{name}: expected < {high_open}, got {value}")
+    if high is not None and value > high:
+        raise ValueError(f"{name}: expected <= {high}, got {value}")
 
 
 def _check_int(name: str, value, *, low=None, allow_none=True):
@@ -54,13 +57,21 @@ def _check_bool(name: str, value):
         raise TypeError(f"{name}: expected a bool, got {type(value).__name__}")
 
 
+def _check_logit_scale(value):
+    """A finite number > 0: it multiplies the logits (a negative one would turn the ranking upside down, and 0
+    would make every class equally likely whatever the inputs; negate or zero the weight for that)."""
+    _check_number("logit_scale", value, low=0.0, low_open=True)
+    if math.isinf(value):
+        raise ValueError(f"logit_scale: expected a finite number > 0, got {value}")
+
+
 def make_options(*, ignore_index=-100, reduction="mean", label_smoothing=0.0, z_loss=0.0, softcap=None,
-                 memory_budget="auto") -> LossOptions:
+                 memory_budget="auto", logit_scale=1.0) -> LossOptions:
     """Validate the per-token options once and freeze them into ``LossOptions``."""
     _check_int("ignore_index", ignore_index, allow_none=False)
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction: expected one of {REDUCTIONS}, got {reduction!r}")
-    _check_number("label_smoothing", label_smoothing, low=0.0, high_open=1.0)
+    _check_number("label_smoothing", label_smoothing, low=0.0, high=1.0)  # torch's range: 1.0 included
     _check_number("z_loss", z_loss, low=0.0)
     _check_number("softcap", softcap, low=0.0, low_open=True, allow_none=True)
     if isinstance(memory_budget, str):
@@ -70,9 +81,11 @@ def make_options(*, ignore_index=-100, reduction="mean", label_smoothing=0.0, z_
     else:
         _check_number("memory_budget", memory_budget, low=0.0, low_open=True)
         memory_budget = float(memory_budget)
+    _check_logit_scale(logit_scale)
     return LossOptions(ignore_index=int(ignore_index), reduction=reduction,
                        label_smoothing=float(label_smoothing), z_loss=float(z_loss),
-                       softcap=None if softcap is None else float(softcap), memory_budget=memory_budget)
+                       softcap=None if softcap is None else float(softcap), memory_budget=memory_budget,
+                       logit_scale=float(logit_scale))
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -141,6 +154,23 @@ def _check_token_weight(token_weight, target: torch.Tensor):
     if token_weight.requires_grad:
         raise ValueError("token_weight: expected a tensor that does not require grad (no gradient flows to the "
                          "weights), got requires_grad=True; pass token_weight.detach()")
+
+
+def _check_class_weight(class_weight, weight: torch.Tensor):
+    if class_weight is None:
+        return
+    if not isinstance(class_weight, torch.Tensor):
+        raise TypeError(f"class_weight: expected a torch.Tensor or None, got {type(class_weight).__name__}")
+    if not class_weight.is_floating_point():
+        raise TypeError(f"class_weight: expected a floating dtype, got {class_weight.dtype}")
+    if class_weight.shape != (weight.shape[0],):
+        raise ValueError(f"class_weight: expected shape ({weight.shape[0]},) (weight's rows: this shard's classes), "
+                         f"got {tuple(class_weight.shape)}")
+    if class_weight.device != weight.device:
+        raise ValueError(f"class_weight: expected device {weight.device} (weight's), got {class_weight.device}")
+    if class_weight.requires_grad:
+        raise ValueError("class_weight: expected a tensor that does not require grad (no gradient flows to the "
+                         "weights), got requires_grad=True; pass class_weight.detach()")
 
 
 def _autocast_operands(hidden, weight, bias):
@@ -224,7 +254,8 @@ def _enter(h2: torch.Tensor, call: Call) -> torch.Tensor:
 def linear_cross_entropy(hidden, weight, target, bias=None, *, ignore_index=-100, reduction="mean",
                          label_smoothing=0.0, z_loss=0.0, softcap=None, token_weight=None, group=None,
                          vocab_start=None, vocab_size=None, sequence_parallel=False, backend="auto",
-                         memory_budget="auto", validate=False, accumulate_main_grad=False):
+                         memory_budget="auto", validate=False, accumulate_main_grad=False, logit_scale=1.0,
+                         class_weight=None):
     """Cross-entropy of ``hidden @ weight.T (+ bias)`` against ``target`` without materializing the logits.
 
     Args:
@@ -234,7 +265,7 @@ def linear_cross_entropy(hidden, weight, target, bias=None, *, ignore_index=-100
             full sequence); ``ignore_index`` marks tokens that count for nothing.
         bias: ``[V_local]`` or None.
         reduction: ``"mean"`` over non-ignored tokens (0 when there are none), ``"sum"``, or ``"none"``.
-        label_smoothing: in [0, 1), torch's definition over the real global vocab.
+        label_smoothing: in [0, 1], torch's definition over the real global vocab.
         z_loss: adds ``z_loss * lse**2`` per token.
         softcap: logits become ``softcap * tanh(logits / softcap)`` (Gemma 2).
         token_weight: float, target's shape, no grad: scales each token's loss; ``mean`` divides by the weights'
@@ -253,6 +284,11 @@ def linear_cross_entropy(hidden, weight, target, bias=None, *, ignore_index=-100
             always checked; on GPU without it a bad target gives NaN for that token and a disagreement between
             ranks NaN everywhere.
         accumulate_main_grad: add the weight gradient in fp32 into ``weight.main_grad`` (Megatron).
+        logit_scale: a finite number > 0 that multiplies the logits after the bias and before the soft cap
+            (Cohere's ``logit_scale``; Granite's ``1 / logits_scaling``).
+        class_weight: float ``[V_local]``, sharded like the weight rows (padding rows ignored), no grad: per-class
+            weights with ``torch.nn.functional.cross_entropy(weight=...)``'s semantics, label smoothing included;
+            ``mean`` divides by the sum of the target classes' weights over non-ignored tokens.
 
     Returns:
         The fp32 loss (fp64 for fp64 inputs): a scalar, or target's shape for ``reduction="none"``. The full
@@ -262,19 +298,21 @@ def linear_cross_entropy(hidden, weight, target, bias=None, *, ignore_index=-100
 
     def checks():
         box["opts"] = make_options(ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
-                                   z_loss=z_loss, softcap=softcap, memory_budget=memory_budget)
+                                   z_loss=z_loss, softcap=softcap, memory_budget=memory_budget,
+                                   logit_scale=logit_scale)
     return _cross_entropy(hidden, weight, target, bias, box, checks, token_weight=token_weight, group=group,
                           vocab_start=vocab_start, vocab_size=vocab_size, sequence_parallel=sequence_parallel,
                           backend=backend, validate=validate, accumulate_main_grad=accumulate_main_grad,
-                          ignore_index=ignore_index)
+                          ignore_index=ignore_index, class_weight=class_weight)
 
 
 def _cross_entropy(hidden, weight, target, bias, box: dict, make: Callable[[], None], *, token_weight, group,
                    vocab_start, vocab_size, sequence_parallel, backend, validate, accumulate_main_grad,
-                   ignore_index):
+                   ignore_index, class_weight=None):
     def local_checks(w, cast_by_autocast):
         make()
         _check_token_weight(token_weight, target)
+        _check_class_weight(class_weight, w)
         _check_bool("accumulate_main_grad", accumulate_main_grad)
         if accumulate_main_grad:
             check_main_grad(w)
@@ -293,7 +331,8 @@ def _cross_entropy(hidden, weight, target, bias, box: dict, make: Callable[[], N
         o = box["opts"]
         return [("reduction", o.reduction), ("ignore_index", o.ignore_index), ("label_smoothing", o.label_smoothing),
                 ("z_loss", o.z_loss), ("softcap", o.softcap), ("memory_budget", o.memory_budget),
-                ("token_weight", token_weight is not None), ("accumulate_main_grad", accumulate_main_grad)]
+                ("token_weight", token_weight is not None), ("accumulate_main_grad", accumulate_main_grad),
+                ("logit_scale", o.logit_scale), ("class_weight", class_weight is not None)]
 
     h2, weight, bias, target, call = _prepare(
         "ce", hidden, weight, target, bias, group=group, vocab_start=vocab_start, vocab_size=vocab_size,
@@ -303,6 +342,7 @@ def _cross_entropy(hidden, weight, target, bias, box: dict, make: Callable[[], N
     opts = box["opts"]
     t1 = target.reshape(-1)
     tw1 = None if token_weight is None else token_weight.reshape(-1).to(accumulation_dtype(h2.dtype))
+    cw1 = None if class_weight is None else class_weight.to(accumulation_dtype(h2.dtype)).contiguous()
     if torch.compiler.is_compiling():
         if call.shard.sharded or accumulate_main_grad:
             raise NotImplementedError("vpce under torch.compile supports one process without "
@@ -310,18 +350,19 @@ def _cross_entropy(hidden, weight, target, bias, box: dict, make: Callable[[], N
         from . import library
         with torch.autocast(h2.device.type, enabled=False):  # the operands are already in the compute dtype
             loss = library.linear_cross_entropy(h2, weight, bias, t1, tw1, call.plan.backend, opts,
-                                                call.shard.vocab_size, call.needs_grad)
+                                                call.shard.vocab_size, call.needs_grad, cw1)
     else:
         call = Call(call.shard, call.plan, call.needs_grad, accumulate_main_grad, call.poison)
         with torch.autocast(h2.device.type, enabled=False):
-            loss = LinearCrossEntropyFunction.apply(_enter(h2, call), weight, bias, t1, tw1, opts, call)
+            loss = LinearCrossEntropyFunction.apply(_enter(h2, call), weight, bias, t1, tw1, opts, call, cw1)
     return loss.reshape(target.shape) if opts.reduction == "none" else loss
 
 
 def linear_log_probs(hidden, weight, target, bias=None, *, temperature=1.0, softcap=None, return_entropy=False,
                      ignore_index=-100, group=None, vocab_start=None, vocab_size=None, sequence_parallel=False,
-                     backend="auto", validate=False):
-    """Per-token ``log p(target)`` under ``softmax(softcap(hidden @ weight.T + bias) / temperature)``, and with
+                     backend="auto", validate=False, logit_scale=1.0):
+    """Per-token ``log p(target)`` under ``softmax(softcap(logit_scale * (hidden @ weight.T + bias)) /
+    temperature)``, and with
     ``return_entropy=True`` also the entropy of that distribution, without materializing the logits.
 
     Args:
@@ -331,6 +372,7 @@ def linear_log_probs(hidden, weight, target, bias=None, *, temperature=1.0, soft
         softcap: logits become ``softcap * tanh(logits / softcap)`` before the temperature.
         return_entropy: also return the entropy.
         ignore_index: targets equal to it give 0 for both outputs.
+        logit_scale: a finite number > 0 that multiplies the logits before the soft cap and the temperature.
 
     Returns:
         ``log_probs`` (or ``(log_probs, entropy)``), target's shape, fp32 (fp64 for fp64 inputs on the torch
@@ -342,10 +384,12 @@ def linear_log_probs(hidden, weight, target, bias=None, *, temperature=1.0, soft
         _check_number("temperature", temperature, low=0.0, low_open=True)
         _check_number("softcap", softcap, low=0.0, low_open=True, allow_none=True)
         _check_bool("return_entropy", return_entropy)
+        _check_logit_scale(logit_scale)
 
     def fields():
         return [("ignore_index", ignore_index), ("temperature", float(temperature)),
-                ("softcap", None if softcap is None else float(softcap)), ("return_entropy", return_entropy)]
+                ("softcap", None if softcap is None else float(softcap)), ("return_entropy", return_entropy),
+                ("logit_scale", float(logit_scale))]
 
     def plan(needs, dtype, backend_name, sharded, sp):
         return plan_log_probs(needs, backend_name, sharded, sp)
@@ -355,8 +399,10 @@ def linear_log_probs(hidden, weight, target, bias=None, *, temperature=1.0, soft
         sequence_parallel=sequence_parallel, backend=backend, validate=validate,
         ignore_index=ignore_index if isinstance(ignore_index, int) else -100, local_checks=local_checks,
         plan=plan, fields=fields)
-    lp = LogProbOptions(ignore_index=int(ignore_index), softcap=None if softcap is None else float(softcap),
-                        inv_t=1.0 / float(temperature), entropy=return_entropy)
+    # the logit scale s folds into the cap and the temperature: cap_c(s x) / T = cap_{c/s}(x) * (s / T)
+    s = float(logit_scale)
+    lp = LogProbOptions(ignore_index=int(ignore_index), softcap=None if softcap is None else float(softcap) / s,
+                        inv_t=s / float(temperature), entropy=return_entropy)
     with torch.autocast(h2.device.type, enabled=False):  # the operands are already in the compute dtype
         out = LinearLogProbsFunction.apply(_enter(h2, call), weight, bias, target.reshape(-1), lp, call)
     if return_entropy:
@@ -367,17 +413,17 @@ def linear_log_probs(hidden, weight, target, bias=None, *, temperature=1.0, soft
 class LinearCrossEntropy(torch.nn.Module):
     """Module form of ``linear_cross_entropy``; options are validated once, at construction.
 
-    ``forward(hidden, weight, target, bias=None, token_weight=None)``; the weight is passed in (not owned) so that a
-    tied or Megatron-owned lm_head weight can be used as is.
+    ``forward(hidden, weight, target, bias=None, token_weight=None, class_weight=None)``; the weight is passed in
+    (not owned) so that a tied or Megatron-owned lm_head weight can be used as is.
     """
 
     def __init__(self, *, ignore_index=-100, reduction="mean", label_smoothing=0.0, z_loss=0.0, softcap=None,
                  group=None, vocab_start=None, vocab_size=None, sequence_parallel=False, backend="auto",
-                 memory_budget="auto", validate=False, accumulate_main_grad=False):
+                 memory_budget="auto", validate=False, accumulate_main_grad=False, logit_scale=1.0):
         super().__init__()
         self.options = make_options(ignore_index=ignore_index, reduction=reduction,
                                     label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
-                                    memory_budget=memory_budget)
+                                    memory_budget=memory_budget, logit_scale=logit_scale)
         if backend not in BACKENDS:
             raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
         _check_int("vocab_start", vocab_start, low=0)
@@ -386,16 +432,16 @@ class LinearCrossEntropy(torch.nn.Module):
         self.sequence_parallel, self.backend, self.validate = sequence_parallel, backend, validate
         self.accumulate_main_grad = accumulate_main_grad
 
-    def forward(self, hidden, weight, target, bias=None, token_weight=None):
+    def forward(self, hidden, weight, target, bias=None, token_weight=None, class_weight=None):
         box = {"opts": self.options}
         return _cross_entropy(hidden, weight, target, bias, box, lambda: None, token_weight=token_weight,
                               group=self.group, vocab_start=self.vocab_start, vocab_size=self.vocab_size,
                               sequence_parallel=self.sequence_parallel, backend=self.backend,
                               validate=self.validate, accumulate_main_grad=self.accumulate_main_grad,
-                              ignore_index=self.options.ignore_index)
+                              ignore_index=self.options.ignore_index, class_weight=class_weight)
 
     def extra_repr(self) -> str:
         o = self.options
         return (f"reduction={o.reduction!r}, ignore_index={o.ignore_index}, label_smoothing={o.label_smoothing}, "
-                f"z_loss={o.z_loss}, softcap={o.softcap}, backend={self.backend!r}, "
+                f"z_loss={o.z_loss}, softcap={o.softcap}, logit_scale={o.logit_scale}, backend={self.backend!r}, "
                 f"memory_budget={o.memory_budget!r}, sharded={self.group is not None}")

@@ -15,7 +15,7 @@ from .formulas import RowStats, ce_coefficients, logprob_coefficients, logprob_o
 from .grads import finish_fast_grads
 from .options import LogProbOptions, LossOptions
 from .routing import Call
-from .targets import TokenTargets
+from .targets import ClassWeights, TokenTargets
 
 __all__ = ["backend_module", "LinearCrossEntropyFunction", "LinearLogProbsFunction", "cross_entropy_grads"]
 
@@ -33,32 +33,36 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def cross_entropy_grads(hidden, weight, bias, target, token_weight, rows: RowStats, grad: torch.Tensor,
-                        denominator: torch.Tensor, opts: LossOptions, call: Call, main_weight=None):
-    """The lean route's backward: per-token row scales from the upstream gradient, then the recompute."""
+                        denominator: torch.Tensor, opts: LossOptions, call: Call, main_weight=None,
+                        class_weight=None):
+    """The lean route's backward: per-token row scales from the upstream gradient, then the recompute.
+    ``class_weight``: forward's ``ClassWeights`` (or, in one process, the raw ``[V_local]`` weights)."""
     g = grad.detach().to(rows.m.dtype)
     if opts.reduction == "mean":
         g = g / denominator
-    tg = TokenTargets(target, call.shard, opts.ignore_index, token_weight)
+    tg = TokenTargets(target, call.shard, opts.ignore_index, token_weight, class_weight)
     scale = tg.row_scale(g.expand(hidden.shape[0]) if g.dim() == 0 else g.reshape(-1))
-    coef = ce_coefficients(scale, rows.lse, opts, call.shard.vocab_size)
+    coef = ce_coefficients(scale, rows.lse, opts, call.shard.vocab_size, tg.class_rows(slice(None)))
     return backend_module(call.plan.backend).recompute_grads(hidden, weight, bias, tg, rows, coef, call,
-                                                             opts.softcap, 1.0, main_weight)
+                                                             *opts.folded_cap(), main_weight)
 
 
 class LinearCrossEntropyFunction(torch.autograd.Function):
     """``hidden [N, D]`` (this rank's slice under sequence parallelism when the backend reduces dX in forward),
-    ``target [N]``, optional ``token_weight [N]``; returns the fp32 (fp64) loss per ``opts.reduction``."""
+    ``target [N]``, optional ``token_weight [N]`` and ``class_weight [V_local]`` (fp32/fp64, no grad); returns the
+    fp32 (fp64) loss per ``opts.reduction``."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, target, token_weight, opts: LossOptions, call: Call):
-        tg = TokenTargets(target, call.shard, opts.ignore_index, token_weight)
+    def forward(ctx, hidden, weight, bias, target, token_weight, opts: LossOptions, call: Call, class_weight=None):
+        tg = TokenTargets(target, call.shard, opts.ignore_index, token_weight, class_weight)
         loss_tok, rows, fast = backend_module(call.plan.backend).cross_entropy(hidden, weight, bias, tg, opts, call)
         ctx.opts, ctx.call, ctx.fast = opts, call, fast  # fast: None after its one use
         ctx.denominator = tg.denominator(loss_tok.dtype)
         ctx.dtype, ctx.rows = hidden.dtype, weight.shape[0]
         ctx.main_weight = weight if call.main_grad else None
         if rows is not None:
-            ctx.save_for_backward(hidden, weight, bias, target, token_weight, *rows)
+            cw = tg.class_weight if tg.class_weight is not None else (None,) * len(ClassWeights._fields)
+            ctx.save_for_backward(hidden, weight, bias, target, token_weight, *rows, *cw)
         return tg.reduce(loss_tok, opts.reduction)
 
     @staticmethod
@@ -68,11 +72,13 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, grad):
-        none = (None,) * 4
+        none = (None,) * 5
         if ctx.call.plan.route != "fast":
-            hidden, weight, bias, target, token_weight, *rows = ctx.saved_tensors
-            return (*cross_entropy_grads(hidden, weight, bias, target, token_weight, RowStats(*rows), grad,
-                                         ctx.denominator, ctx.opts, ctx.call, ctx.main_weight), *none)
+            hidden, weight, bias, target, token_weight, *saved = ctx.saved_tensors
+            rows, cw = RowStats(*saved[:len(RowStats._fields)]), saved[len(RowStats._fields):]
+            cw = None if cw[0] is None else ClassWeights(*cw)
+            return (*cross_entropy_grads(hidden, weight, bias, target, token_weight, rows, grad,
+                                         ctx.denominator, ctx.opts, ctx.call, ctx.main_weight, cw), *none)
         if ctx.fast is None:
             raise RuntimeError("vpce: this loss formed its gradients in forward and they were already used; for "
                                "a second backward pass use memory_budget='lean'")

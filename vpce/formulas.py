@@ -14,9 +14,15 @@ The gradient with respect to the pre-cap logit ``x_j`` always has the form::
 so a backend only needs the per-row vectors ``a, b, c, d`` (the ``1/T`` folded in). Writing the target's entry
 through ``q`` keeps a confident token's ``p_t - 1`` exact where ``p_t`` itself rounds to 1.
 
-* cross-entropy with label smoothing ``eps`` and z-loss ``zl``, row scale ``s`` (upstream gradient x token weight):
+* cross-entropy with label smoothing ``eps`` and z-loss ``zl``, row scale ``s`` (upstream gradient x token weight,
+  times the logit scale):
   ``loss = (1 - eps) nll + eps (lse - sum_j z_j / V) + zl lse^2``;
   ``a = s (1 + 2 zl lse)``, ``b = 0``, ``c = -s (1 - eps)``, ``d = -s eps / V``;
+* the same with per-class weights ``w`` (``class_weight``; torch's ``cross_entropy(weight=w)``), ``W = sum_j w_j``
+  and the additive statistic ``sum_j w_j z_j`` in place of ``sum_j z_j``:
+  ``loss = (1 - eps) w_t nll + (eps / V) (W lse - sum_j w_j z_j) + zl w_t lse^2``;
+  ``a = s ((1 - eps) w_t + eps W / V + 2 zl w_t lse)``, ``c = -s (1 - eps) w_t``, and ``d = -s eps / V`` times
+  the column's weight ``w_j`` (the backends' per-column term);
 * log-probability and entropy with upstream gradients ``gL``, ``gH``:
   ``log p_t = -nll``, ``H = lse - E[z]``; ``dH/dz_j = p_j (E[z] - z_j)``; so
   ``a = -gL + gH (E[z] - M)``, ``b = -gH``, ``c = gL``, ``d = 0``.
@@ -73,18 +79,40 @@ class Coefficients(NamedTuple):
         return Coefficients(*(None if x is None else x[sl] for x in self))
 
 
-def ce_loss(st: RankStats, opts: LossOptions, vocab_size: int) -> torch.Tensor:
+def ce_loss(st: RankStats, opts: LossOptions, vocab_size: int, class_weight=None) -> torch.Tensor:
+    """Per-token loss; ``class_weight``: ``(w_t, W)`` (``TokenTargets.class_rows``), ``st.sums[0]`` then being
+    ``sum_j w_j z_j``."""
     eps = opts.label_smoothing
+    if class_weight is not None:
+        wt, total = class_weight
+        loss = wt * st.nll if not eps else \
+            (1 - eps) * wt * st.nll + eps * (total * st.lse - st.sums[0]) / vocab_size
+        if opts.z_loss:
+            loss = loss + opts.z_loss * wt * st.lse * st.lse
+        return loss
     loss = st.nll if not eps else (1 - eps) * st.nll + eps * (st.lse - st.sums[0] / vocab_size)
     if opts.z_loss:
         loss = loss + opts.z_loss * st.lse * st.lse
     return loss
 
 
-def ce_coefficients(scale: torch.Tensor, lse: torch.Tensor, opts: LossOptions, vocab_size: int) -> Coefficients:
+def ce_coefficients(scale: torch.Tensor, lse: torch.Tensor, opts: LossOptions, vocab_size: int,
+                    class_weight=None) -> Coefficients:
+    """``class_weight``: ``(w_t, W)`` as for ``ce_loss``; ``d`` is then the row factor of the per-column term
+    ``d w_j``."""
     eps = opts.label_smoothing
-    a = scale * (1 + 2 * opts.z_loss * lse) if opts.z_loss else scale
+    if opts.logit_scale != 1.0:
+        scale = scale * opts.logit_scale  # dz/dx = logit_scale (times the cap's derivative)
     d = scale * (-eps / vocab_size) if eps else None
+    if class_weight is not None:
+        wt, total = class_weight
+        sw = scale * wt
+        a = sw * (1 - eps) + scale * (eps * total / vocab_size) if eps else sw
+        if opts.z_loss:
+            a = a + sw * (2 * opts.z_loss * lse)
+        c = sw * -(1 - eps)
+        return Coefficients(a.contiguous(), None, c.contiguous(), None if d is None else d.contiguous())
+    a = scale * (1 + 2 * opts.z_loss * lse) if opts.z_loss else scale
     return Coefficients(a.contiguous(), None, (scale * -(1 - eps)).contiguous(), None if d is None else d.contiguous())
 
 

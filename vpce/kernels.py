@@ -7,7 +7,8 @@ D, TMA loads on Hopper, int64 addressing) and never writes it. The epilogue, per
 1. bias, the soft cap ``c * tanh(x / c)``, the temperature ``z = cap(x) / T``; columns past the valid vocab
    become ``-inf``;
 2. stats mode: the tile's row max ``m_t`` (over every column) and ``x_t = sum exp(z - m_t)`` over every column but
-   the target's go to ``[rows, n_tiles]`` buffers, optionally ``sum z`` over all columns (label smoothing) and
+   the target's go to ``[rows, n_tiles]`` buffers, optionally ``sum z`` over all columns (label smoothing; ``sum
+   w_j z_j`` with per-class weights ``w``, loaded per tile, which also weight the gradient's ``d`` term) and
    ``sum exp(z - m_t) z`` but the target's (entropy) too; the target's ``z`` goes to ``ZT[row]``, stored by the one
    tile that holds it (no atomics); optionally the tile of ``exp(z - m_t)`` in the inputs' dtype (the fast route's
    ``P``; its target column is never read).
@@ -68,9 +69,10 @@ def _log1p(u):
 
 @triton.jit
 def _dlogits(p, zc, hit, ca, cb, cc, cd, q, dcap, HAS_CB: tl.constexpr, HAS_CD: tl.constexpr,
-             SOFTCAP: tl.constexpr):
+             SOFTCAP: tl.constexpr, cw, HAS_CW: tl.constexpr):
     """The gradient of ``vpce.formulas`` for a tile: ``p (a + b zc) + d`` off the target, ``(a + c) - a q
-    + b zc p + d`` at it (``zc = z - M``, ``q = 1 - p_t``), times ``dcap``."""
+    + b zc p + d`` at it (``zc = z - M``, ``q = 1 - p_t``), times ``dcap``; with class weights ``d`` is times the
+    column's weight ``cw``."""
     at_t = ca + cc - ca * q
     if HAS_CB:
         bz = cb[:, None] * zc
@@ -79,7 +81,10 @@ def _dlogits(p, zc, hit, ca, cb, cc, cd, q, dcap, HAS_CB: tl.constexpr, HAS_CD: 
     else:
         g = tl.where(hit, at_t[:, None], p * ca[:, None])
     if HAS_CD:
-        g = g + cd[:, None]
+        if HAS_CW:
+            g = g + cd[:, None] * cw[None, :]
+        else:
+            g = g + cd[:, None]
     if SOFTCAP:
         g = g * dcap
     return g  # padding columns hold garbage here: every caller's store masks them
@@ -89,7 +94,7 @@ def _dlogits(p, zc, hit, ca, cb, cc, cd, q, dcap, HAS_CB: tl.constexpr, HAS_CD: 
 def _logits_tile(
     pid_m, pid_n,
     # pointers
-    X, W, BIAS, TL, TILE_M, TILE_S, TILE_Z, TILE_EZ, ZT, P, RM, RLSE, RQ, CA, CB, CC, CD,
+    X, W, BIAS, TL, TILE_M, TILE_S, TILE_Z, TILE_EZ, ZT, P, RM, RLSE, RQ, CA, CB, CC, CD, CW,
     # shapes
     M, V, D, n_tiles,
     # strides
@@ -99,7 +104,7 @@ def _logits_tile(
     # meta
     HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, TEMPERATURE: tl.constexpr, GRAD: tl.constexpr,
     WRITE_P: tl.constexpr, SUM_Z: tl.constexpr, SUM_EZ: tl.constexpr, HAS_CB: tl.constexpr,
-    HAS_CD: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr,
+    HAS_CD: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr, HAS_CW: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     EVEN_N: tl.constexpr,
 ):
@@ -147,6 +152,9 @@ def _logits_tile(
         acc = acc * inv_t
     t = tl.load(TL + rm, mask=row_ok, other=-1)
     hit = rn[None, :] == t[:, None]
+    cw = tl.zeros([BLOCK_N], dtype=tl.float32)
+    if HAS_CW:  # per-class weights: the label-smoothing sum and gradient term weight each column
+        cw = tl.load(CW + rn, mask=rn < V, other=0.0)
     p_offs = rm.to(tl.int64)[:, None] * stride_pm + rn.to(tl.int64)[None, :] * stride_pn
     if EVEN_N:  # every column is a vocab entry: no column mask anywhere (each 2-D op costs in this epilogue)
         p_mask = row_ok[:, None]
@@ -170,7 +178,7 @@ def _logits_tile(
         zc = p
         if HAS_CB:
             zc = acc - tl.load(RM + rm, mask=row_ok, other=0.0)[:, None]
-        g = _dlogits(p, zc, hit, ca, cb, cc, cd, q_row, dcap, HAS_CB, HAS_CD, SOFTCAP)
+        g = _dlogits(p, zc, hit, ca, cb, cc, cd, q_row, dcap, HAS_CB, HAS_CD, SOFTCAP, cw, HAS_CW)
         tl.store(P + p_offs, g.to(P.dtype.element_ty), mask=p_mask)
     else:
         # -- online-softmax statistics of this tile: the max over every column, the sum of exp over every column
@@ -184,7 +192,10 @@ def _logits_tile(
         tl.store(TILE_M + stat, m_t, mask=row_ok)
         tl.store(TILE_S + stat, tl.sum(tl.where(hit, 0.0, e), axis=1), mask=row_ok)
         if SUM_Z:
-            tl.store(TILE_Z + stat, tl.sum(tl.where(rn[None, :] < V, acc, 0.0), axis=1), mask=row_ok)
+            zw = acc
+            if HAS_CW:
+                zw = acc * cw[None, :]
+            tl.store(TILE_Z + stat, tl.sum(tl.where(rn[None, :] < V, zw, 0.0), axis=1), mask=row_ok)
         if SUM_EZ:
             tl.store(TILE_EZ + stat, tl.sum(tl.where(hit | (e == 0.0), 0.0, e * acc), axis=1), mask=row_ok)
         zt = tl.sum(tl.where(hit, acc, 0.0), axis=1)
@@ -199,7 +210,7 @@ def _logits_tile(
 @triton.jit
 def _logits_tiles_kernel(
     # pointers
-    X, W, BIAS, TL, TILE_M, TILE_S, TILE_Z, TILE_EZ, ZT, P, RM, RLSE, RQ, CA, CB, CC, CD,
+    X, W, BIAS, TL, TILE_M, TILE_S, TILE_Z, TILE_EZ, ZT, P, RM, RLSE, RQ, CA, CB, CC, CD, CW,
     # shapes
     M, V, D, n_tiles,
     # strides
@@ -209,7 +220,7 @@ def _logits_tiles_kernel(
     # meta
     HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, TEMPERATURE: tl.constexpr, GRAD: tl.constexpr,
     WRITE_P: tl.constexpr, SUM_Z: tl.constexpr, SUM_EZ: tl.constexpr, HAS_CB: tl.constexpr,
-    HAS_CD: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr,
+    HAS_CD: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr, HAS_CW: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
 ):
@@ -221,16 +232,16 @@ def _logits_tiles_kernel(
     first_m = (pid // width) * GROUP_M
     size_m = min(num_m - first_m, GROUP_M)
     _logits_tile(first_m + (pid % width) % size_m, (pid % width) // size_m,
-                 X, W, BIAS, TL, TILE_M, TILE_S, TILE_Z, TILE_EZ, ZT, P, RM, RLSE, RQ, CA, CB, CC, CD,
+                 X, W, BIAS, TL, TILE_M, TILE_S, TILE_Z, TILE_EZ, ZT, P, RM, RLSE, RQ, CA, CB, CC, CD, CW,
                  M, V, D, n_tiles, stride_xm, stride_xk, stride_wv, stride_wk, stride_pm, stride_pn,
                  softcap, inv_t, HAS_BIAS, SOFTCAP, TEMPERATURE, GRAD, WRITE_P, SUM_Z, SUM_EZ, HAS_CB, HAS_CD,
-                 IEEE, TMA, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N)
+                 IEEE, TMA, HAS_CW, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N)
 
 
 @triton.jit
 def _probs_to_grad_kernel(
     # pointers
-    P, G, TILE_M, RM, RLS, RQ, CA, CC, CD, TL, ZT,
+    P, G, TILE_M, RM, RLS, RQ, CA, CC, CD, TL, ZT, CW,
     # shapes
     M, V, n_tiles,
     # strides
@@ -238,7 +249,8 @@ def _probs_to_grad_kernel(
     # options
     softcap,
     # meta
-    SOFTCAP: tl.constexpr, HAS_CD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SOFTCAP: tl.constexpr, HAS_CD: tl.constexpr, HAS_CW: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)  # one stats tile of the GEMM epilogue (same BLOCK_N)
@@ -270,7 +282,10 @@ def _probs_to_grad_kernel(
         z_rec = tl.where(e > 0, m_t[:, None] + tl.log(tl.where(e > 0, e, 1.0)), 0.0)
         r = tl.where(hit, zt[:, None], z_rec) / softcap
         dcap = (1.0 - r) * (1.0 + r)
-    g = _dlogits(p, e, hit, ca, ca, cc, cd, q_row, dcap, False, HAS_CD, SOFTCAP)
+    cw = tl.zeros([BLOCK_N], dtype=tl.float32)
+    if HAS_CW:
+        cw = tl.load(CW + rn, mask=rn < V, other=0.0)
+    g = _dlogits(p, e, hit, ca, ca, cc, cd, q_row, dcap, False, HAS_CD, SOFTCAP, cw, HAS_CW)
     tl.store(G + offs, g.to(G.dtype.element_ty), mask=mask)
 
 
@@ -403,7 +418,7 @@ def tile_n(x: torch.Tensor) -> int:
 
 
 def logits_tiles(x, w, b, t_local, *, softcap=None, inv_t=1.0, tile_m=None, tile_s=None, tile_z=None,
-                 tile_ez=None, zt=None, p=None, rows=None, coef=None, config=None):
+                 tile_ez=None, zt=None, p=None, rows=None, coef=None, config=None, class_weight=None):
     """Launch the GEMM + epilogue over ``x [M, D]`` and ``w [V, D]`` (``t_local``: int32 local target column,
     -1 where the target is not in this shard).
 
@@ -412,7 +427,8 @@ def logits_tiles(x, w, b, t_local, *, softcap=None, inv_t=1.0, tile_m=None, tile
     target's) ``[M, n_tiles]`` and ``zt [M]`` (callers fill it with ``-inf``) and, if ``p`` is given, writes
     ``exp(z - m_t)`` into it. Grad mode (``rows``: the global ``(M, lse, 1 - p_t)`` per row, and ``coef = (a, b, c, d)``, per-row fp32 vectors, ``b``/``d`` may be None) writes the gradient into
     ``p``.
-    ``config`` overrides the block shapes (for ``launch/tune_kernels.py``).
+    ``config`` overrides the block shapes (for ``launch/tune_kernels.py``). ``class_weight`` (fp32 ``[V]``, per
+    column): ``tile_z`` becomes the weighted sum ``sum w_j z_j`` and grad mode's ``d`` term ``d w_j``.
     """
     m, d = x.shape
     v = w.shape[0]
@@ -435,21 +451,23 @@ def logits_tiles(x, w, b, t_local, *, softcap=None, inv_t=1.0, tile_m=None, tile
         wa = TensorDescriptor.from_tensor(w, [bn, cfg["BLOCK_K"]])
     _logits_tiles_kernel[grid](
         xa, wa, pick(b), t_local, pick(tile_m), pick(tile_s), pick(tile_z), pick(tile_ez), pick(zt), out,
-        pick(rm), pick(rls), pick(rq), pick(ca), pick(cb), pick(cc), pick(cd),
+        pick(rm), pick(rls), pick(rq), pick(ca), pick(cb), pick(cc), pick(cd), pick(class_weight),
         m, v, d, n_tiles,
         x.stride(0), x.stride(1), w.stride(0), w.stride(1),
         out.stride(0) if p is not None else 0, out.stride(1) if p is not None else 0,
         float(softcap or 1.0), float(inv_t),
         HAS_BIAS=b is not None, SOFTCAP=softcap is not None, TEMPERATURE=inv_t != 1.0, GRAD=grad,
         WRITE_P=p is not None and not grad, SUM_Z=tile_z is not None, SUM_EZ=tile_ez is not None,
-        HAS_CB=cb is not None, HAS_CD=cd is not None, IEEE=x.dtype == torch.float32, TMA=tma, **cfg,
+        HAS_CB=cb is not None, HAS_CD=cd is not None, IEEE=x.dtype == torch.float32, TMA=tma,
+        HAS_CW=class_weight is not None and (tile_z is not None or (grad and cd is not None)), **cfg,
     )
 
 
-def probs_to_grad_(p, g, tile_m, rows, zt, t_local, coef, softcap, block_n: int, block_m=None, num_warps=None):
+def probs_to_grad_(p, g, tile_m, rows, zt, t_local, coef, softcap, block_n: int, block_m=None, num_warps=None,
+                   class_weight=None):
     """The gradient from the fast route's ``p = exp(z - m_t)`` into ``g`` (may alias ``p``); ``rows`` the global
     ``(M, log S, 1 - p_t)`` per row, ``coef = (a, c, d)`` per-row vectors (``d`` may be None), ``zt`` the global
-    target logit per row (used with a soft cap).
+    target logit per row (used with a soft cap), ``class_weight`` the columns' weights (the ``d`` term's factor).
     ``block_m`` / ``num_warps`` override the launch shape (for ``launch/tune_kernels.py``)."""
     m, v = p.shape
     if m == 0 or v == 0:
@@ -461,9 +479,11 @@ def probs_to_grad_(p, g, tile_m, rows, zt, t_local, coef, softcap, block_n: int,
     num_warps = num_warps or (4 if INTERPRET or not p.is_cuda else 8)
     grid = (triton.cdiv(m, block_m), triton.cdiv(v, block_n))
     _probs_to_grad_kernel[grid](
-        p, g, tile_m, *rows, ca, cc, ca if cd is None else cd, t_local, zt, m, v, tile_m.shape[1],
+        p, g, tile_m, *rows, ca, cc, ca if cd is None else cd, t_local, zt,
+        ca if class_weight is None else class_weight, m, v, tile_m.shape[1],
         p.stride(0), p.stride(1), float(softcap or 1.0),
         SOFTCAP=softcap is not None, HAS_CD=cd is not None, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+        HAS_CW=class_weight is not None and cd is not None,
     )
 
 

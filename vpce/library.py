@@ -32,11 +32,11 @@ from .targets import TokenTargets
 __all__ = ["linear_cross_entropy"]
 
 
-def _call(backend, ignore_index, reduction, label_smoothing, z_loss, softcap, memory_budget, vocab_size, needs,
-          hidden, weight) -> tuple[LossOptions, Call]:
+def _call(backend, ignore_index, reduction, label_smoothing, z_loss, softcap, memory_budget, vocab_size,
+          logit_scale, needs, hidden, weight) -> tuple[LossOptions, Call]:
     budget = memory_budget if memory_budget in BUDGET_NAMES else float(memory_budget)
     opts = LossOptions(ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
-                       z_loss=z_loss, softcap=softcap, memory_budget=budget)
+                       z_loss=z_loss, softcap=softcap, memory_budget=budget, logit_scale=logit_scale)
     # the compiled graph's outputs must not depend on free memory: "auto" is the fast route here
     plan = settle(plan_cross_entropy(opts, tuple(needs), hidden.dtype, backend, False, False), True)
     return opts, Call(VocabShard(None, 0, 1, 0, weight.shape[0], vocab_size), plan, tuple(needs))
@@ -44,12 +44,13 @@ def _call(backend, ignore_index, reduction, label_smoothing, z_loss, softcap, me
 
 @torch.library.custom_op("vpce::linear_cross_entropy", mutates_args=())
 def _forward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, token_weight: Optional[Tensor],
-             backend: str, ignore_index: int, reduction: str, label_smoothing: float, z_loss: float,
-             softcap: Optional[float], memory_budget: str, vocab_size: int, needs: list[bool]
+             class_weight: Optional[Tensor], backend: str, ignore_index: int, reduction: str,
+             label_smoothing: float, z_loss: float, softcap: Optional[float], memory_budget: str, vocab_size: int,
+             logit_scale: float, needs: list[bool]
              ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     opts, call = _call(backend, ignore_index, reduction, label_smoothing, z_loss, softcap, memory_budget,
-                       vocab_size, needs, hidden, weight)
-    tg = TokenTargets(target, call.shard, opts.ignore_index, token_weight)
+                       vocab_size, logit_scale, needs, hidden, weight)
+    tg = TokenTargets(target, call.shard, opts.ignore_index, token_weight, class_weight)
     loss_tok, rows, fast = backend_module(backend).cross_entropy(hidden, weight, bias, tg, opts, call)
     empty = lambda: hidden.new_empty(0, dtype=accumulation_dtype(hidden.dtype))  # noqa: E731 - fresh per output
     rows = rows if rows is not None else (empty(), empty(), empty())
@@ -59,10 +60,10 @@ def _forward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target: Ten
 
 
 @_forward.register_fake
-def _(hidden, weight, bias, target, token_weight, backend, ignore_index, reduction, label_smoothing, z_loss,
-      softcap, memory_budget, vocab_size, needs):
+def _(hidden, weight, bias, target, token_weight, class_weight, backend, ignore_index, reduction, label_smoothing,
+      z_loss, softcap, memory_budget, vocab_size, logit_scale, needs):
     _, call = _call(backend, ignore_index, reduction, label_smoothing, z_loss, softcap, memory_budget, vocab_size,
-                    needs, hidden, weight)
+                    logit_scale, needs, hidden, weight)
     fast, lean = call.plan.route == "fast", call.plan.route == "lean"
     n, d = hidden.shape
     v = min(weight.shape[0], vocab_size)
@@ -75,44 +76,44 @@ def _(hidden, weight, bias, target, token_weight, backend, ignore_index, reducti
 
 @torch.library.custom_op("vpce::linear_cross_entropy_backward", mutates_args=())
 def _recompute_backward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor,
-                        token_weight: Optional[Tensor], m: Tensor, log_s: Tensor, q: Tensor, denominator: Tensor,
-                        grad: Tensor, backend: str, ignore_index: int, reduction: str, label_smoothing: float,
+                        token_weight: Optional[Tensor], class_weight: Optional[Tensor], m: Tensor, log_s: Tensor,
+                        q: Tensor, denominator: Tensor, grad: Tensor, backend: str, ignore_index: int, reduction: str, label_smoothing: float,
                         z_loss: float, softcap: Optional[float], memory_budget: str, vocab_size: int,
-                        needs: list[bool]) -> tuple[Tensor, Tensor, Tensor]:
+                        logit_scale: float, needs: list[bool]) -> tuple[Tensor, Tensor, Tensor]:
     opts, call = _call(backend, ignore_index, reduction, label_smoothing, z_loss, softcap, memory_budget,
-                       vocab_size, needs, hidden, weight)
+                       vocab_size, logit_scale, needs, hidden, weight)
     dx, dw, db = cross_entropy_grads(hidden, weight, bias, target, token_weight, RowStats(m, log_s, q), grad,
-                                     denominator, opts, call)
+                                     denominator, opts, call, class_weight=class_weight)
     empty = lambda: hidden.new_empty(0)  # noqa: E731
     return (empty() if dx is None else dx, empty() if dw is None else dw, empty() if db is None else db)
 
 
 @_recompute_backward.register_fake
-def _(hidden, weight, bias, target, token_weight, m, log_s, q, denominator, grad, backend, ignore_index, reduction,
-      label_smoothing, z_loss, softcap, memory_budget, vocab_size, needs):
+def _(hidden, weight, bias, target, token_weight, class_weight, m, log_s, q, denominator, grad, backend, ignore_index,
+      reduction, label_smoothing, z_loss, softcap, memory_budget, vocab_size, logit_scale, needs):
     like = lambda t, need: torch.empty_like(t) if need and t is not None else hidden.new_empty(0)  # noqa: E731
     return like(hidden, needs[0]), like(weight, needs[1]), like(bias, needs[2])
 
 
-_ARGS = slice(5, None)  # the op's non-tensor arguments (and the needs list)
+_ARGS = slice(6, None)  # the op's non-tensor arguments (and the needs list)
 
 
 def _setup_context(ctx, inputs, output):
-    hidden, weight, bias, target, token_weight = inputs[:5]
+    hidden, weight, bias, target, token_weight, class_weight = inputs[:6]
     loss, denominator, m, log_s, q, dx, dw, db = output
     _, call = _call(*inputs[_ARGS], hidden, weight)
     ctx.args = inputs[_ARGS]
     ctx.fast = call.plan.route == "fast"
-    ctx.reduction, ctx.needs = inputs[7], inputs[-1]
+    ctx.reduction, ctx.needs = inputs[8], inputs[-1]
     ctx.dtype, ctx.rows = hidden.dtype, weight.shape[0]
     if ctx.fast:
         ctx.save_for_backward(denominator, dx, dw, db)
     else:
-        ctx.save_for_backward(hidden, weight, bias, target, token_weight, m, log_s, q, denominator)
+        ctx.save_for_backward(hidden, weight, bias, target, token_weight, class_weight, m, log_s, q, denominator)
 
 
 def _backward(ctx, grad_loss, *_unused):
-    nones = (None,) * (len(ctx.args) + 2)
+    nones = (None,) * (len(ctx.args) + 3)  # target, token_weight, class_weight and the options
     if not ctx.fast:
         dx, dw, db = torch.ops.vpce.linear_cross_entropy_backward(*ctx.saved_tensors, grad_loss, *ctx.args)
     else:
@@ -129,10 +130,10 @@ torch.library.register_autograd("vpce::linear_cross_entropy", _backward, setup_c
 
 
 def linear_cross_entropy(hidden, weight, bias, target, token_weight, backend: str, opts: LossOptions,
-                         vocab_size: int, needs: tuple[bool, bool, bool]) -> Tensor:
+                         vocab_size: int, needs: tuple[bool, bool, bool], class_weight=None) -> Tensor:
     """The loss through the registered op (2-D hidden, 1-D target, single process)."""
     budget = opts.memory_budget if isinstance(opts.memory_budget, str) else repr(opts.memory_budget)
-    out = torch.ops.vpce.linear_cross_entropy(hidden, weight, bias, target, token_weight, backend, opts.ignore_index,
-                                              opts.reduction, opts.label_smoothing, opts.z_loss, opts.softcap,
-                                              budget, vocab_size, list(needs))
+    out = torch.ops.vpce.linear_cross_entropy(hidden, weight, bias, target, token_weight, class_weight, backend,
+                                              opts.ignore_index, opts.reduction, opts.label_smoothing, opts.z_loss,
+                                              opts.softcap, budget, vocab_size, opts.logit_scale, list(needs))
     return out[0]

@@ -31,6 +31,10 @@ class LossOptions:
     logits recomputed in backward), ``"auto"`` (today: the fast route wherever it applies), or a number: GiB of
     live chunk data on the fast route."""
 
+    logit_scale: float = 1.0
+    """Multiplies the logits (after the bias, before the soft cap): ``z = softcap * tanh(logit_scale * x /
+    softcap)`` (Cohere's ``logit_scale``, Granite's ``1 / logits_scaling``)."""
+
     @property
     def lean(self) -> bool:
         return self.memory_budget == "lean"
@@ -38,6 +42,13 @@ class LossOptions:
     def chunk_gib(self) -> float:
         """GiB of live chunk data for the torch backend."""
         return self.memory_budget if isinstance(self.memory_budget, float) else DEFAULT_CHUNK_GIB
+
+    def folded_cap(self) -> tuple[float | None, float]:
+        """``(cap, multiplier)`` for the backends' logits: ``c * tanh(s x / c) = s * (c / s) * tanh(x / (c / s))``,
+        so the logit scale ``s`` folds into the soft cap applied to ``x`` (``c / s``) and a multiplier applied after
+        it (the backends' temperature slot ``inv_t``; the gradient coefficients carry the same ``s``)."""
+        s = self.logit_scale
+        return (None if self.softcap is None else self.softcap / s), s
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -68,6 +68,7 @@ __all__ = [
     "combine_rank_stats",
     "start_stats_exchange",
     "exchange_softmax_stats",
+    "sum_over_ranks",
     "PendingStats",
     "HiddenGradReduce",
     "gather_sequence",
@@ -443,6 +444,17 @@ def start_stats_exchange(packed: torch.Tensor, n_sums: int, shard: VocabShard, p
 def exchange_softmax_stats(packed: torch.Tensor, n_sums: int, shard: VocabShard, poison=None) -> RankStats:
     """Exchange and combine at once (``start_stats_exchange(...).wait()``)."""
     return start_stats_exchange(packed, n_sums, shard, poison).wait()
+
+
+def sum_over_ranks(local: torch.Tensor, shard: VocabShard) -> torch.Tensor:
+    """The sum over the group of every rank's 1-D ``local`` (the same length on every rank): one all-gather, then
+    a sum in rank order, so that every rank gets the same bytes (a reduction inside the collective need not).
+    Used once per call for the class weights' per-token target weights and their total."""
+    if not shard.sharded:
+        return local
+    out = local.new_empty(shard.world * local.numel())
+    all_gather_tensor(out, local, group=shard.group)
+    return out.view(shard.world, -1).sum(0)
 
 
 # ------------------------------------------------------------------------------------------------------------

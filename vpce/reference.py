@@ -20,40 +20,58 @@ class Result:
     dbias: torch.Tensor | None
 
 
-def _float64_logits(hidden, weight, bias, softcap, vocab_size):
-    """float64 leaves (h, w, b) and the (soft-capped) logits over the real vocab ``v`` (rows past it dropped)."""
+def _float64_logits(hidden, weight, bias, softcap, vocab_size, logit_scale=1.0):
+    """float64 leaves (h, w, b) and the (scaled, soft-capped) logits over the real vocab ``v`` (rows past it
+    dropped)."""
     v = weight.shape[0] if vocab_size is None else vocab_size
     h = hidden.detach().double().requires_grad_()
     w = weight.detach().double().requires_grad_()
     b = None if bias is None else bias.detach().double().requires_grad_()
     z = F.linear(h, w[:v], None if b is None else b[:v])
+    if logit_scale != 1.0:
+        z = z * logit_scale
     if softcap is not None:
         z = softcap * torch.tanh(z / softcap)
     return h, w, b, z, v
 
 
 def reference(hidden, weight, target, bias=None, *, grad=None, ignore_index=-100, reduction="mean",
-              label_smoothing=0.0, z_loss=0.0, softcap=None, vocab_size=None, token_weight=None) -> Result:
+              label_smoothing=0.0, z_loss=0.0, softcap=None, vocab_size=None, token_weight=None,
+              logit_scale=1.0, class_weight=None) -> Result:
     """Loss and gradients in float64. ``weight`` is the whole vocab (padding rows allowed past vocab_size).
 
-    ``grad`` is the upstream gradient of the returned loss (scalar or per-token); None means 1.
+    ``grad`` is the upstream gradient of the returned loss (scalar or per-token); None means 1. ``class_weight``
+    (``[rows]``, padding rows ignored) weights the loss as ``F.cross_entropy(weight=...)`` does, written out here:
+    per token ``(1 - eps) w_t (-log p_t) + (eps / V) sum_c w_c (-log p_c) + z_loss w_t lse^2``, and ``mean``
+    divides by the sum of ``w_t`` (times the token weights) over non-ignored tokens.
     """
-    h, w, b, z, v = _float64_logits(hidden, weight, bias, softcap, vocab_size)
+    h, w, b, z, v = _float64_logits(hidden, weight, bias, softcap, vocab_size, logit_scale)
     z = z.reshape(-1, v)
     t = target.reshape(-1).long()
     keep = t != ignore_index
     safe = torch.where(keep, t, 0)
     lse = torch.logsumexp(z, dim=-1)
     zt = z.gather(1, safe[:, None]).squeeze(1)
-    per = lse - (1 - label_smoothing) * zt
-    if label_smoothing:  # (a -inf logit makes the mean -inf: no 0 * inf where there is no smoothing)
-        per = per - label_smoothing * z.mean(-1)
-    if z_loss:
-        per = per + z_loss * lse**2
-    tw = torch.ones_like(per) if token_weight is None else token_weight.reshape(-1).double()
+    tw = torch.ones_like(lse) if token_weight is None else token_weight.reshape(-1).double()
+    if class_weight is None:
+        per = lse - (1 - label_smoothing) * zt
+        if label_smoothing:  # (a -inf logit makes the mean -inf: no 0 * inf where there is no smoothing)
+            per = per - label_smoothing * z.mean(-1)
+        if z_loss:
+            per = per + z_loss * lse**2
+        counted = tw
+    else:
+        cw = class_weight.detach().double()[:v]
+        wt = cw[safe]
+        per = (1 - label_smoothing) * wt * (lse - zt)
+        if label_smoothing:
+            per = per + label_smoothing / v * ((lse[:, None] - z) * cw).sum(-1)
+        if z_loss:
+            per = per + z_loss * wt * lse**2
+        counted = tw * wt
     per = torch.where(keep, per * tw, torch.zeros_like(per))
     if reduction == "mean":
-        den = torch.where(keep, tw, 0).sum()
+        den = torch.where(keep, counted, 0).sum()
         loss = per.sum() / (den if den != 0 else 1)
     elif reduction == "sum":
         loss = per.sum()
@@ -114,10 +132,10 @@ def describe(a: torch.Tensor, b: torch.Tensor) -> str:
 
 
 def reference_log_probs(hidden, weight, target, bias=None, *, g_logp=None, g_ent=None, temperature=1.0,
-                        softcap=None, vocab_size=None, ignore_index=-100):
-    """float64 per-token log p(target) and entropy of softmax(cap(logits) / T); gradients for upstream
+                        softcap=None, vocab_size=None, ignore_index=-100, logit_scale=1.0):
+    """float64 per-token log p(target) and entropy of softmax(cap(logit_scale * logits) / T); gradients for upstream
     ``g_logp`` / ``g_ent`` (None: that output unused). Ignored tokens give 0 for both outputs."""
-    h, w, b, z, v = _float64_logits(hidden, weight, bias, softcap, vocab_size)
+    h, w, b, z, v = _float64_logits(hidden, weight, bias, softcap, vocab_size, logit_scale)
     logq = torch.log_softmax(z / temperature, dim=-1)
     keep = target != ignore_index
     logp = torch.where(keep, logq.gather(-1, torch.where(keep, target, 0).long()[..., None]).squeeze(-1), 0)

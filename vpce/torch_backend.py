@@ -55,8 +55,9 @@ def _logits(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, softcap: f
 
 
 def _chunk_stats(hidden, w, b, tg: TokenTargets, sl: slice, call: Call, softcap, acc, *, sum_z=False,
-                 sum_ez=False, inv_t=1.0) -> tuple[torch.Tensor | None, RankStats]:
-    """Logits of the rows ``sl`` (None on an all-padding shard) and their global statistics."""
+                 sum_ez=False, inv_t=1.0, class_weight=None) -> tuple[torch.Tensor | None, RankStats]:
+    """Logits of the rows ``sl`` (None on an all-padding shard) and their global statistics (``sum_z`` with
+    ``class_weight``: the weighted sum ``sum_j w_j z_j``)."""
     c = sl.stop - sl.start
     full = lambda value: torch.full((c,), value, dtype=acc, device=hidden.device)  # noqa: E731
     if call.shard.valid_rows > 0:
@@ -71,7 +72,7 @@ def _chunk_stats(hidden, w, b, tg: TokenTargets, sl: slice, call: Call, softcap,
         packed = [m, e.sum(1), zt]
         del e
         if sum_z:
-            packed.append(z.sum(1))
+            packed.append(z.sum(1) if class_weight is None else torch.mv(z, class_weight))
     else:  # this rank's rows are all padding: no max, nothing to add
         z = None
         packed = [full(-math.inf), full(0.0), full(-math.inf)] + [full(0.0)] * (sum_z + sum_ez)
@@ -81,8 +82,9 @@ def _chunk_stats(hidden, w, b, tg: TokenTargets, sl: slice, call: Call, softcap,
 
 
 def _logit_grad_(z: torch.Tensor, rows: RowStats, co: Coefficients, t_idx: torch.Tensor, in_shard: torch.Tensor,
-                 softcap: float | None, inv_t: float = 1.0) -> torch.Tensor:
-    """Turn the chunk's logits ``z`` [c, v] into the gradient of ``vpce.formulas``, in place."""
+                 softcap: float | None, inv_t: float = 1.0, class_weight=None) -> torch.Tensor:
+    """Turn the chunk's logits ``z`` [c, v] into the gradient of ``vpce.formulas``, in place (``class_weight``: the
+    columns' weights ``[v]``, which the ``d`` term is multiplied by)."""
     cap = None if softcap is None else 1 - (z / (softcap * inv_t)) ** 2
     zc = z.sub_(rows.m[:, None])  # z - M: exact where z is the max
     idx = t_idx[:, None]
@@ -92,13 +94,16 @@ def _logit_grad_(z: torch.Tensor, rows: RowStats, co: Coefficients, t_idx: torch
     g = zc.sub_(rows.log_s[:, None]).exp_()  # p
     g.mul_(co.a[:, None] if bz is None else bz)
     if co.d is not None:
-        g.add_(co.d[:, None])
+        if class_weight is None:
+            g.add_(co.d[:, None])
+        else:
+            g.addr_(co.d, class_weight)
     # the target's entry through q = 1 - p_t: (a + c) - a q (+ b (z_t - M) p_t) + d
     hit = co.a + co.c - co.a * rows.q
     if co.b is not None:
         hit = hit + co.b * zc_t * (1 - rows.q)
     if co.d is not None:
-        hit = hit + co.d
+        hit = hit + (co.d if class_weight is None else co.d * class_weight[t_idx])
     g.scatter_(1, idx, torch.where(in_shard, hit, g.gather(1, idx).squeeze(1))[:, None])
     if cap is not None:
         g.mul_(cap)
@@ -125,6 +130,7 @@ def recompute_grads(hidden, weight, bias, tg: TokenTargets, rows: RowStats, coef
     b = None if bias is None else bias[:v]
     need_dx, need_dw, need_db = call.needs_grad
     chunk = chunk_tokens(DEFAULT_CHUNK_GIB, shard, dtype, softcap is not None)
+    cw = None if tg.class_weight is None else tg.class_weight.columns
     dx = torch.zeros(n, d, dtype=acc, device=hidden.device) if need_dx else None
     dw = torch.zeros(v, d, dtype=acc, device=hidden.device) if need_dw else None
     db = torch.zeros(v, dtype=acc, device=hidden.device) if need_db and bias is not None else None
@@ -132,7 +138,7 @@ def recompute_grads(hidden, weight, bias, tg: TokenTargets, rows: RowStats, coef
         for c0 in range(0, n, chunk):
             sl = slice(c0, min(n, c0 + chunk))
             z = _logits(hidden[sl], w, b, softcap, acc, inv_t)
-            g = _logit_grad_(z, rows.rows(sl), coef.rows(sl), tg.idx[sl], tg.in_shard[sl], softcap, inv_t)
+            g = _logit_grad_(z, rows.rows(sl), coef.rows(sl), tg.idx[sl], tg.in_shard[sl], softcap, inv_t, cw)
             _accumulate(g, hidden[sl], w, sl, dx, dw, db)
             del z, g  # before the next chunk's logits exist
     return (None if dx is None else dx.to(dtype),
@@ -163,15 +169,17 @@ def cross_entropy(hidden, weight, bias, tg: TokenTargets, opts: LossOptions, cal
     loss_tok = torch.empty(n, dtype=acc, device=hidden.device)
     keep = call.plan.route == "lean"
     rows = RowStats.empty(n, acc, hidden.device) if keep else None
+    cap, mult = opts.folded_cap()
+    cw = None if tg.class_weight is None else tg.class_weight.columns
     for c0 in range(0, n, chunk):
         sl = slice(c0, min(n, c0 + chunk))
-        z, st = _chunk_stats(hidden, w, b, tg, sl, call, opts.softcap, acc, sum_z=smooth)
-        loss_tok[sl] = tg.token_loss(ce_loss(st, opts, shard.vocab_size), sl)
+        z, st = _chunk_stats(hidden, w, b, tg, sl, call, cap, acc, sum_z=smooth, inv_t=mult, class_weight=cw)
+        loss_tok[sl] = tg.token_loss(ce_loss(st, opts, shard.vocab_size, tg.class_rows(sl)), sl)
         if keep:
             rows.store(sl, st)
         if fast and v > 0:
-            co = ce_coefficients(unit[sl], st.lse, opts, shard.vocab_size)
-            g = _logit_grad_(z, RowStats.of(st), co, tg.idx[sl], tg.in_shard[sl], opts.softcap)
+            co = ce_coefficients(unit[sl], st.lse, opts, shard.vocab_size, tg.class_rows(sl))
+            g = _logit_grad_(z, RowStats.of(st), co, tg.idx[sl], tg.in_shard[sl], cap, mult, cw)
             _accumulate(g, hidden[sl], w, sl, dx, dw, db)
         del z  # before the next chunk's logits exist: one chunk live at a time
     return loss_tok, rows, FastGrads(dx, dw, db) if fast else None

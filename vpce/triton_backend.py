@@ -105,7 +105,7 @@ class _ChunkStats:
     overlaps the next sub-chunk's GEMM; the results come back in order.
     """
 
-    def __init__(self, rows: int, v: int, x: torch.Tensor, sum_z: bool, sum_ez: bool):
+    def __init__(self, rows: int, v: int, x: torch.Tensor, sum_z: bool, sum_ez: bool, class_weight=None):
         n_tiles = max(1, math.ceil(v / kernels.tile_n(x)))
         f32 = dict(dtype=torch.float32, device=x.device)
         self.m = torch.empty(rows, n_tiles, **f32)
@@ -113,6 +113,7 @@ class _ChunkStats:
         self.z = torch.empty(rows, n_tiles, **f32) if sum_z else None
         self.ez = torch.empty(rows, n_tiles, **f32) if sum_ez else None
         self.zt = torch.empty(rows, **f32)
+        self.class_weight = class_weight if sum_z else None  # sum z becomes sum w_j z_j
 
     def _launch(self, h, w, b, tl_local, sl: slice, r: slice, call: Call, softcap, inv_t, p):
         """Kernel and local reduction for tokens ``sl`` into buffer rows ``r``; starts the exchange."""
@@ -121,7 +122,8 @@ class _ChunkStats:
         if call.shard.valid_rows > 0:
             zt = self.zt[r].fill_(-math.inf)
             kernels.logits_tiles(h[sl], w, b, tl_local[sl], softcap=softcap, inv_t=inv_t, tile_m=self.m[r],
-                                 tile_s=self.s[r], tile_z=cut(self.z), tile_ez=cut(self.ez), zt=zt, p=p)
+                                 tile_s=self.s[r], tile_z=cut(self.z), tile_ez=cut(self.ez), zt=zt, p=p,
+                                 class_weight=self.class_weight)
             packed = kernels.reduce_tiles(self.m[r], self.s[r], cut(self.z), cut(self.ez), zt)
         else:  # this rank's rows are all padding: no max, no target, every sum 0
             packed = torch.zeros(3 + n_sums + (self.ez is not None), sl.stop - sl.start, dtype=torch.float32,
@@ -171,6 +173,7 @@ def recompute_grads(hidden, weight, bias, tg: TokenTargets, rows: RowStats, coef
     vb = _round_to(int(LEAN_BLOCK_GIB * 2**30) // max(1, nb * hidden.element_size()), bn)
     block = torch.empty(nb, min(vb, max(v, 1)), dtype=dtype, device=hidden.device) if n and v else None
     dx = dw = dx_acc = None
+    cw = None if tg.class_weight is None else tg.class_weight.columns.float()
     if token_major:
         if need_dx:
             dx = torch.empty(n, d, dtype=dtype, device=hidden.device)
@@ -189,7 +192,8 @@ def recompute_grads(hidden, weight, bias, tg: TokenTargets, rows: RowStats, coef
             v1 = min(v, v0 + vb)
             gz = block[: n1 - n0, : v1 - v0]
             kernels.logits_tiles(h, weight[v0:v1], None if bias is None else bias[v0:v1], tl_local[tok] - v0,
-                                 softcap=softcap, inv_t=inv_t, p=gz, rows=per_row, coef=coef.rows(tok))
+                                 softcap=softcap, inv_t=inv_t, p=gz, rows=per_row, coef=coef.rows(tok),
+                                 class_weight=None if cw is None else cw[v0:v1])
             if into_main:
                 addmm_out_(main_weight.main_grad[v0:v1], gz.t(), h)  # fp32 accumulation into main_grad
             elif dw is not None and token_major:
@@ -231,21 +235,22 @@ def cross_entropy(hidden, weight, bias, tg: TokenTargets, opts: LossOptions, cal
     b = None if bias is None else bias[:v]
     tl_local = _local_targets(tg)
     smooth = opts.label_smoothing > 0
+    cw = None if tg.class_weight is None else tg.class_weight.columns.float()
     loss_tok = torch.empty(n, dtype=torch.float32, device=dev)
     if plan.route != "fast":
         keep = plan.route == "lean"
         rows = RowStats.empty(n, torch.float32, dev) if keep else None
-        stats = _ChunkStats(min(max(n, 1), STATS_TOKENS), v, hidden, smooth, False)
+        stats = _ChunkStats(min(max(n, 1), STATS_TOKENS), v, hidden, smooth, False, cw)
         for c0 in range(0, n, STATS_TOKENS):
             sl = slice(c0, min(n, c0 + STATS_TOKENS))
-            for part, _, st in stats.parts(hidden, w, b, tl_local, sl, call, opts.softcap):
-                loss_tok[part] = tg.token_loss(ce_loss(st, opts, shard.vocab_size), part)
+            for part, _, st in stats.parts(hidden, w, b, tl_local, sl, call, *opts.folded_cap()):
+                loss_tok[part] = tg.token_loss(ce_loss(st, opts, shard.vocab_size, tg.class_rows(part)), part)
                 if keep:
                     rows.store(part, st)
         return loss_tok, rows, None
 
     chunk = min(max(n, 1), _fast_chunk(opts, shard.columns_per_rank, hidden.dtype, d))
-    stats = _ChunkStats(chunk, v, hidden, smooth, False)
+    stats = _ChunkStats(chunk, v, hidden, smooth, False, cw)
     p = torch.empty(chunk, v, dtype=hidden.dtype, device=dev) if v > 0 else None
     unit = tg.row_scale(torch.ones((), device=dev).expand(n))
     dx = None
@@ -258,12 +263,13 @@ def cross_entropy(hidden, weight, bias, tg: TokenTargets, opts: LossOptions, cal
     for c0 in range(0, n, chunk):
         sl = slice(c0, min(n, c0 + chunk))
         pc = None if p is None else p[: sl.stop - sl.start]
-        for part, r, st in stats.parts(hidden, w, b, tl_local, sl, call, opts.softcap, p=pc):
-            loss_tok[part] = tg.token_loss(ce_loss(st, opts, shard.vocab_size), part)
+        for part, r, st in stats.parts(hidden, w, b, tl_local, sl, call, *opts.folded_cap(), p=pc):
+            loss_tok[part] = tg.token_loss(ce_loss(st, opts, shard.vocab_size, tg.class_rows(part)), part)
             if v > 0:
-                co = ce_coefficients(unit[part], st.lse, opts, shard.vocab_size)
+                co = ce_coefficients(unit[part], st.lse, opts, shard.vocab_size, tg.class_rows(part))
                 kernels.probs_to_grad_(pc[r], pc[r], stats.m[r], RowStats.of(st), stats.zt[r], tl_local[part],
-                                       (co.a, co.c, co.d), opts.softcap, kernels.tile_n(hidden))
+                                       (co.a, co.c, co.d), opts.softcap, kernels.tile_n(hidden),  # z's own cap
+                                       class_weight=cw)
         if v > 0 and dx is not None:
             mm_into(dx[sl], pc, w)
         if reduce_dx is not None:  # overlaps this chunk's dW GEMM and the next chunk
