@@ -93,6 +93,23 @@ def test_lean_backward_token_major(monkeypatch, blocks):
     check(p, reduction="none", memory_budget="auto")
 
 
+def test_lean_backward_token_major_class_weight(monkeypatch):
+    from vpce import triton_backend
+
+    monkeypatch.setattr(triton_backend, "LEAN_TOKEN_BLOCK", 48)
+    monkeypatch.setattr(triton_backend, "LEAN_BLOCK_GIB", 1e-9)
+    p = make_problem(130, 16, 70, dtype=torch.float32, bias=True, vocab_size=66, ignore_frac=0.2, seed=4)
+    cw = torch.rand(70, generator=torch.Generator().manual_seed(1), dtype=torch.float64) * 2
+    h, w, b = (leaf(x.to(DEV)) for x in (p.hidden, p.weight, p.bias))
+    loss = vpce.linear_cross_entropy(h, w, p.target.to(DEV), b, vocab_size=66, backend="triton", label_smoothing=0.2,
+                                     memory_budget="lean", class_weight=cw.to(DEV, torch.float32))
+    loss.backward()
+    ref = reference(p.hidden, p.weight, p.target, p.bias, vocab_size=66, label_smoothing=0.2, class_weight=cw)
+    for name, got, want in (("loss", loss, ref.loss), ("dX", h.grad, ref.dhidden), ("dW", w.grad, ref.dweight),
+                            ("db", b.grad, ref.dbias)):
+        assert rel_err(got, want) <= 2e-5, f"{name}: {rel_err(got, want):.2e}"
+
+
 def test_lean_backward_token_major_main_grad(monkeypatch):
     from vpce import triton_backend
 
