@@ -141,6 +141,8 @@ MISMATCHES = [
     ("backend", dict(backend="triton")),
     ("vocab_size", dict(vocab_size=19)),
     ("sequence_parallel", dict(sequence_parallel=True)),
+    ("return_token_accuracy", dict(return_token_accuracy=True)),
+    ("token_scaling", dict(token_scaling=True)),
 ]
 OTHER = ["hidden tokens", "hidden size", "hidden dtype", "target", "bad target", "vocab_start", "local error",
          "requires_grad"]

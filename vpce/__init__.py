@@ -7,10 +7,10 @@ Layout: ``api`` (the public functions and module, argument checks), ``routing`` 
 (``python -m vpce.bench``).
 """
 
-from .api import LinearCrossEntropy, linear_cross_entropy, linear_log_probs
+from .api import CrossEntropyOutput, LinearCrossEntropy, linear_cross_entropy, linear_log_probs
 from .options import LossOptions
 
-__all__ = ["linear_cross_entropy", "linear_log_probs", "LinearCrossEntropy", "LossOptions"]
+__all__ = ["linear_cross_entropy", "linear_log_probs", "LinearCrossEntropy", "LossOptions", "CrossEntropyOutput"]
 
 from importlib import metadata as _metadata
 

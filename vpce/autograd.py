@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .formulas import RowStats, ce_coefficients, logprob_coefficients, logprob_outputs
+from .formulas import RowStats, ce_coefficients, logprob_coefficients, logprob_extras, logprob_outputs
 from .grads import finish_fast_grads
 from .options import LogProbOptions, LossOptions
 from .routing import Call
@@ -33,13 +33,15 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def cross_entropy_grads(hidden, weight, bias, target, token_weight, rows: RowStats, grad: torch.Tensor,
-                        denominator: torch.Tensor, opts: LossOptions, call: Call, main_weight=None):
-    """The lean route's backward: per-token row scales from the upstream gradient, then the recompute."""
+                        denominator: torch.Tensor, opts: LossOptions, call: Call, main_weight=None, scaling=None):
+    """The lean route's backward: per-token row scales from the upstream gradient, then the recompute.
+    ``scaling``: the forward's per-token factor (``token_scaling``), or None."""
     g = grad.detach().to(rows.m.dtype)
     if opts.reduction == "mean":
         g = g / denominator
     tg = TokenTargets(target, call.shard, opts.ignore_index, token_weight)
-    scale = tg.row_scale(g.expand(hidden.shape[0]) if g.dim() == 0 else g.reshape(-1))
+    g = g.expand(hidden.shape[0]) if g.dim() == 0 else g.reshape(-1)
+    scale = tg.row_scale(g if scaling is None else g * scaling)
     coef = ce_coefficients(scale, rows.lse, opts, call.shard.vocab_size)
     return backend_module(call.plan.backend).recompute_grads(hidden, weight, bias, tg, rows, coef, call,
                                                              opts.softcap, 1.0, main_weight)
@@ -58,11 +60,16 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         ctx.dtype, ctx.rows = hidden.dtype, weight.shape[0]
         ctx.main_weight = weight if call.main_grad else None
         if rows is not None:
-            ctx.save_for_backward(hidden, weight, bias, target, token_weight, *rows)
-        return tg.reduce(loss_tok, opts.reduction)
+            ctx.save_for_backward(hidden, weight, bias, target, token_weight, *rows, tg.scaling)
+        loss = tg.reduce(loss_tok, opts.reduction)
+        if not opts.metrics:
+            return loss
+        metrics = [tg.reduce_metric(tg.metrics[k], opts.reduction) for k in opts.metrics]
+        ctx.mark_non_differentiable(*metrics)
+        return (loss, *metrics)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, grad, *_metrics):  # the metrics are detached: their gradients are ignored
         with torch.autocast(grad.device.type, enabled=False):  # (a backward called inside an autocast region)
             return LinearCrossEntropyFunction._backward(ctx, grad)
 
@@ -70,9 +77,9 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     def _backward(ctx, grad):
         none = (None,) * 4
         if ctx.call.plan.route != "fast":
-            hidden, weight, bias, target, token_weight, *rows = ctx.saved_tensors
+            hidden, weight, bias, target, token_weight, *rows, scaling = ctx.saved_tensors
             return (*cross_entropy_grads(hidden, weight, bias, target, token_weight, RowStats(*rows), grad,
-                                         ctx.denominator, ctx.opts, ctx.call, ctx.main_weight), *none)
+                                         ctx.denominator, ctx.opts, ctx.call, ctx.main_weight, scaling), *none)
         if ctx.fast is None:
             raise RuntimeError("vpce: this loss formed its gradients in forward and they were already used; for "
                                "a second backward pass use memory_budget='lean'")
@@ -97,10 +104,16 @@ class LinearLogProbsFunction(torch.autograd.Function):
             centred = st.expectations[0] - st.m if lp.entropy else None
             ctx.save_for_backward(hidden, weight, bias, target, st.m, st.log_s, st.q, centred)
         ctx.lp, ctx.call = lp, call
-        return (logp, ent) if lp.entropy else logp
+        ctx.set_materialize_grads(False)  # an output used only for logging gets no zero-filled gradient
+        extras = logprob_extras(tg, st, lp, call.shard.vocab_size)
+        ctx.mark_non_differentiable(*extras)
+        if not lp.entropy and not extras:
+            return logp
+        return (logp, *([ent] if lp.entropy else []), *extras)
 
     @staticmethod
-    def backward(ctx, g_logp, g_ent=None):
+    def backward(ctx, g_logp, *rest):
+        g_ent = rest[0] if ctx.lp.entropy else None  # (the extras after it are detached)
         with torch.autocast(ctx.saved_tensors[0].device.type, enabled=False):
             return LinearLogProbsFunction._backward(ctx, g_logp, g_ent)
 
