@@ -20,9 +20,12 @@ setup:
 # torchtune and the packages it needs come without pip resolving their requirements (pyproject.toml, `torchtune`).
 # About 25 s on a bare machine, then a no-op.
 TORCHTUNE ?= torchtune==0.6.1 torchao==0.15.0 torchdata==0.11.0
+# trl (the `trl` extra) also comes without its requirements: what it imports (transformers, accelerate, datasets) is
+# already there from the `test` and `torchtune` extras, so it can never change the installed torch or transformers.
+TRL ?= trl==1.16.0
 
 setup-test: setup
-	@$(PIP) --no-deps $(TORCHTUNE)
+	@$(PIP) --no-deps $(TORCHTUNE) $(TRL)
 	@$(PIP) -e ".[test,torchtune]"
 
 test: setup-test

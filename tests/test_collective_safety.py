@@ -144,6 +144,8 @@ MISMATCHES = [
     ("vocab_size", dict(vocab_size=19)),
     ("sequence_parallel", dict(sequence_parallel=True)),
     ("logit_scale", dict(logit_scale=2.0)),
+    ("return_token_accuracy", dict(return_token_accuracy=True)),
+    ("token_scaling", dict(token_scaling=True)),
 ]
 OTHER = ["hidden tokens", "hidden size", "hidden dtype", "target", "bad target", "vocab_start", "local error",
          "requires_grad", "class_weight"]

@@ -8,10 +8,10 @@ Layout: ``api`` (the public functions and module, argument checks), ``routing`` 
 """
 
 from . import nn
-from .api import LinearCrossEntropy, linear_cross_entropy, linear_log_probs
+from .api import CrossEntropyOutput, LinearCrossEntropy, linear_cross_entropy, linear_log_probs
 from .options import LossOptions
 
-__all__ = ["linear_cross_entropy", "linear_log_probs", "LinearCrossEntropy", "LossOptions", "nn"]
+__all__ = ["linear_cross_entropy", "linear_log_probs", "LinearCrossEntropy", "LossOptions", "CrossEntropyOutput", "nn"]
 
 from .distill import linear_distillation_loss  # noqa: E402
 

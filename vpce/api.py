@@ -12,18 +12,18 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
 from . import parallel
 from .autograd import LinearCrossEntropyFunction, LinearLogProbsFunction, accumulation_dtype
 from .grads import check_main_grad
-from .options import BACKENDS, BUDGET_NAMES, REDUCTIONS, LogProbOptions, LossOptions
+from .options import BACKENDS, BUDGET_NAMES, METRICS, REDUCTIONS, LogProbOptions, LossOptions
 from .parallel import CallFacts
 from .routing import Call, Plan, plan_cross_entropy, plan_log_probs, resolve_backend, settle, settle_by_memory
 
-__all__ = ["linear_cross_entropy", "linear_log_probs", "LinearCrossEntropy"]
+__all__ = ["linear_cross_entropy", "linear_log_probs", "LinearCrossEntropy", "CrossEntropyOutput"]
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -66,8 +66,13 @@ def _check_logit_scale(value):
 
 
 def make_options(*, ignore_index=-100, reduction="mean", label_smoothing=0.0, z_loss=0.0, softcap=None,
-                 memory_budget="auto", logit_scale=1.0) -> LossOptions:
+                 memory_budget="auto", logit_scale=1.0, token_scaling=False, return_z_loss=False,
+                 return_token_accuracy=False, return_entropy=False) -> LossOptions:
     """Validate the per-token options once and freeze them into ``LossOptions``."""
+    for name, flag in (("token_scaling", token_scaling), ("return_z_loss", return_z_loss),
+                       ("return_token_accuracy", return_token_accuracy), ("return_entropy", return_entropy)):
+        _check_bool(name, flag)
+    asked = dict(zip(METRICS, (return_z_loss, return_token_accuracy, return_entropy)))
     _check_int("ignore_index", ignore_index, allow_none=False)
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction: expected one of {REDUCTIONS}, got {reduction!r}")
@@ -85,7 +90,21 @@ def make_options(*, ignore_index=-100, reduction="mean", label_smoothing=0.0, z_
     return LossOptions(ignore_index=int(ignore_index), reduction=reduction,
                        label_smoothing=float(label_smoothing), z_loss=float(z_loss),
                        softcap=None if softcap is None else float(softcap), memory_budget=memory_budget,
-                       logit_scale=float(logit_scale))
+                       logit_scale=float(logit_scale), token_scaling=token_scaling,
+                       metrics=tuple(k for k in METRICS if asked[k]))
+
+
+class CrossEntropyOutput(NamedTuple):
+    """What ``linear_cross_entropy`` returns when a metric is asked for (Liger's field names): the loss (with its
+    gradient) and the detached metrics, reduced like the loss without ``token_weight``; None where not asked."""
+
+    loss: torch.Tensor
+    z_loss: torch.Tensor | None = None
+    """The z-loss term ``z_loss * lse**2`` that is part of ``loss`` (0 with ``z_loss=0``)."""
+    token_accuracy: torch.Tensor | None = None
+    """1 where the target is the argmax of the logits (ties to the lowest global id, as ``torch.argmax``)."""
+    entropy: torch.Tensor | None = None
+    """The entropy of the softmax, ``lse - sum_j p_j z_j``."""
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -255,7 +274,8 @@ def linear_cross_entropy(hidden, weight, target, bias=None, *, ignore_index=-100
                          label_smoothing=0.0, z_loss=0.0, softcap=None, token_weight=None, group=None,
                          vocab_start=None, vocab_size=None, sequence_parallel=False, backend="auto",
                          memory_budget="auto", validate=False, accumulate_main_grad=False, logit_scale=1.0,
-                         class_weight=None):
+                         class_weight=None, token_scaling=False, return_z_loss=False, return_token_accuracy=False,
+                         return_entropy=False):
     """Cross-entropy of ``hidden @ weight.T (+ bias)`` against ``target`` without materializing the logits.
 
     Args:
@@ -289,17 +309,24 @@ def linear_cross_entropy(hidden, weight, target, bias=None, *, ignore_index=-100
         class_weight: float ``[V_local]``, sharded like the weight rows (padding rows ignored), no grad: per-class
             weights with ``torch.nn.functional.cross_entropy(weight=...)``'s semantics, label smoothing included;
             ``mean`` divides by the sum of the target classes' weights over non-ignored tokens.
+        token_scaling: multiply each token's loss and gradient by the detached probability of its target (DFT;
+            TRL's ``loss_type="dft"``, Liger's ``use_token_scaling``); ``mean`` still divides by the token count.
+        return_z_loss, return_token_accuracy, return_entropy: also return these detached metrics from the same
+            pass (no extra collective), reduced like the loss but never weighted by ``token_weight``.
 
     Returns:
-        The fp32 loss (fp64 for fp64 inputs): a scalar, or target's shape for ``reduction="none"``. The full
-        contract is docs/api.md in the source distribution.
+        The fp32 loss (fp64 for fp64 inputs): a scalar, or target's shape for ``reduction="none"``. With any
+        ``return_*`` set, a ``CrossEntropyOutput(loss, z_loss, token_accuracy, entropy)`` with None where not
+        asked. The full contract is docs/api.md in the source distribution.
     """
     box = {}
 
     def checks():
         box["opts"] = make_options(ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
                                    z_loss=z_loss, softcap=softcap, memory_budget=memory_budget,
-                                   logit_scale=logit_scale)
+                                   logit_scale=logit_scale, token_scaling=token_scaling,
+                                   return_z_loss=return_z_loss, return_token_accuracy=return_token_accuracy,
+                                   return_entropy=return_entropy)
     return _cross_entropy(hidden, weight, target, bias, box, checks, token_weight=token_weight, group=group,
                           vocab_start=vocab_start, vocab_size=vocab_size, sequence_parallel=sequence_parallel,
                           backend=backend, validate=validate, accumulate_main_grad=accumulate_main_grad,
@@ -332,7 +359,8 @@ def _cross_entropy(hidden, weight, target, bias, box: dict, make: Callable[[], N
         return [("reduction", o.reduction), ("ignore_index", o.ignore_index), ("label_smoothing", o.label_smoothing),
                 ("z_loss", o.z_loss), ("softcap", o.softcap), ("memory_budget", o.memory_budget),
                 ("token_weight", token_weight is not None), ("accumulate_main_grad", accumulate_main_grad),
-                ("logit_scale", o.logit_scale), ("class_weight", class_weight is not None)]
+                ("logit_scale", o.logit_scale), ("class_weight", class_weight is not None),
+                ("token_scaling", o.token_scaling), *((f"return_{k}", k in o.metrics) for k in METRICS)]
 
     h2, weight, bias, target, call = _prepare(
         "ce", hidden, weight, target, bias, group=group, vocab_start=vocab_start, vocab_size=vocab_size,
@@ -347,6 +375,9 @@ def _cross_entropy(hidden, weight, target, bias, box: dict, make: Callable[[], N
         if call.shard.sharded or accumulate_main_grad:
             raise NotImplementedError("vpce under torch.compile supports one process without "
                                       "accumulate_main_grad; call it outside the compiled region under a group")
+        if opts.metrics or opts.token_scaling:
+            raise NotImplementedError("vpce under torch.compile does not yet return metrics or apply "
+                                      "token_scaling; call it outside the compiled region for those")
         from . import library
         with torch.autocast(h2.device.type, enabled=False):  # the operands are already in the compute dtype
             loss = library.linear_cross_entropy(h2, weight, bias, t1, tw1, call.plan.backend, opts,
@@ -355,12 +386,17 @@ def _cross_entropy(hidden, weight, target, bias, box: dict, make: Callable[[], N
         call = Call(call.shard, call.plan, call.needs_grad, accumulate_main_grad, call.poison)
         with torch.autocast(h2.device.type, enabled=False):
             loss = LinearCrossEntropyFunction.apply(_enter(h2, call), weight, bias, t1, tw1, opts, call, cw1)
-    return loss.reshape(target.shape) if opts.reduction == "none" else loss
+    shape = (lambda x: x.reshape(target.shape)) if opts.reduction == "none" else (lambda x: x)
+    if not opts.metrics:
+        return shape(loss)
+    got = dict(zip(opts.metrics, (shape(x) for x in loss[1:])))
+    return CrossEntropyOutput(shape(loss[0]), *(got.get(k) for k in METRICS))
 
 
 def linear_log_probs(hidden, weight, target, bias=None, *, temperature=1.0, softcap=None, return_entropy=False,
                      ignore_index=-100, group=None, vocab_start=None, vocab_size=None, sequence_parallel=False,
-                     backend="auto", validate=False, logit_scale=1.0):
+                     backend="auto", validate=False, logit_scale=1.0, return_top1=False, return_mean_logits=False,
+                     return_log_sum_sq_probs=False):
     """Per-token ``log p(target)`` under ``softmax(softcap(logit_scale * (hidden @ weight.T + bias)) /
     temperature)``, and with
     ``return_entropy=True`` also the entropy of that distribution, without materializing the logits.
@@ -371,13 +407,19 @@ def linear_log_probs(hidden, weight, target, bias=None, *, temperature=1.0, soft
         temperature: > 0; divides the (capped) logits.
         softcap: logits become ``softcap * tanh(logits / softcap)`` before the temperature.
         return_entropy: also return the entropy.
-        ignore_index: targets equal to it give 0 for both outputs.
+        ignore_index: targets equal to it give 0 for every output.
         logit_scale: a finite number > 0 that multiplies the logits before the soft cap and the temperature.
+        return_top1: also return whether the target is the argmax (bool; ties go to the lowest global id, as
+            ``torch.argmax``); TRL's ``is_top1``.
+        return_mean_logits: also return the mean of the (capped, tempered) logits over the real vocab.
+        return_log_sum_sq_probs: also return ``log sum_j p_j^2``.
 
     Returns:
-        ``log_probs`` (or ``(log_probs, entropy)``), target's shape, fp32 (fp64 for fp64 inputs on the torch
-        backend). Gradients are exact for any upstream gradients on both outputs, sharded or not (the building
-        block for PPO/GRPO-style losses).
+        ``log_probs`` alone, or, when anything else is asked, the tuple of the fields asked for in the order
+        ``(log_probs, entropy, is_top1, mean_logits, log_sum_sq_probs)``; each of target's shape, fp32 (fp64 for
+        fp64 inputs on the torch backend; ``is_top1`` bool). Gradients are exact for any upstream gradients on
+        ``log_probs`` and ``entropy``, sharded or not (the building block for PPO/GRPO-style losses); the last
+        three are detached.
     """
     def local_checks(_weight, _cast):
         _check_int("ignore_index", ignore_index, allow_none=False)
@@ -385,11 +427,15 @@ def linear_log_probs(hidden, weight, target, bias=None, *, temperature=1.0, soft
         _check_number("softcap", softcap, low=0.0, low_open=True, allow_none=True)
         _check_bool("return_entropy", return_entropy)
         _check_logit_scale(logit_scale)
+        _check_bool("return_top1", return_top1)
+        _check_bool("return_mean_logits", return_mean_logits)
+        _check_bool("return_log_sum_sq_probs", return_log_sum_sq_probs)
 
     def fields():
         return [("ignore_index", ignore_index), ("temperature", float(temperature)),
                 ("softcap", None if softcap is None else float(softcap)), ("return_entropy", return_entropy),
-                ("logit_scale", float(logit_scale))]
+                ("logit_scale", float(logit_scale)), ("return_top1", return_top1),
+                ("return_mean_logits", return_mean_logits), ("return_log_sum_sq_probs", return_log_sum_sq_probs)]
 
     def plan(needs, dtype, backend_name, sharded, sp):
         return plan_log_probs(needs, backend_name, sharded, sp)
@@ -402,11 +448,12 @@ def linear_log_probs(hidden, weight, target, bias=None, *, temperature=1.0, soft
     # the logit scale s folds into the cap and the temperature: cap_c(s x) / T = cap_{c/s}(x) * (s / T)
     s = float(logit_scale)
     lp = LogProbOptions(ignore_index=int(ignore_index), softcap=None if softcap is None else float(softcap) / s,
-                        inv_t=s / float(temperature), entropy=return_entropy)
+                        inv_t=s / float(temperature), entropy=return_entropy, top1=return_top1,
+                        mean_logits=return_mean_logits, log_sum_sq=return_log_sum_sq_probs)
     with torch.autocast(h2.device.type, enabled=False):  # the operands are already in the compute dtype
         out = LinearLogProbsFunction.apply(_enter(h2, call), weight, bias, target.reshape(-1), lp, call)
-    if return_entropy:
-        return out[0].reshape(target.shape), out[1].reshape(target.shape)
+    if isinstance(out, tuple):
+        return tuple(x.reshape(target.shape) for x in out)
     return out.reshape(target.shape)
 
 
@@ -419,11 +466,14 @@ class LinearCrossEntropy(torch.nn.Module):
 
     def __init__(self, *, ignore_index=-100, reduction="mean", label_smoothing=0.0, z_loss=0.0, softcap=None,
                  group=None, vocab_start=None, vocab_size=None, sequence_parallel=False, backend="auto",
-                 memory_budget="auto", validate=False, accumulate_main_grad=False, logit_scale=1.0):
+                 memory_budget="auto", validate=False, accumulate_main_grad=False, logit_scale=1.0,
+                 token_scaling=False, return_z_loss=False, return_token_accuracy=False, return_entropy=False):
         super().__init__()
         self.options = make_options(ignore_index=ignore_index, reduction=reduction,
                                     label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
-                                    memory_budget=memory_budget, logit_scale=logit_scale)
+                                    memory_budget=memory_budget, logit_scale=logit_scale,
+                                    token_scaling=token_scaling, return_z_loss=return_z_loss,
+                                    return_token_accuracy=return_token_accuracy, return_entropy=return_entropy)
         if backend not in BACKENDS:
             raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
         _check_int("vocab_start", vocab_start, low=0)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .formulas import RowStats, ce_coefficients, logprob_coefficients, logprob_outputs
+from .formulas import RowStats, ce_coefficients, logprob_coefficients, logprob_extras, logprob_outputs
 from .grads import finish_fast_grads
 from .options import LogProbOptions, LossOptions
 from .routing import Call
@@ -34,14 +34,16 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def cross_entropy_grads(hidden, weight, bias, target, token_weight, rows: RowStats, grad: torch.Tensor,
                         denominator: torch.Tensor, opts: LossOptions, call: Call, main_weight=None,
-                        class_weight=None):
+                        class_weight=None, scaling=None):
     """The lean route's backward: per-token row scales from the upstream gradient, then the recompute.
-    ``class_weight``: forward's ``ClassWeights`` (or, in one process, the raw ``[V_local]`` weights)."""
+    ``class_weight``: forward's ``ClassWeights`` (or, in one process, the raw ``[V_local]`` weights);
+    ``scaling``: the forward's per-token factor (``token_scaling``), or None."""
     g = grad.detach().to(rows.m.dtype)
     if opts.reduction == "mean":
         g = g / denominator
     tg = TokenTargets(target, call.shard, opts.ignore_index, token_weight, class_weight)
-    scale = tg.row_scale(g.expand(hidden.shape[0]) if g.dim() == 0 else g.reshape(-1))
+    g = g.expand(hidden.shape[0]) if g.dim() == 0 else g.reshape(-1)
+    scale = tg.row_scale(g if scaling is None else g * scaling)
     coef = ce_coefficients(scale, rows.lse, opts, call.shard.vocab_size, tg.class_rows(slice(None)))
     return backend_module(call.plan.backend).recompute_grads(hidden, weight, bias, tg, rows, coef, call,
                                                              *opts.folded_cap(), main_weight)
@@ -62,11 +64,16 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         ctx.main_weight = weight if call.main_grad else None
         if rows is not None:
             cw = tg.class_weight if tg.class_weight is not None else (None,) * len(ClassWeights._fields)
-            ctx.save_for_backward(hidden, weight, bias, target, token_weight, *rows, *cw)
-        return tg.reduce(loss_tok, opts.reduction)
+            ctx.save_for_backward(hidden, weight, bias, target, token_weight, *rows, tg.scaling, *cw)
+        loss = tg.reduce(loss_tok, opts.reduction)
+        if not opts.metrics:
+            return loss
+        metrics = [tg.reduce_metric(tg.metrics[k], opts.reduction) for k in opts.metrics]
+        ctx.mark_non_differentiable(*metrics)
+        return (loss, *metrics)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, grad, *_metrics):  # the metrics are detached: their gradients are ignored
         with torch.autocast(grad.device.type, enabled=False):  # (a backward called inside an autocast region)
             return LinearCrossEntropyFunction._backward(ctx, grad)
 
@@ -75,10 +82,11 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         none = (None,) * 5
         if ctx.call.plan.route != "fast":
             hidden, weight, bias, target, token_weight, *saved = ctx.saved_tensors
-            rows, cw = RowStats(*saved[:len(RowStats._fields)]), saved[len(RowStats._fields):]
+            k = len(RowStats._fields)
+            rows, scaling, cw = RowStats(*saved[:k]), saved[k], saved[k + 1:]
             cw = None if cw[0] is None else ClassWeights(*cw)
             return (*cross_entropy_grads(hidden, weight, bias, target, token_weight, rows, grad,
-                                         ctx.denominator, ctx.opts, ctx.call, ctx.main_weight, cw), *none)
+                                         ctx.denominator, ctx.opts, ctx.call, ctx.main_weight, cw, scaling), *none)
         if ctx.fast is None:
             raise RuntimeError("vpce: this loss formed its gradients in forward and they were already used; for "
                                "a second backward pass use memory_budget='lean'")
@@ -103,10 +111,16 @@ class LinearLogProbsFunction(torch.autograd.Function):
             centred = st.expectations[0] - st.m if lp.entropy else None
             ctx.save_for_backward(hidden, weight, bias, target, st.m, st.log_s, st.q, centred)
         ctx.lp, ctx.call = lp, call
-        return (logp, ent) if lp.entropy else logp
+        ctx.set_materialize_grads(False)  # an output used only for logging gets no zero-filled gradient
+        extras = logprob_extras(tg, st, lp, call.shard.vocab_size)
+        ctx.mark_non_differentiable(*extras)
+        if not lp.entropy and not extras:
+            return logp
+        return (logp, *([ent] if lp.entropy else []), *extras)
 
     @staticmethod
-    def backward(ctx, g_logp, g_ent=None):
+    def backward(ctx, g_logp, *rest):
+        g_ent = rest[0] if ctx.lp.entropy else None  # (the extras after it are detached)
         with torch.autocast(ctx.saved_tensors[0].device.type, enabled=False):
             return LinearLogProbsFunction._backward(ctx, g_logp, g_ent)
 

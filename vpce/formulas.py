@@ -38,7 +38,8 @@ from .options import LossOptions
 from .parallel import RankStats
 from .targets import TokenTargets
 
-__all__ = ["RowStats", "Coefficients", "ce_loss", "ce_coefficients", "logprob_outputs", "logprob_coefficients"]
+__all__ = ["RowStats", "Coefficients", "ce_loss", "ce_coefficients", "logprob_outputs", "logprob_coefficients",
+           "target_probability", "ce_metrics", "logprob_extras"]
 
 
 class RowStats(NamedTuple):
@@ -96,6 +97,24 @@ def ce_loss(st: RankStats, opts: LossOptions, vocab_size: int, class_weight=None
     return loss
 
 
+def target_probability(st: RankStats) -> torch.Tensor:
+    """``p_t = exp(-nll)``, exact for tiny and for confident ``p_t`` alike (``token_scaling``'s factor)."""
+    return torch.exp(-st.nll)
+
+
+def ce_metrics(st: RankStats, opts: LossOptions) -> dict[str, torch.Tensor]:
+    """The per-token metrics ``opts.metrics`` asks for (before masking): the z-loss term ``z_loss * lse^2``, the
+    argmax indicator (1.0 or 0.0), the entropy ``lse - E[z]``."""
+    out = {}
+    if "z_loss" in opts.metrics:
+        out["z_loss"] = opts.z_loss * st.lse * st.lse
+    if "token_accuracy" in opts.metrics:
+        out["token_accuracy"] = st.top1
+    if "entropy" in opts.metrics:
+        out["entropy"] = st.lse - st.expectations[0]
+    return out
+
+
 def ce_coefficients(scale: torch.Tensor, lse: torch.Tensor, opts: LossOptions, vocab_size: int,
                     class_weight=None) -> Coefficients:
     """``class_weight``: ``(w_t, W)`` as for ``ce_loss``; ``d`` is then the row factor of the per-column term
@@ -121,6 +140,20 @@ def logprob_outputs(tg: TokenTargets, st: RankStats, entropy: bool):
     everything = slice(None)
     ent = tg.token_loss(st.lse - st.expectations[0], everything) if entropy else None
     return tg.token_loss(-st.nll, everything), ent
+
+
+def logprob_extras(tg: TokenTargets, st: RankStats, lp, vocab_size: int) -> list[torch.Tensor]:
+    """The detached extras ``linear_log_probs`` asks for, in its return order: ``is_top1`` (bool), the mean logit,
+    ``log sum_j p_j^2``; 0 (False) on ignored tokens."""
+    everything = slice(None)
+    out = []
+    if lp.top1:
+        out.append(tg.metric(st.top1, everything) == 1)
+    if lp.mean_logits:
+        out.append(tg.metric(st.sums[0] / vocab_size, everything))
+    if lp.log_sum_sq:
+        out.append(tg.metric(st.log_sum_sq, everything))
+    return out
 
 
 def logprob_coefficients(tg: TokenTargets, g_logp: torch.Tensor | None, g_ent: torch.Tensor | None,

@@ -94,7 +94,7 @@ def _dlogits(p, zc, hit, ca, cb, cc, cd, q, dcap, HAS_CB: tl.constexpr, HAS_CD: 
 def _logits_tile(
     pid_m, pid_n,
     # pointers
-    X, W, BIAS, TL, TILE_M, TILE_S, TILE_Z, TILE_EZ, ZT, P, RM, RLSE, RQ, CA, CB, CC, CD, CW,
+    X, W, BIAS, TL, TILE_M, TILE_S, TILE_Z, TILE_EZ, ZT, P, RM, RLSE, RQ, CA, CB, CC, CD, CW, TILE_SQ, TILE_MB, TB,
     # shapes
     M, V, D, n_tiles,
     # strides
@@ -106,7 +106,7 @@ def _logits_tile(
     WRITE_P: tl.constexpr, SUM_Z: tl.constexpr, SUM_EZ: tl.constexpr, HAS_CB: tl.constexpr,
     HAS_CD: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr, HAS_CW: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    EVEN_N: tl.constexpr,
+    EVEN_N: tl.constexpr, SUM_SQ: tl.constexpr, TOP1: tl.constexpr,
 ):
     """One [BLOCK_M, BLOCK_N] tile: the GEMM over D, then the epilogue."""
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -198,6 +198,12 @@ def _logits_tile(
             tl.store(TILE_Z + stat, tl.sum(tl.where(rn[None, :] < V, zw, 0.0), axis=1), mask=row_ok)
         if SUM_EZ:
             tl.store(TILE_EZ + stat, tl.sum(tl.where(hit | (e == 0.0), 0.0, e * acc), axis=1), mask=row_ok)
+        if SUM_SQ:  # sum of exp(2 (z - m_t)) but the target's (log sum p^2)
+            tl.store(TILE_SQ + stat, tl.sum(tl.where(hit, 0.0, e * e), axis=1), mask=row_ok)
+        if TOP1:  # max over the columns of a lower id than the target's (TB: how many of this shard's columns)
+            before = tl.load(TB + rm, mask=row_ok, other=0)
+            tl.store(TILE_MB + stat, tl.max(tl.where(rn[None, :] < before[:, None], acc, float("-inf")), axis=1),
+                     mask=row_ok)
         zt = tl.sum(tl.where(hit, acc, 0.0), axis=1)
         mine = row_ok & (t >= pid_n * BLOCK_N) & (t < pid_n * BLOCK_N + BLOCK_N)
         tl.store(ZT + rm, zt, mask=mine)
@@ -210,7 +216,7 @@ def _logits_tile(
 @triton.jit
 def _logits_tiles_kernel(
     # pointers
-    X, W, BIAS, TL, TILE_M, TILE_S, TILE_Z, TILE_EZ, ZT, P, RM, RLSE, RQ, CA, CB, CC, CD, CW,
+    X, W, BIAS, TL, TILE_M, TILE_S, TILE_Z, TILE_EZ, ZT, P, RM, RLSE, RQ, CA, CB, CC, CD, CW, TILE_SQ, TILE_MB, TB,
     # shapes
     M, V, D, n_tiles,
     # strides
@@ -222,7 +228,7 @@ def _logits_tiles_kernel(
     WRITE_P: tl.constexpr, SUM_Z: tl.constexpr, SUM_EZ: tl.constexpr, HAS_CB: tl.constexpr,
     HAS_CD: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr, HAS_CW: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, SUM_SQ: tl.constexpr, TOP1: tl.constexpr,
 ):
     # -- grouped tile order: GROUP_M row blocks share each W tile while it sits in L2 --
     num_m = tl.cdiv(M, BLOCK_M)
@@ -233,9 +239,10 @@ def _logits_tiles_kernel(
     size_m = min(num_m - first_m, GROUP_M)
     _logits_tile(first_m + (pid % width) % size_m, (pid % width) // size_m,
                  X, W, BIAS, TL, TILE_M, TILE_S, TILE_Z, TILE_EZ, ZT, P, RM, RLSE, RQ, CA, CB, CC, CD, CW,
+                 TILE_SQ, TILE_MB, TB,
                  M, V, D, n_tiles, stride_xm, stride_xk, stride_wv, stride_wk, stride_pm, stride_pn,
                  softcap, inv_t, HAS_BIAS, SOFTCAP, TEMPERATURE, GRAD, WRITE_P, SUM_Z, SUM_EZ, HAS_CB, HAS_CD,
-                 IEEE, TMA, HAS_CW, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N)
+                 IEEE, TMA, HAS_CW, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, SUM_SQ, TOP1)
 
 
 @triton.jit
@@ -301,9 +308,11 @@ def _scale_cast_kernel(SRC, DST, G, numel, BLOCK: tl.constexpr):
 
 @triton.jit
 def _reduce_tiles_kernel(TM, TS, TZ, TEZ, ZT, OUT, C, T, SUM_Z: tl.constexpr, SUM_EZ: tl.constexpr,
-                         BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr):
+                         BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr, TSQ, TMB, SUM_SQ: tl.constexpr,
+                         TOP1: tl.constexpr, ROW_SQ: tl.constexpr, ROW_MB: tl.constexpr):
     """Per row, over its ``T`` tiles: ``m = max m_t``, ``s = sum s_t exp(m_t - m)``, ``sum z``, ``sum ez_t exp(m_t
-    - m)``; packed with the target logit into ``OUT [k, C]`` as (m, s, zt[, sum z][, sum ez])."""
+    - m)``, ``sum sq_t exp(2 (m_t - m))``, ``max mb_t``; packed with the target logit into ``OUT [k, C]`` as (m, s,
+    zt[, sum z][, sum ez][, sum sq][, max before])."""
     rows = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     ok = rows < C
     base = rows.to(tl.int64) * T
@@ -320,6 +329,8 @@ def _reduce_tiles_kernel(TM, TS, TZ, TEZ, ZT, OUT, C, T, SUM_Z: tl.constexpr, SU
     s2 = tl.zeros([BLOCK_C, BLOCK_T], tl.float32)
     z2 = tl.zeros([BLOCK_C, BLOCK_T], tl.float32)
     ez2 = tl.zeros([BLOCK_C, BLOCK_T], tl.float32)
+    sq2 = tl.zeros([BLOCK_C, BLOCK_T], tl.float32)
+    mb2 = tl.full([BLOCK_C, BLOCK_T], float("-inf"), tl.float32)
     for t0 in range(0, T, BLOCK_T):
         cols = t0 + tl.arange(0, BLOCK_T)
         msk = ok[:, None] & (cols < T)[None, :]
@@ -331,6 +342,10 @@ def _reduce_tiles_kernel(TM, TS, TZ, TEZ, ZT, OUT, C, T, SUM_Z: tl.constexpr, SU
             z2 += tl.load(TZ + offs, mask=msk, other=0.0)
         if SUM_EZ:
             ez2 += tl.load(TEZ + offs, mask=msk, other=0.0) * r
+        if SUM_SQ:
+            sq2 += tl.load(TSQ + offs, mask=msk, other=0.0) * (r * r)
+        if TOP1:
+            mb2 = tl.maximum(mb2, tl.load(TMB + offs, mask=msk, other=float("-inf")))
     s = tl.sum(s2, 1)
     z = tl.sum(z2, 1)
     ez = tl.sum(ez2, 1)
@@ -343,14 +358,20 @@ def _reduce_tiles_kernel(TM, TS, TZ, TEZ, ZT, OUT, C, T, SUM_Z: tl.constexpr, SU
             tl.store(OUT + 4 * C + rows, ez, mask=ok)
     elif SUM_EZ:
         tl.store(OUT + 3 * C + rows, ez, mask=ok)
+    if SUM_SQ:
+        tl.store(OUT + ROW_SQ * C + rows, tl.sum(sq2, 1), mask=ok)
+    if TOP1:
+        tl.store(OUT + ROW_MB * C + rows, tl.max(mb2, 1), mask=ok)
 
 
 @triton.jit
 def _combine_rank_stats_kernel(EVERY, OUT, POISON, C, W, R, N_SUMS: tl.constexpr, N_W: tl.constexpr,
-                               HAS_POISON: tl.constexpr, BLOCK_C: tl.constexpr):
+                               HAS_POISON: tl.constexpr, BLOCK_C: tl.constexpr, SUM_SQ: tl.constexpr,
+                               TOP1: tl.constexpr):
     """``EVERY [W, R, C]`` (each rank's packed statistics: max, sum of exp but the target's, target logit, sums,
-    weighted sums) -> ``OUT [R + 1, C]``: ``M``, ``log S``, ``-log p_t``, ``1 - p_t``, the summed additive
-    statistics, the softmax expectations (the formulas of ``vpce.parallel``)."""
+    weighted sums, sum of squares, max before the target) -> ``OUT [R + 1, C]``: ``M``, ``log S``, ``-log p_t``,
+    ``1 - p_t``, the summed additive statistics, the softmax expectations, ``log sum p^2``, the argmax indicator
+    (the formulas of ``vpce.parallel``)."""
     rows = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     ok = rows < C
     m = tl.full([BLOCK_C], float("-inf"), tl.float32)
@@ -387,6 +408,19 @@ def _combine_rank_stats_kernel(EVERY, OUT, POISON, C, W, R, N_SUMS: tl.constexpr
             acc += tl.load(EVERY + (w * R + 3 + N_SUMS + j) * C + rows, mask=ok, other=0.0) * r
         acc += tl.where(e_t == 0.0, 0.0, e_t * t)  # the target's term of sum_j exp(z_j - M) z_j
         tl.store(OUT + (4 + N_SUMS + j) * C + rows, acc / s, mask=ok)
+    row = 3 + N_SUMS + N_W
+    if SUM_SQ:
+        acc = e_t * e_t
+        for w in range(0, W):
+            r = tl.exp(tl.load(EVERY + w * R * C + rows, mask=ok, other=0.0) - safe)
+            acc += tl.load(EVERY + (w * R + row) * C + rows, mask=ok, other=0.0) * (r * r)
+        tl.store(OUT + (row + 1) * C + rows, tl.log(acc) - 2.0 * log_s, mask=ok)
+        row += 1
+    if TOP1:
+        mb = tl.full([BLOCK_C], float("-inf"), tl.float32)
+        for w in range(0, W):
+            mb = tl.maximum(mb, tl.load(EVERY + (w * R + row) * C + rows, mask=ok, other=0.0))
+        tl.store(OUT + (row + 1) * C + rows, tl.where((t >= m) & (t > mb), 1.0, 0.0), mask=ok)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -418,7 +452,8 @@ def tile_n(x: torch.Tensor) -> int:
 
 
 def logits_tiles(x, w, b, t_local, *, softcap=None, inv_t=1.0, tile_m=None, tile_s=None, tile_z=None,
-                 tile_ez=None, zt=None, p=None, rows=None, coef=None, config=None, class_weight=None):
+                 tile_ez=None, zt=None, p=None, rows=None, coef=None, config=None, class_weight=None, tile_sq=None,
+                 tile_mb=None, before=None):
     """Launch the GEMM + epilogue over ``x [M, D]`` and ``w [V, D]`` (``t_local``: int32 local target column,
     -1 where the target is not in this shard).
 
@@ -429,6 +464,9 @@ def logits_tiles(x, w, b, t_local, *, softcap=None, inv_t=1.0, tile_m=None, tile
     ``p``.
     ``config`` overrides the block shapes (for ``launch/tune_kernels.py``). ``class_weight`` (fp32 ``[V]``, per
     column): ``tile_z`` becomes the weighted sum ``sum w_j z_j`` and grad mode's ``d`` term ``d w_j``.
+    Metrics, stats mode: ``tile_sq`` gets
+    the sum of ``exp(2 (z - m_t))`` but the target's, ``tile_mb`` the max over the columns below ``before`` (int32
+    ``[M]``: how many of this shard's columns have a lower global id than the target).
     """
     m, d = x.shape
     v = w.shape[0]
@@ -451,7 +489,8 @@ def logits_tiles(x, w, b, t_local, *, softcap=None, inv_t=1.0, tile_m=None, tile
         wa = TensorDescriptor.from_tensor(w, [bn, cfg["BLOCK_K"]])
     _logits_tiles_kernel[grid](
         xa, wa, pick(b), t_local, pick(tile_m), pick(tile_s), pick(tile_z), pick(tile_ez), pick(zt), out,
-        pick(rm), pick(rls), pick(rq), pick(ca), pick(cb), pick(cc), pick(cd), pick(class_weight),
+        pick(rm), pick(rls), pick(rq), pick(ca), pick(cb), pick(cc), pick(cd), pick(class_weight), pick(tile_sq),
+        pick(tile_mb), t_local if before is None else before,
         m, v, d, n_tiles,
         x.stride(0), x.stride(1), w.stride(0), w.stride(1),
         out.stride(0) if p is not None else 0, out.stride(1) if p is not None else 0,
@@ -459,7 +498,8 @@ def logits_tiles(x, w, b, t_local, *, softcap=None, inv_t=1.0, tile_m=None, tile
         HAS_BIAS=b is not None, SOFTCAP=softcap is not None, TEMPERATURE=inv_t != 1.0, GRAD=grad,
         WRITE_P=p is not None and not grad, SUM_Z=tile_z is not None, SUM_EZ=tile_ez is not None,
         HAS_CB=cb is not None, HAS_CD=cd is not None, IEEE=x.dtype == torch.float32, TMA=tma,
-        HAS_CW=class_weight is not None and (tile_z is not None or (grad and cd is not None)), **cfg,
+        HAS_CW=class_weight is not None and (tile_z is not None or (grad and cd is not None)),
+        SUM_SQ=tile_sq is not None, TOP1=tile_mb is not None, **cfg,
     )
 
 
@@ -487,32 +527,42 @@ def probs_to_grad_(p, g, tile_m, rows, zt, t_local, coef, softcap, block_n: int,
     )
 
 
-def reduce_tiles(tile_m, tile_s, tile_z, tile_ez, zt) -> torch.Tensor:
+def reduce_tiles(tile_m, tile_s, tile_z, tile_ez, zt, tile_sq=None, tile_mb=None) -> torch.Tensor:
     """One chunk's per-tile statistics ``[C, n_tiles]`` (and ``zt [C]``) -> this rank's packed ``[k, C]`` fp32
-    (m, s, zt[, sum z][, sum ez]): one launch instead of a dozen small torch ops."""
+    (m, s, zt[, sum z][, sum ez][, sum sq][, max before]): one launch instead of a dozen small torch ops."""
     c, t = tile_m.shape
-    k = 3 + (tile_z is not None) + (tile_ez is not None)
+    row_sq = 3 + (tile_z is not None) + (tile_ez is not None)
+    row_mb = row_sq + (tile_sq is not None)
+    k = row_mb + (tile_mb is not None)
     out = torch.empty(k, c, dtype=torch.float32, device=tile_m.device)
     if c:
         block_c = 16 if INTERPRET or not tile_m.is_cuda else 64
+        pick = lambda x: tile_s if x is None else x  # noqa: E731
         _reduce_tiles_kernel[(triton.cdiv(c, block_c),)](
-            tile_m, tile_s, tile_s if tile_z is None else tile_z, tile_s if tile_ez is None else tile_ez, zt, out,
-            c, t, SUM_Z=tile_z is not None, SUM_EZ=tile_ez is not None, BLOCK_C=block_c, BLOCK_T=32, num_warps=4)
+            tile_m, tile_s, pick(tile_z), pick(tile_ez), zt, out,
+            c, t, SUM_Z=tile_z is not None, SUM_EZ=tile_ez is not None, BLOCK_C=block_c, BLOCK_T=32,
+            TSQ=pick(tile_sq), TMB=pick(tile_mb), SUM_SQ=tile_sq is not None, TOP1=tile_mb is not None,
+            ROW_SQ=row_sq, ROW_MB=row_mb, num_warps=4)
     return out
 
 
-def combine_rank_stats(every: torch.Tensor, n_sums: int, poison: torch.Tensor | None = None) -> RankStats:
+def combine_rank_stats(every: torch.Tensor, n_sums: int, poison: torch.Tensor | None = None, sum_sq: bool = False,
+                       max_before: bool = False) -> RankStats:
     """Every rank's packed statistics ``[W, R, C]`` -> ``vpce.parallel.RankStats`` in one launch (the same
     formulas as ``vpce.parallel.combine_rank_stats``)."""
     w, r, c = every.shape
+    n_w = r - 3 - n_sums - sum_sq - max_before
     out = torch.empty(r + 1, c, dtype=torch.float32, device=every.device)
     if c:
         block_c = 16 if INTERPRET or not every.is_cuda else 256
         _combine_rank_stats_kernel[(triton.cdiv(c, block_c),)](
             every.contiguous(), out, out if poison is None else poison, c, w, r, N_SUMS=n_sums,
-            N_W=r - 3 - n_sums, HAS_POISON=poison is not None, BLOCK_C=block_c, num_warps=4)
+            N_W=n_w, HAS_POISON=poison is not None, BLOCK_C=block_c, SUM_SQ=sum_sq, TOP1=max_before,
+            num_warps=4)
+    row = 4 + n_sums + n_w
     return RankStats(out[0], out[1], out[2], out[3], [out[4 + i] for i in range(n_sums)],
-                     [out[4 + n_sums + j] for j in range(r - 3 - n_sums)])
+                     [out[4 + n_sums + j] for j in range(n_w)], out[row] if sum_sq else None,
+                     out[row + sum_sq] if max_before else None)
 
 
 def scale_cast(src: torch.Tensor, g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 REDUCTIONS = ("mean", "sum", "none")
 BACKENDS = ("auto", "torch", "triton")
 BUDGET_NAMES = ("auto", "fast", "lean")
+#: Metrics ``linear_cross_entropy`` can return, in the order of ``CrossEntropyOutput``'s fields after the loss.
+METRICS = ("z_loss", "token_accuracy", "entropy")
 
 #: Live chunk data the torch backend allows itself by default (GiB): logits, probabilities and their casts.
 DEFAULT_CHUNK_GIB = 0.25
@@ -34,6 +36,11 @@ class LossOptions:
     logit_scale: float = 1.0
     """Multiplies the logits (after the bias, before the soft cap): ``z = softcap * tanh(logit_scale * x /
     softcap)`` (Cohere's ``logit_scale``, Granite's ``1 / logits_scaling``)."""
+    token_scaling: bool = False
+    """Multiply each token's loss (and its gradient) by the detached probability of its target (DFT; TRL's
+    ``loss_type="dft"``, Liger's ``use_token_scaling``); ``mean`` still divides by the (weighted) token count."""
+    metrics: tuple[str, ...] = ()
+    """Detached per-token metrics computed in the same pass, among ``METRICS``, reduced like the loss."""
 
     @property
     def lean(self) -> bool:
@@ -63,3 +70,9 @@ class LogProbOptions:
     """One over the temperature: the distribution is ``softmax(cap(logits) * inv_t)``."""
     entropy: bool = False
     """Also return the entropy of that distribution."""
+    top1: bool = False
+    """Also return whether the target is the argmax (ties to the lowest global id, as ``torch.argmax``)."""
+    mean_logits: bool = False
+    """Also return the mean of the (capped, tempered) logits over the real vocab (no gradient)."""
+    log_sum_sq: bool = False
+    """Also return ``log sum_j p_j^2`` (no gradient)."""

@@ -377,25 +377,36 @@ class RankStats(NamedTuple):
     """Each additive statistic summed over the ranks (the sum of logits, for label smoothing)."""
     expectations: list[torch.Tensor]
     """Each weighted statistic's softmax expectation (``E[z]``, for the entropy)."""
+    log_sum_sq: torch.Tensor | None = None
+    """``log sum_j p_j^2`` (asked with ``sum_sq``), else None."""
+    top1: torch.Tensor | None = None
+    """1.0 where the target is the argmax with ties to the lowest global id (asked with ``max_before``), else 0.0;
+    None when not asked."""
 
     @property
     def lse(self) -> torch.Tensor:
         return self.m + self.log_s
 
     @staticmethod
-    def cat(parts: list["RankStats"], n_sums: int, n_expect: int, like: torch.Tensor) -> "RankStats":
+    def cat(parts: list["RankStats"], n_sums: int, n_expect: int, like: torch.Tensor, sum_sq: bool = False,
+            max_before: bool = False) -> "RankStats":
         """The statistics of consecutive token chunks as one (``like``: an empty tensor of the dtype/device)."""
         if not parts:
-            return RankStats(like, like, like, like, [like] * n_sums, [like] * n_expect)
+            return RankStats(like, like, like, like, [like] * n_sums, [like] * n_expect, like if sum_sq else None,
+                             like if max_before else None)
         cat = lambda i, j=None: torch.cat([p[i] if j is None else p[i][j] for p in parts])  # noqa: E731
         return RankStats(cat(0), cat(1), cat(2), cat(3), [cat(4, j) for j in range(n_sums)],
-                         [cat(5, j) for j in range(n_expect)])
+                         [cat(5, j) for j in range(n_expect)], cat(6) if sum_sq else None,
+                         cat(7) if max_before else None)
 
 
-def combine_rank_stats(every: torch.Tensor, n_sums: int, poison: torch.Tensor | None = None) -> RankStats:
+def combine_rank_stats(every: torch.Tensor, n_sums: int, poison: torch.Tensor | None = None, sum_sq: bool = False,
+                       max_before: bool = False) -> RankStats:
     """Every rank's packed statistics ``[W, R, C]`` (rows: max, sum of exp but the target, target logit, ``n_sums``
-    additive statistics, then the weighted sums) -> ``RankStats``; the same bytes in the same order on every rank.
-    (``vpce.kernels.combine_rank_stats`` is the one-launch form.)"""
+    additive statistics, the weighted sums, then with ``sum_sq`` the sum of ``exp(2 (z - m_r))`` but the target's
+    and with ``max_before`` the max of the logits whose global id is below the target's) -> ``RankStats``; the
+    same bytes in the same order on every rank. (``vpce.kernels.combine_rank_stats`` is the one-launch form.)"""
+    n_w = every.shape[1] - 3 - n_sums - sum_sq - max_before
     m_all, x_all, t_all = every[:, 0], every[:, 1], every[:, 2]
     t = t_all.amax(0)
     m = torch.maximum(m_all.amax(0), t)  # a rank's max may leave the target out
@@ -410,8 +421,17 @@ def combine_rank_stats(every: torch.Tensor, n_sums: int, poison: torch.Tensor | 
     # -log p_t = log(S / e_t) = log1p(X exp(M - T)); past d = 20 the loss is large and plain sums lose nothing
     nll = torch.where(d <= 20, torch.log1p(x * torch.exp(torch.clamp(d, max=20))), d + torch.log(s))
     at_t = torch.where(e_t == 0, 0.0, e_t * t)  # the target's term of sum_j exp(z_j - M) z_j
-    expect = [((every[:, 3 + n_sums + i] * rescale).sum(0) + at_t) / s for i in range(every.shape[1] - 3 - n_sums)]
-    return RankStats(m, torch.log(s), nll, x / s, [every[:, 3 + i].sum(0) for i in range(n_sums)], expect)
+    expect = [((every[:, 3 + n_sums + i] * rescale).sum(0) + at_t) / s for i in range(n_w)]
+    log_s = torch.log(s)
+    log_sum_sq = top1 = None
+    row = 3 + n_sums + n_w
+    if sum_sq:  # sum_j p_j^2 = (sum_r sq_r exp(2 (m_r - M)) + exp(2 (T - M))) / S^2
+        log_sum_sq = torch.log((every[:, row] * rescale * rescale).sum(0) + e_t * e_t) - 2 * log_s
+        row += 1
+    if max_before:  # argmax = target (ties to the lowest id): T is the max and beats every logit of a lower id
+        top1 = ((t >= m) & (t > every[:, row].amax(0))).to(m.dtype)
+    return RankStats(m, log_s, nll, x / s, [every[:, 3 + i].sum(0) for i in range(n_sums)], expect, log_sum_sq,
+                     top1)
 
 
 class PendingStats:
@@ -419,31 +439,35 @@ class PendingStats:
     ``wait()`` gives the global ``RankStats``. Work queued between the exchange and ``wait()`` (the next chunk's
     GEMM) overlaps the collective: on NCCL ``wait()`` only orders the streams, no host sync."""
 
-    def __init__(self, every: torch.Tensor, n_sums: int, combine: Callable, poison, work=None):
+    def __init__(self, every: torch.Tensor, n_sums: int, combine: Callable, poison, work=None, extra=None):
         self.every, self.n_sums, self.combine, self.poison, self.work = every, n_sums, combine, poison, work
+        self.extra = extra or {}
 
     def wait(self) -> RankStats:
         if self.work is not None:
             self.work.wait()
             self.work = None
-        return self.combine(self.every, self.n_sums, self.poison)
+        return self.combine(self.every, self.n_sums, self.poison, **self.extra)
 
 
 def start_stats_exchange(packed: torch.Tensor, n_sums: int, shard: VocabShard, poison=None,
-                         combine: Callable = combine_rank_stats) -> PendingStats:
+                         combine: Callable = combine_rank_stats, sum_sq: bool = False,
+                         max_before: bool = False) -> PendingStats:
     """Start the exchange of this rank's packed ``[R, C]`` statistics (rows as in ``combine_rank_stats``): one
     async all-gather under a group; ``combine`` (``combine_rank_stats`` or a backend's fused form) runs in
-    ``wait``."""
+    ``wait``. ``sum_sq`` and ``max_before`` ride in the same collective (metrics: no collective of their own)."""
+    extra = {k: v for k, v in (("sum_sq", sum_sq), ("max_before", max_before)) if v}
     if not shard.sharded:
-        return PendingStats(packed.unsqueeze(0), n_sums, combine, poison)
+        return PendingStats(packed.unsqueeze(0), n_sums, combine, poison, extra=extra)
     out = packed.new_empty((shard.world * packed.shape[0],) + tuple(packed.shape[1:]))
     work = all_gather_tensor(out, packed, group=shard.group, async_op=True)
-    return PendingStats(out.view((shard.world,) + tuple(packed.shape)), n_sums, combine, poison, work)
+    return PendingStats(out.view((shard.world,) + tuple(packed.shape)), n_sums, combine, poison, work, extra)
 
 
-def exchange_softmax_stats(packed: torch.Tensor, n_sums: int, shard: VocabShard, poison=None) -> RankStats:
+def exchange_softmax_stats(packed: torch.Tensor, n_sums: int, shard: VocabShard, poison=None, sum_sq: bool = False,
+                           max_before: bool = False) -> RankStats:
     """Exchange and combine at once (``start_stats_exchange(...).wait()``)."""
-    return start_stats_exchange(packed, n_sums, shard, poison).wait()
+    return start_stats_exchange(packed, n_sums, shard, poison, sum_sq=sum_sq, max_before=max_before).wait()
 
 
 def sum_over_ranks(local: torch.Tensor, shard: VocabShard) -> torch.Tensor:

@@ -37,13 +37,14 @@ def _float64_logits(hidden, weight, bias, softcap, vocab_size, logit_scale=1.0):
 
 def reference(hidden, weight, target, bias=None, *, grad=None, ignore_index=-100, reduction="mean",
               label_smoothing=0.0, z_loss=0.0, softcap=None, vocab_size=None, token_weight=None,
-              logit_scale=1.0, class_weight=None) -> Result:
+              logit_scale=1.0, class_weight=None, token_scaling=False) -> Result:
     """Loss and gradients in float64. ``weight`` is the whole vocab (padding rows allowed past vocab_size).
 
     ``grad`` is the upstream gradient of the returned loss (scalar or per-token); None means 1. ``class_weight``
     (``[rows]``, padding rows ignored) weights the loss as ``F.cross_entropy(weight=...)`` does, written out here:
     per token ``(1 - eps) w_t (-log p_t) + (eps / V) sum_c w_c (-log p_c) + z_loss w_t lse^2``, and ``mean``
-    divides by the sum of ``w_t`` (times the token weights) over non-ignored tokens.
+    divides by the sum of ``w_t`` (times the token weights) over non-ignored tokens. ``token_scaling``
+    multiplies each token's loss by its detached target probability (DFT).
     """
     h, w, b, z, v = _float64_logits(hidden, weight, bias, softcap, vocab_size, logit_scale)
     z = z.reshape(-1, v)
@@ -69,6 +70,8 @@ def reference(hidden, weight, target, bias=None, *, grad=None, ignore_index=-100
         if z_loss:
             per = per + z_loss * wt * lse**2
         counted = tw * wt
+    if token_scaling:
+        per = per * torch.exp(zt - lse).detach()
     per = torch.where(keep, per * tw, torch.zeros_like(per))
     if reduction == "mean":
         den = torch.where(keep, counted, 0).sum()
@@ -129,6 +132,30 @@ def describe(a: torch.Tensor, b: torch.Tensor) -> str:
     i = int(d.reshape(-1).argmax())
     idx = tuple(int(x) for x in torch.unravel_index(torch.tensor(i), d.shape)) if d.dim() else ()
     return f"max abs err {d.reshape(-1)[i].item():.3e} at {idx}"
+
+
+def reference_metrics(hidden, weight, target, bias=None, *, temperature=1.0, softcap=None, vocab_size=None,
+                      ignore_index=-100, z_loss=0.0) -> dict[str, torch.Tensor]:
+    """float64 per-token metrics of ``softmax(cap(logits) / T)`` on the materialized logits, target's shape, 0 on
+    ignored tokens: ``z_loss`` (the term ``z_loss * lse^2``), ``top1`` (``torch.argmax`` of the logits equals the
+    target: ties go to the lowest id), ``entropy``, ``mean_logits``, ``log_sum_sq_probs`` (``log sum_j p_j^2``) and
+    ``p_t``."""
+    _, _, _, z, v = _float64_logits(hidden, weight, bias, softcap, vocab_size)
+    z = (z / temperature).detach()
+    keep = target != ignore_index
+    safe = torch.where(keep, target, 0).long()
+    logq = torch.log_softmax(z, -1)
+    lse = torch.logsumexp(z, -1)
+    finite = torch.where(torch.isneginf(z), 0.0, z)
+    out = {
+        "z_loss": z_loss * lse**2,
+        "top1": (z.argmax(-1) == safe).double(),
+        "entropy": lse - (logq.exp() * finite).sum(-1),
+        "mean_logits": z.mean(-1),
+        "log_sum_sq_probs": torch.logsumexp(2 * logq, -1),
+        "p_t": logq.gather(-1, safe[..., None]).squeeze(-1).exp(),
+    }
+    return {k: torch.where(keep, x, 0.0) for k, x in out.items()}
 
 
 def reference_log_probs(hidden, weight, target, bias=None, *, g_logp=None, g_ent=None, temperature=1.0,

@@ -49,6 +49,7 @@ class TokenTargets:
         self.keep = target != ignore_index
         self.bad = self.keep & ((target < 0) | (target >= shard.vocab_size))
         local = target - shard.start
+        self._valid = shard.valid_rows
         self.in_shard = self.keep & (local >= 0) & (local < shard.valid_rows)
         self.idx = torch.where(self.in_shard, local, 0)
         self.weight = weight
@@ -59,11 +60,23 @@ class TokenTargets:
         if class_weight is not None:
             counted = class_weight.target if weight is None else weight * class_weight.target
         self.count = self.keep.sum() if counted is None else torch.where(self.keep, counted, 0).sum()
+        self.scaling = None
+        """A detached per-token factor of the loss and its gradient but not of ``mean``'s denominator (DFT's
+        ``token_scaling``: ``p_t``), filled by a backend's ``cross_entropy`` as the statistics become known."""
+        self._local = local
+        self.metrics: dict[str, torch.Tensor] = {}
+        """Per-token metrics a backend's ``cross_entropy`` computed in the same pass (``LossOptions.metrics``)."""
 
     def class_rows(self, sl: slice) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(w_t of rows sl, sum_c w_c)`` for ``vpce.formulas``, or None without class weights."""
         cw = self.class_weight
         return None if cw is None else (cw.target[sl], cw.total)
+
+    @property
+    def before(self) -> torch.Tensor:
+        """Per token, how many of this shard's (valid) columns have a global id below the target's: the columns a
+        tie with the target must lose to for the target to be the argmax (``torch.argmax``: the lowest id wins)."""
+        return self._local.clamp(0, self._valid)
 
     def denominator(self, dtype: torch.dtype) -> torch.Tensor:
         """What ``mean`` divides by: the (weighted) count of non-ignored tokens, 1 where that is 0."""
@@ -83,6 +96,16 @@ class TokenTargets:
         if self.weight is not None:
             loss = loss * self.weight[sl]
         return torch.where(self.keep[sl], loss, 0)
+
+    def metric(self, value: torch.Tensor, sl: slice) -> torch.Tensor:
+        """A per-token metric of rows ``sl``: 0 on ignored tokens, NaN on out-of-range targets, never weighted."""
+        return torch.where(self.keep[sl], torch.where(self.bad[sl], math.nan, value), 0)
+
+    def reduce_metric(self, tok: torch.Tensor, reduction: str) -> torch.Tensor:
+        """A metric reduced like the loss but unweighted: ``mean`` over non-ignored tokens (0 when there are none)."""
+        if reduction == "mean":
+            return tok.sum() / self.keep.sum().clamp(min=1).to(tok.dtype)
+        return tok.sum() if reduction == "sum" else tok
 
     def reduce(self, loss_tok: torch.Tensor, reduction: str) -> torch.Tensor:
         if reduction == "mean":

@@ -20,7 +20,7 @@ import math
 
 import torch
 
-from .formulas import Coefficients, RowStats, ce_coefficients, ce_loss
+from .formulas import Coefficients, RowStats, ce_coefficients, ce_loss, ce_metrics, target_probability
 from .gemm import mm_out
 from .grads import FastGrads, pad_rows, weight_grad
 from .options import DEFAULT_CHUNK_GIB, LogProbOptions, LossOptions
@@ -55,9 +55,11 @@ def _logits(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, softcap: f
 
 
 def _chunk_stats(hidden, w, b, tg: TokenTargets, sl: slice, call: Call, softcap, acc, *, sum_z=False,
-                 sum_ez=False, inv_t=1.0, class_weight=None) -> tuple[torch.Tensor | None, RankStats]:
+                 sum_ez=False, inv_t=1.0, class_weight=None, sum_sq=False, top1=False
+                 ) -> tuple[torch.Tensor | None, RankStats]:
     """Logits of the rows ``sl`` (None on an all-padding shard) and their global statistics (``sum_z`` with
-    ``class_weight``: the weighted sum ``sum_j w_j z_j``)."""
+    ``class_weight``: the weighted sum ``sum_j w_j z_j``); ``sum_sq``: also ``log sum p^2``, ``top1``: also
+    whether the target is the argmax."""
     c = sl.stop - sl.start
     full = lambda value: torch.full((c,), value, dtype=acc, device=hidden.device)  # noqa: E731
     if call.shard.valid_rows > 0:
@@ -69,15 +71,21 @@ def _chunk_stats(hidden, w, b, tg: TokenTargets, sl: slice, call: Call, softcap,
         m = e.amax(1)
         e = e.sub_(torch.where(m == -math.inf, 0.0, m)[:, None]).exp_()  # a row of -inf gives 0, not NaN
         weighted = [torch.where(e == 0, 0, e * z).sum(1)] if sum_ez else []
+        if sum_sq:  # sum of exp(2 (z - m)) but the target's
+            weighted.append((e * e).sum(1))
         packed = [m, e.sum(1), zt]
         del e
         if sum_z:
             packed.append(z.sum(1) if class_weight is None else torch.mv(z, class_weight))
+        if top1:  # max of the logits whose global id is below the target's
+            cols = torch.arange(z.shape[1], device=z.device)
+            weighted.append(torch.where(cols < tg.before[sl, None], z, -math.inf).amax(1))
     else:  # this rank's rows are all padding: no max, nothing to add
         z = None
-        packed = [full(-math.inf), full(0.0), full(-math.inf)] + [full(0.0)] * (sum_z + sum_ez)
-        weighted = []
-    st = exchange_softmax_stats(torch.stack(packed + weighted), 1 if sum_z else 0, call.shard, call.poison)
+        packed = [full(-math.inf), full(0.0), full(-math.inf)] + [full(0.0)] * (sum_z + sum_ez + sum_sq)
+        weighted = [full(-math.inf)] if top1 else []
+    st = exchange_softmax_stats(torch.stack(packed + weighted), 1 if sum_z else 0, call.shard, call.poison,
+                                sum_sq=sum_sq, max_before=top1)
     return z, st
 
 
@@ -171,17 +179,29 @@ def cross_entropy(hidden, weight, bias, tg: TokenTargets, opts: LossOptions, cal
     rows = RowStats.empty(n, acc, hidden.device) if keep else None
     cap, mult = opts.folded_cap()
     cw = None if tg.class_weight is None else tg.class_weight.columns
+    metrics = {k: torch.empty(n, dtype=acc, device=hidden.device) for k in opts.metrics}
+    if opts.token_scaling:
+        tg.scaling = torch.empty(n, dtype=acc, device=hidden.device)
     for c0 in range(0, n, chunk):
         sl = slice(c0, min(n, c0 + chunk))
-        z, st = _chunk_stats(hidden, w, b, tg, sl, call, cap, acc, sum_z=smooth, inv_t=mult, class_weight=cw)
-        loss_tok[sl] = tg.token_loss(ce_loss(st, opts, shard.vocab_size, tg.class_rows(sl)), sl)
+        z, st = _chunk_stats(hidden, w, b, tg, sl, call, cap, acc, sum_z=smooth, inv_t=mult, class_weight=cw,
+                             sum_ez="entropy" in opts.metrics, top1="token_accuracy" in opts.metrics)
+        loss = ce_loss(st, opts, shard.vocab_size, tg.class_rows(sl))
+        if opts.token_scaling:
+            tg.scaling[sl] = target_probability(st)
+            loss = loss * tg.scaling[sl]
+        loss_tok[sl] = tg.token_loss(loss, sl)
+        for k, value in ce_metrics(st, opts).items():
+            metrics[k][sl] = tg.metric(value, sl)
         if keep:
             rows.store(sl, st)
         if fast and v > 0:
-            co = ce_coefficients(unit[sl], st.lse, opts, shard.vocab_size, tg.class_rows(sl))
+            scale = unit[sl] if tg.scaling is None else unit[sl] * tg.scaling[sl]
+            co = ce_coefficients(scale, st.lse, opts, shard.vocab_size, tg.class_rows(sl))
             g = _logit_grad_(z, RowStats.of(st), co, tg.idx[sl], tg.in_shard[sl], cap, mult, cw)
             _accumulate(g, hidden[sl], w, sl, dx, dw, db)
         del z  # before the next chunk's logits exist: one chunk live at a time
+    tg.metrics = metrics
     return loss_tok, rows, FastGrads(dx, dw, db) if fast else None
 
 
@@ -196,10 +216,12 @@ def log_probs(hidden, weight, bias, tg: TokenTargets, lp: LogProbOptions, call: 
     parts = []
     for c0 in range(0, n, chunk):
         sl = slice(c0, min(n, c0 + chunk))
-        z, st = _chunk_stats(hidden, w, b, tg, sl, call, lp.softcap, acc, sum_ez=lp.entropy, inv_t=lp.inv_t)
+        z, st = _chunk_stats(hidden, w, b, tg, sl, call, lp.softcap, acc, sum_z=lp.mean_logits, sum_ez=lp.entropy,
+                             inv_t=lp.inv_t, sum_sq=lp.log_sum_sq, top1=lp.top1)
         del z
         parts.append(st)
-    return RankStats.cat(parts, 0, int(lp.entropy), hidden.new_empty(0, dtype=acc))
+    return RankStats.cat(parts, int(lp.mean_logits), int(lp.entropy), hidden.new_empty(0, dtype=acc),
+                         lp.log_sum_sq, lp.top1)
 
 
 def scale_cast(src: torch.Tensor, g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

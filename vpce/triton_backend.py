@@ -42,7 +42,7 @@ import math
 import torch
 
 from . import kernels
-from .formulas import Coefficients, RowStats, ce_coefficients, ce_loss
+from .formulas import Coefficients, RowStats, ce_coefficients, ce_loss, ce_metrics, target_probability
 from .gemm import addmm_out_, mm_into, mm_out
 from .grads import FastGrads, weight_grad
 from .options import LogProbOptions, LossOptions
@@ -105,7 +105,8 @@ class _ChunkStats:
     overlaps the next sub-chunk's GEMM; the results come back in order.
     """
 
-    def __init__(self, rows: int, v: int, x: torch.Tensor, sum_z: bool, sum_ez: bool, class_weight=None):
+    def __init__(self, rows: int, v: int, x: torch.Tensor, sum_z: bool, sum_ez: bool, class_weight=None,
+                 sum_sq: bool = False, before: torch.Tensor | None = None):
         n_tiles = max(1, math.ceil(v / kernels.tile_n(x)))
         f32 = dict(dtype=torch.float32, device=x.device)
         self.m = torch.empty(rows, n_tiles, **f32)
@@ -114,6 +115,10 @@ class _ChunkStats:
         self.ez = torch.empty(rows, n_tiles, **f32) if sum_ez else None
         self.zt = torch.empty(rows, **f32)
         self.class_weight = class_weight if sum_z else None  # sum z becomes sum w_j z_j
+        # metrics: log sum p^2, and (``before``: int32 per token, TokenTargets.before) whether the target is the argmax
+        self.sq = torch.empty(rows, n_tiles, **f32) if sum_sq else None
+        self.mb = torch.empty(rows, n_tiles, **f32) if before is not None else None
+        self.before = before
 
     def _launch(self, h, w, b, tl_local, sl: slice, r: slice, call: Call, softcap, inv_t, p):
         """Kernel and local reduction for tokens ``sl`` into buffer rows ``r``; starts the exchange."""
@@ -123,13 +128,18 @@ class _ChunkStats:
             zt = self.zt[r].fill_(-math.inf)
             kernels.logits_tiles(h[sl], w, b, tl_local[sl], softcap=softcap, inv_t=inv_t, tile_m=self.m[r],
                                  tile_s=self.s[r], tile_z=cut(self.z), tile_ez=cut(self.ez), zt=zt, p=p,
-                                 class_weight=self.class_weight)
-            packed = kernels.reduce_tiles(self.m[r], self.s[r], cut(self.z), cut(self.ez), zt)
+                                 class_weight=self.class_weight, tile_sq=cut(self.sq), tile_mb=cut(self.mb),
+                                 before=None if self.before is None else self.before[sl])
+            packed = kernels.reduce_tiles(self.m[r], self.s[r], cut(self.z), cut(self.ez), zt, cut(self.sq),
+                                          cut(self.mb))
         else:  # this rank's rows are all padding: no max, no target, every sum 0
-            packed = torch.zeros(3 + n_sums + (self.ez is not None), sl.stop - sl.start, dtype=torch.float32,
-                                 device=h.device)
+            packed = torch.zeros(3 + n_sums + (self.ez is not None) + (self.sq is not None) + (self.mb is not None),
+                                 sl.stop - sl.start, dtype=torch.float32, device=h.device)
             packed[0] = packed[2] = -math.inf
-        return start_stats_exchange(packed, n_sums, call.shard, call.poison, combine=kernels.combine_rank_stats)
+            if self.mb is not None:
+                packed[-1] = -math.inf
+        return start_stats_exchange(packed, n_sums, call.shard, call.poison, combine=kernels.combine_rank_stats,
+                                    sum_sq=self.sq is not None, max_before=self.mb is not None)
 
     def parts(self, h, w, b, tl_local, sl: slice, call: Call, softcap, inv_t=1.0, p=None):
         """Yield ``(part, rows, RankStats)`` for the sub-chunks of tokens ``sl`` (global statistics); ``rows``:
@@ -237,20 +247,37 @@ def cross_entropy(hidden, weight, bias, tg: TokenTargets, opts: LossOptions, cal
     smooth = opts.label_smoothing > 0
     cw = None if tg.class_weight is None else tg.class_weight.columns.float()
     loss_tok = torch.empty(n, dtype=torch.float32, device=dev)
+    entropy = "entropy" in opts.metrics
+    before = tg.before.to(torch.int32) if "token_accuracy" in opts.metrics else None
+    metrics = {k: torch.empty(n, dtype=torch.float32, device=dev) for k in opts.metrics}
+    tg.metrics = metrics
+    if opts.token_scaling:
+        tg.scaling = torch.empty(n, dtype=torch.float32, device=dev)
+
+    def outputs(part, st):
+        """The chunk part's per-token loss and metrics; with token scaling, its factor ``p_t``."""
+        loss = ce_loss(st, opts, shard.vocab_size, tg.class_rows(part))
+        if opts.token_scaling:
+            tg.scaling[part] = target_probability(st)
+            loss = loss * tg.scaling[part]
+        loss_tok[part] = tg.token_loss(loss, part)
+        for k, value in ce_metrics(st, opts).items():
+            metrics[k][part] = tg.metric(value, part)
+
     if plan.route != "fast":
         keep = plan.route == "lean"
         rows = RowStats.empty(n, torch.float32, dev) if keep else None
-        stats = _ChunkStats(min(max(n, 1), STATS_TOKENS), v, hidden, smooth, False, cw)
+        stats = _ChunkStats(min(max(n, 1), STATS_TOKENS), v, hidden, smooth, entropy, cw, before=before)
         for c0 in range(0, n, STATS_TOKENS):
             sl = slice(c0, min(n, c0 + STATS_TOKENS))
             for part, _, st in stats.parts(hidden, w, b, tl_local, sl, call, *opts.folded_cap()):
-                loss_tok[part] = tg.token_loss(ce_loss(st, opts, shard.vocab_size, tg.class_rows(part)), part)
+                outputs(part, st)
                 if keep:
                     rows.store(part, st)
         return loss_tok, rows, None
 
     chunk = min(max(n, 1), _fast_chunk(opts, shard.columns_per_rank, hidden.dtype, d))
-    stats = _ChunkStats(chunk, v, hidden, smooth, False, cw)
+    stats = _ChunkStats(chunk, v, hidden, smooth, entropy, cw, before=before)
     p = torch.empty(chunk, v, dtype=hidden.dtype, device=dev) if v > 0 else None
     unit = tg.row_scale(torch.ones((), device=dev).expand(n))
     dx = None
@@ -264,9 +291,10 @@ def cross_entropy(hidden, weight, bias, tg: TokenTargets, opts: LossOptions, cal
         sl = slice(c0, min(n, c0 + chunk))
         pc = None if p is None else p[: sl.stop - sl.start]
         for part, r, st in stats.parts(hidden, w, b, tl_local, sl, call, *opts.folded_cap(), p=pc):
-            loss_tok[part] = tg.token_loss(ce_loss(st, opts, shard.vocab_size, tg.class_rows(part)), part)
+            outputs(part, st)
             if v > 0:
-                co = ce_coefficients(unit[part], st.lse, opts, shard.vocab_size, tg.class_rows(part))
+                scale = unit[part] if tg.scaling is None else unit[part] * tg.scaling[part]
+                co = ce_coefficients(scale, st.lse, opts, shard.vocab_size, tg.class_rows(part))
                 kernels.probs_to_grad_(pc[r], pc[r], stats.m[r], RowStats.of(st), stats.zt[r], tl_local[part],
                                        (co.a, co.c, co.d), opts.softcap, kernels.tile_n(hidden),  # z's own cap
                                        class_weight=cw)
@@ -295,9 +323,11 @@ def log_probs(hidden, weight, bias, tg: TokenTargets, lp: LogProbOptions, call: 
     w = weight[:v]
     b = None if bias is None else bias[:v]
     tl_local = _local_targets(tg)
-    stats = _ChunkStats(min(max(n, 1), STATS_TOKENS), v, hidden, False, lp.entropy)
+    stats = _ChunkStats(min(max(n, 1), STATS_TOKENS), v, hidden, lp.mean_logits, lp.entropy, sum_sq=lp.log_sum_sq,
+                        before=tg.before.to(torch.int32) if lp.top1 else None)
     parts = []
     for c0 in range(0, n, STATS_TOKENS):
         sl = slice(c0, min(n, c0 + STATS_TOKENS))
         parts += [st for _, _, st in stats.parts(hidden, w, b, tl_local, sl, call, lp.softcap, lp.inv_t)]
-    return RankStats.cat(parts, 0, int(lp.entropy), hidden.new_empty(0, dtype=torch.float32))
+    return RankStats.cat(parts, int(lp.mean_logits), int(lp.entropy), hidden.new_empty(0, dtype=torch.float32),
+                         lp.log_sum_sq, lp.top1)

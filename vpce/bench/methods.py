@@ -107,16 +107,30 @@ def _vpce_variant(env: Env, **options) -> LossFn:
     return fn
 
 
-def _vpce_log_probs(env: Env, *, entropy: bool) -> LossFn:
-    """Mean negative log-probability (= the plain loss, so its errors are checked), plus 0.01 x mean entropy."""
+def _vpce_log_probs(env: Env, *, entropy: bool, top1: bool = False) -> LossFn:
+    """Mean negative log-probability (= the plain loss, so its errors are checked), plus 0.01 x mean entropy; with
+    ``top1`` also TRL's ``is_top1`` (SFT's fields), detached."""
     from .. import linear_log_probs
     backend = device_backend(env)
 
     def fn(x, w, y):
-        out = linear_log_probs(x, w, y, backend=backend, return_entropy=entropy, **env.vpce_layout())
+        out = linear_log_probs(x, w, y, backend=backend, return_entropy=entropy, return_top1=top1,
+                               **env.vpce_layout())
         if entropy:
             return -out[0].mean() + 0.01 * out[1].mean()
-        return -out.mean()
+        return -(out[0] if top1 else out).mean()
+    return fn
+
+
+def _vpce_metrics(env: Env) -> LossFn:
+    """The mean loss with every metric asked for (accuracy, entropy, z-loss term): the loss is the plain one, so its
+    errors are checked; the metrics are computed in the same pass and dropped."""
+    from .. import linear_cross_entropy
+    backend = device_backend(env)
+
+    def fn(x, w, y):
+        return linear_cross_entropy(x, w, y, backend=backend, return_token_accuracy=True, return_entropy=True,
+                                    return_z_loss=True, **env.vpce_layout()).loss
     return fn
 
 
@@ -127,6 +141,7 @@ VARIANTS = {  # name: (label, options)
     "weights": ("token_weight", dict(token_weight=True)),
     "all": ("smoothing+z-loss+softcap+weights", dict(label_smoothing=0.1, z_loss=1e-4, softcap=30.0,
                                                       token_weight=True)),
+    "dft": ("token_scaling (DFT)", dict(token_scaling=True)),
 }
 
 METHODS: dict[str, Method] = {m.name: m for m in [
@@ -163,6 +178,10 @@ METHODS: dict[str, Method] = {m.name: m for m in [
            build=functools.partial(_vpce_log_probs, entropy=False)),
     Method(name="vpce-logprobs-entropy", label="vpce {backend} linear_log_probs + entropy", package="vpce",
            build=functools.partial(_vpce_log_probs, entropy=True), plain=False),
+    Method(name="vpce-logprobs-top1", label="vpce {backend} linear_log_probs + entropy + is_top1 (TRL SFT)",
+           package="vpce", build=functools.partial(_vpce_log_probs, entropy=True, top1=True), plain=False),
+    Method(name="vpce-metrics", label="vpce {backend} + accuracy, entropy, z-loss metrics", package="vpce",
+           build=_vpce_metrics, tp=True),
 ]}
 
 
