@@ -157,3 +157,16 @@ def test_vocab_parallel_head():
         dw = torch.from_numpy(got[-1])
         torch.testing.assert_close(dw[mine], leaves[1].grad[mine], rtol=2e-5, atol=2e-5)
         assert torch.count_nonzero(dw[: mine.start]) == 0 and torch.count_nonzero(dw[mine.stop:]) == 0
+
+
+def test_docs_snippet_runs():
+    """docs/integrations.md's TRL snippet runs as written."""
+    import pathlib
+
+    text = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "integrations.md").read_text()
+    start = text.index("tested-by: tests/test_integration_trl.py::test_docs_snippet_runs -->")
+    code = text[start:].split("```python\n", 1)[1].split("```", 1)[0]
+    try:
+        exec(compile(code, "integrations.md:TRL", "exec"), {"__name__": "__snippet__"})
+    finally:
+        vtrl.remove()

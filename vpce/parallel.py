@@ -32,6 +32,8 @@ every rank combines them identically (``combine_rank_stats``)::
 
     T = max_r t_r,  M = max(max_r m_r, T),  X = sum_r x_r exp(m_r - M),  S = X + exp(T - M),  log S,
     nll = -log p_t = log1p(X exp(M - T)),  1 - p_t = X / S,  E[z] = (sum_r w_r exp(m_r - M) + exp(T - M) T) / S
+    metrics: sum p^2 = (sum_r q_r exp(2 (m_r - M)) + exp(2 (T - M))) / S^2 (q_r: sum of exp(2 (z - m_r)) but the
+    target's),  argmax = target  <=>  T >= M and T > max_r b_r (b_r: max of the logits of a lower global id)
 
 Keeping the target's term out of ``X`` is what makes confident tokens exact: ``-log p_t`` and ``1 - p_t`` of a
 token with ``p_t = 1 - 1e-7`` come without cancellation. A rank (or tile) whose logits are all ``-inf`` has
