@@ -23,6 +23,8 @@ from vpce.memory import PeakMemory  # noqa: E402
 V, D, B, S = 509, 32, 3, 17
 LOSS_RTOL, GRAD_RTOL = 1e-5, 1e-4
 SOFTCAP = 3.0  # logits reach ~6 at initializer_range=0.2, so the cap changes the loss by far more than the tolerance
+SCALE = 2.5    # Cohere multiplies its logits by it, Granite divides by 1 / SCALE: far from 1 for the same reason
+TOKENS = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}  # inside the tiny vocab
 
 FAMILIES = {
     "llama": ("LlamaForCausalLM", "LlamaConfig", {}),
@@ -33,8 +35,15 @@ FAMILIES = {
                {"head_dim": 8, "query_pre_attn_scalar": 8, "sliding_window": 8, "final_logit_softcapping": SOFTCAP}),
     "gemma3": ("Gemma3ForCausalLM", "Gemma3TextConfig",
                {"head_dim": 8, "sliding_window": 8, "final_logit_softcapping": SOFTCAP}),
+    "cohere": ("CohereForCausalLM", "CohereConfig", {"logit_scale": SCALE, **TOKENS}),
+    "cohere2": ("Cohere2ForCausalLM", "Cohere2Config", {"logit_scale": SCALE, "head_dim": 8, "sliding_window": 8,
+                                                        **TOKENS}),
+    "granite": ("GraniteForCausalLM", "GraniteConfig", {"logits_scaling": 1 / SCALE}),
+    "phi3": ("Phi3ForCausalLM", "Phi3Config", TOKENS),
+    "olmo2": ("Olmo2ForCausalLM", "Olmo2Config", TOKENS),
 }
 SOFTCAPPED = ["gemma2", "gemma3"]
+SCALED = ["cohere", "cohere2", "granite"]
 
 
 def build(family: str, *, tie: bool = False, vocab: int = V, seed: int = 0, **vpce_options):
@@ -94,6 +103,42 @@ def test_softcap_is_the_models(family):
     assert_close(capped, want.loss, LOSS_RTOL, "capped loss")
     err, _ = rel_err(uncapped, want.loss)
     assert err > 100 * LOSS_RTOL, f"the loss without the soft cap is within {err:.1e} of stock's: weak test"
+
+
+@pytest.mark.parametrize("family", SCALED)
+def test_logit_scale_is_the_models(family):
+    """Cohere's ``model.logit_scale`` and Granite's ``1 / config.logits_scaling`` reach vpce as ``logit_scale``,
+    read at every call (stock reads them there too); leaving the scale out fails the same tolerance (control)."""
+    patched, stock = build(family)
+    ids, mask, labels = make_batch()
+    if family == "granite":
+        patched.config.logits_scaling = stock.config.logits_scaling = 0.25  # after apply: followed
+    else:
+        patched.logit_scale = stock.logit_scale = 3.0
+    got = step(patched, ids, mask, labels)
+    want = step(stock, ids, mask, labels, output_hidden_states=True)
+    assert_close(got.loss, want.loss, LOSS_RTOL, "scaled loss")
+    assert_grads_close(patched, stock, GRAD_RTOL)
+    hidden, weight = want.hidden_states[-1].detach(), stock.lm_head.weight.detach()
+    err, _ = rel_err(vt.causal_lm_loss(hidden, weight, labels), want.loss)
+    assert err > 100 * LOSS_RTOL, f"the loss without the logit scale is within {err:.1e} of stock's: weak test"
+
+
+@pytest.mark.parametrize("family,attr,value", [("cohere", "logit_scale", None), ("cohere", "logit_scale", -1.0),
+                                               ("granite", "logits_scaling", 0.0)])
+def test_apply_refuses_a_scale_it_cannot_reproduce(family, attr, value):
+    """A scale vpce cannot take as ``logit_scale`` (None, <= 0: stock's logits would be garbage or flipped)
+    is refused at apply, naming the model's attribute; set after apply, at the call."""
+    patched, stock = build(family)
+    holder = stock.config if family == "granite" else stock
+    setattr(holder, attr, value)
+    where = f"model.config.{attr}" if family == "granite" else f"model.{attr}"
+    with pytest.raises(ValueError, match=rf"{where}: expected a finite number > 0"):
+        vt.apply(stock)
+    setattr(patched.config if family == "granite" else patched, attr, value)
+    ids, mask, labels = make_batch()
+    with pytest.raises(ValueError, match=rf"{where}: expected a finite number > 0"):
+        patched(input_ids=ids, attention_mask=mask, labels=labels)
 
 
 def test_num_items_in_batch():

@@ -1,12 +1,15 @@
 """Hugging Face transformers: the causal-LM loss of ``*ForCausalLM`` models, computed by vpce.
 
 ``apply(model, **options)`` patches one model instance of a supported family (``FAMILIES``: Llama, Mistral,
-Qwen2, Qwen3, Gemma 2, Gemma 3 text) so that a forward **with** ``labels`` never builds the ``[tokens, vocab]``
-logits. Stock transformers computes, in ``<Family>ForCausalLM.forward``::
+Qwen2, Qwen3, Gemma 2, Gemma 3 text, Cohere, Cohere 2, Granite, Phi-3, OLMo 2) so that a forward **with**
+``labels`` never builds the ``[tokens, vocab]`` logits. Stock transformers computes, in
+``<Family>ForCausalLM.forward``::
 
     hidden = slice_logits_to_keep(self.model(...).last_hidden_state, logits_to_keep)
     logits = self.lm_head(hidden)                                  # [B, S, V] in the model dtype
     logits = cap * tanh(logits / cap)                              # Gemma 2/3, cap = config.final_logit_softcapping
+    logits = logits * self.logit_scale                             # Cohere, Cohere 2
+    logits = logits / self.config.logits_scaling                   # Granite
     loss   = self.loss_function(logits, labels, vocab_size, **kwargs)   # ForCausalLMLoss
 
 and ``ForCausalLMLoss`` upcasts the logits to fp32, shifts the labels left by one (the last position gets
@@ -15,7 +18,9 @@ and ``ForCausalLMLoss`` upcasts the logits to fp32, shifts the labels left by on
 
 The patched forward runs the same base model with the same arguments, slices the hidden states the same way, and
 hands them with ``lm_head.weight`` (and its bias, if any) to ``causal_lm_loss``, which shifts the labels exactly as
-above and calls ``vpce.linear_cross_entropy`` with the family's soft cap as ``softcap=``. The returned
+above and calls ``vpce.linear_cross_entropy`` with the family's soft cap as ``softcap=`` and its logit factor as
+``logit_scale=`` (Granite's: ``1 / logits_scaling``, a multiplication where stock divides: the same logits up to
+one rounding). Both are read from the model at every call, as stock reads them. The returned
 ``CausalLMOutputWithPast`` has ``logits=None``; ``past_key_values``, ``hidden_states`` and ``attentions`` are the
 base model's. Without ``labels`` the stock forward runs untouched (``generate`` included).
 
@@ -33,8 +38,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import math
+import numbers
 import types
 import warnings
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -55,21 +63,59 @@ except ImportError:  # transformers < 5: the same slicing, inline in each forwar
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         return hidden_states[:, keep, :]
 
-__all__ = ["FAMILIES", "OPTIONS", "apply", "remove", "is_applied", "causal_lm_loss"]
+__all__ = ["FAMILIES", "OPTIONS", "LogitsRule", "apply", "remove", "is_applied", "causal_lm_loss"]
 
-#: Supported ``*ForCausalLM`` classes -> whether their forward soft-caps the logits with
-#: ``config.final_logit_softcapping`` (passed to vpce as ``softcap=``).
+
+def _positive(value, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name}: expected a finite number > 0 (vpce's logit_scale), got {value!r}")
+    return float(value)
+
+
+def _cohere_scale(model) -> float:
+    return _positive(model.logit_scale, "model.logit_scale")  # stock multiplies by the instance attribute
+
+
+def _granite_scale(model) -> float:
+    return 1.0 / _positive(model.config.logits_scaling, "model.config.logits_scaling")  # stock divides by it
+
+
+@dataclasses.dataclass(frozen=True)
+class LogitsRule:
+    """How a family's forward turns ``lm_head``'s output into the logits it hands to its loss."""
+
+    softcap: bool = False
+    """``cap * tanh(logits / cap)`` with ``config.final_logit_softcapping`` (passed to vpce as ``softcap=``)."""
+    scale: Callable[[Any], float] | None = None
+    """The factor the logits are multiplied by, read from the model (passed to vpce as ``logit_scale=``)."""
+
+    def options(self, model) -> dict:
+        """vpce's ``softcap`` / ``logit_scale`` for this model now (read at every call, as stock reads them)."""
+        out = {}
+        if self.softcap:
+            out["softcap"] = getattr(model.config, "final_logit_softcapping", None)
+        if self.scale is not None:
+            out["logit_scale"] = self.scale(model)
+        return out
+
+
+#: Supported ``*ForCausalLM`` classes -> how their forward forms the logits from ``lm_head``'s output.
 FAMILIES = {
-    "LlamaForCausalLM": False,
-    "MistralForCausalLM": False,
-    "Qwen2ForCausalLM": False,
-    "Qwen3ForCausalLM": False,
-    "Gemma2ForCausalLM": True,
-    "Gemma3ForCausalLM": True,
+    "LlamaForCausalLM": LogitsRule(),
+    "MistralForCausalLM": LogitsRule(),
+    "Qwen2ForCausalLM": LogitsRule(),
+    "Qwen3ForCausalLM": LogitsRule(),
+    "Gemma2ForCausalLM": LogitsRule(softcap=True),
+    "Gemma3ForCausalLM": LogitsRule(softcap=True),
+    "CohereForCausalLM": LogitsRule(scale=_cohere_scale),
+    "Cohere2ForCausalLM": LogitsRule(scale=_cohere_scale),
+    "GraniteForCausalLM": LogitsRule(scale=_granite_scale),
+    "Phi3ForCausalLM": LogitsRule(),
+    "Olmo2ForCausalLM": LogitsRule(),
 }
 
-#: The vpce options ``apply`` accepts. ``reduction``, ``softcap`` and ``ignore_index`` come from the model and
-#: the forward's keywords; the vocab-parallel options do not apply to a whole, unsharded ``lm_head``.
+#: The vpce options ``apply`` accepts. ``reduction``, ``softcap``, ``logit_scale`` and ``ignore_index`` come from
+#: the model and the forward's keywords; the vocab-parallel options do not apply to a whole, unsharded ``lm_head``.
 OPTIONS = ("label_smoothing", "z_loss", "backend", "memory_budget", "validate")
 
 # Parameters a supported forward may have besides ``self`` and ``**kwargs``: those of 5.x, plus ``cache_position``
@@ -84,8 +130,8 @@ _ATTR = "_vpce_patch"
 class _Patch:
     options: dict
     """Validated vpce options from ``apply``."""
-    softcap: bool
-    """Whether this family soft-caps its logits (read from ``config.final_logit_softcapping`` at each call)."""
+    rule: LogitsRule
+    """How this family forms its logits (soft cap, logit scale; read from the model at each call)."""
     signature: inspect.Signature
     """The family forward's signature, read once here rather than at each call (under ``torch.compile`` a cached
     lookup in the forward would be traced every time, and Dynamo warns about ``lru_cache``)."""
@@ -165,7 +211,8 @@ def apply(model, **options):
     unknown = sorted(set(options) - set(OPTIONS))
     if unknown:
         raise TypeError(f"options: expected keywords among {OPTIONS}, got {unknown}")
-    vpce.LinearCrossEntropy(**options)  # validates them now rather than at the first forward
+    rule = FAMILIES[family.__name__]
+    vpce.LinearCrossEntropy(**options, **rule.options(model))  # validates them now rather than at the first forward
     patch = model.__dict__.get(_ATTR)
     if patch is not None:
         patch.options = dict(options)
@@ -178,7 +225,7 @@ def apply(model, **options):
         return _patched_forward(self, *args, **kwargs)
 
     functools.update_wrapper(forward, family.forward)  # inspect.signature(model.forward) stays the stock one
-    setattr(model, _ATTR, _Patch(options=dict(options), softcap=FAMILIES[family.__name__], signature=sig,
+    setattr(model, _ATTR, _Patch(options=dict(options), rule=rule, signature=sig,
                                  var_kw=var_kw, previous=model.__dict__.get("forward")))
     model.forward = types.MethodType(forward, model)
     return model
@@ -224,10 +271,9 @@ def _patched_forward(model, *args, **kwargs):
 
     outputs = model.model(**inputs, **extra)
     hidden = slice_logits_to_keep(outputs.last_hidden_state, call.get("logits_to_keep", 0))
-    softcap = getattr(model.config, "final_logit_softcapping", None) if patch.softcap else None
     loss_kwargs = {k: extra[k] for k in ("num_items_in_batch", "ignore_index", "shift_labels") if k in extra}
-    loss = causal_lm_loss(hidden, model.lm_head.weight, call["labels"], bias=model.lm_head.bias, softcap=softcap,
-                          **loss_kwargs, **patch.options)
+    loss = causal_lm_loss(hidden, model.lm_head.weight, call["labels"], bias=model.lm_head.bias,
+                          **patch.rule.options(model), **loss_kwargs, **patch.options)
     output = CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=outputs.past_key_values,
                                     hidden_states=outputs.hidden_states, attentions=outputs.attentions)
     return output if return_dict else output.to_tuple()
