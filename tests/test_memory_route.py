@@ -2,6 +2,10 @@
 every rank (``vpce.routing.settle_by_memory``, the AND over the group in ``vpce.parallel.agree``)."""
 
 import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -53,8 +57,8 @@ def test_the_group_takes_the_fast_route_only_where_it_fits_on_every_rank(fits):
         assert again is None
 
 
-@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
-def test_gpu_auto_takes_the_lean_route_where_the_fast_one_does_not_fit():
+def _gpu_scenario():
+    """Run in a fresh process (a clean caching allocator: its reserved-but-unused memory counts as free)."""
     # N > V: the fast route holds fp32 dX (0.5 GiB) + dW + a P chunk; the lean route a 0.2 GiB block + fp32 dW
     n, d, v = 65536, 2048, 16001
     p = make_problem(n, d, v, dtype=torch.bfloat16, ignore_frac=0.1, seed=5)
@@ -76,11 +80,10 @@ def test_gpu_auto_takes_the_lean_route_where_the_fast_one_does_not_fit():
     _, _, fast_peak = step("fast")
     assert lean_peak < need < fast_peak + 2**28, (lean_peak, need, fast_peak)
     torch.cuda.empty_cache()
-    free = routing._free_bytes(torch.device("cuda"))
     # leave room for the lean route, not for the fast one (with the route's headroom)
     room = int(0.95 * need / routing.FAST_HEADROOM)
     assert room > 1.15 * lean_peak, (room, lean_peak)
-    blocker = torch.empty(max(0, free - room), dtype=torch.uint8, device="cuda")
+    blocker = torch.empty(routing._free_bytes(torch.device("cuda")) - room, dtype=torch.uint8, device="cuda")
     dx, dw, peak = step("auto")
     del blocker
     assert peak < need, f"auto took {peak / 2**30:.2f} GiB: the fast route ({need / 2**30:.2f} GiB) did not fit"
@@ -88,3 +91,12 @@ def test_gpu_auto_takes_the_lean_route_where_the_fast_one_does_not_fit():
     torch.cuda.empty_cache()
     _, _, peak = step("auto")  # with the memory back, the fast route
     assert peak >= need - 2**27, f"auto took {peak / 2**30:.2f} GiB with room for the fast route"
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_gpu_auto_takes_the_lean_route_where_the_fast_one_does_not_fit():
+    here = Path(__file__).resolve().parent
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(here), str(here.parent), os.environ.get("PYTHONPATH", "")]))
+    run = subprocess.run([sys.executable, "-c", "import test_memory_route as t; t._gpu_scenario()"], cwd=here,
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]

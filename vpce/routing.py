@@ -131,9 +131,9 @@ def settle_by_memory(plan: Plan, hidden: torch.Tensor, rows: int, needs: tuple[b
     ``(plan still "auto", whether the fast route fits here)`` for the agreement to AND over the ranks."""
     if plan.route != "auto":
         return plan, None
-    capturing = hidden.is_cuda and torch.cuda.is_current_stream_capturing()
-    if not hidden.is_cuda or capturing or torch.compiler.is_compiling():
-        return settle(plan, True), None  # nothing to weigh (CPU interpreter), or no host calls wanted
+    # nothing to weigh (CPU interpreter), or no host calls wanted (compiling, or capturing a CUDA graph)
+    if torch.compiler.is_compiling() or not hidden.is_cuda or torch.cuda.is_current_stream_capturing():
+        return settle(plan, True), None
     tokens, d = hidden.numel() // hidden.shape[-1], hidden.shape[-1]
     if plan.sequence_parallel:
         tokens *= world  # the fast route gathers the sequence
