@@ -15,7 +15,7 @@ import vpce
 from distributed import run_ranks
 from problems import leaf, make_problem
 from test_confident_tokens import confident_problem
-from vpce.reference import reference, rel_err
+from vpce.reference import reference, rel_err, torch_eager
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
@@ -83,8 +83,8 @@ def test_matches_oracle(backend, dtype, tol, reduction, budget, variant):
 def test_with_token_weight(backend, dtype, tol):
     """Token and class weights multiply: each token's loss by ``tw_n``, and ``mean`` divides by the sum of
     ``tw_n w_{t_n}``."""
-    p = make_problem(23, 16, 40, dtype=dtype, ignore_frac=0.2, seed=2)
-    cw = class_weights(40, 1)
+    p = make_problem(23, 16, 64, dtype=dtype, ignore_frac=0.2, seed=2)  # 64 rows: whole tiles (EVEN_N)
+    cw = class_weights(64, 1)
     tw = torch.rand(23, generator=torch.Generator().manual_seed(3), dtype=torch.float64) * 2
     h, w = leaf(p.hidden.to(DEV)), leaf(p.weight.to(DEV))
     loss = vpce.linear_cross_entropy(h, w, p.target.to(DEV), backend=backend, label_smoothing=0.1,
@@ -93,6 +93,28 @@ def test_with_token_weight(backend, dtype, tol):
     ref = reference(p.hidden, p.weight, p.target, label_smoothing=0.1, token_weight=tw, class_weight=cw)
     errs = _errors((("loss", loss, ref.loss), ("dX", h.grad, ref.dhidden), ("dW", w.grad, ref.dweight)))
     assert max(errs.values()) <= tol, errs
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("budget", ["auto", "lean"])
+def test_bf16_on_gpu_no_worse_than_torch(budget):
+    """bf16 Triton at a size with several tiles, chunks and (lean) vocab blocks, class weights with smoothing, soft
+    cap and logit scale: errors against float64 no worse than torch's own bf16 ``F.linear`` + fp32
+    ``cross_entropy(weight=...)``."""
+    opts = dict(label_smoothing=0.1, softcap=30.0, logit_scale=0.8, z_loss=1e-4)
+    p = make_problem(8192, 256, 32000, dtype=torch.bfloat16, vocab_size=31990, ignore_frac=0.1, seed=8)
+    cw = class_weights(32000, 9)
+    h, w = leaf(p.hidden.cuda()), leaf(p.weight.cuda())
+    loss = vpce.linear_cross_entropy(h, w, p.target.cuda(), vocab_size=31990, memory_budget=budget,
+                                     class_weight=cw.cuda().float(), **opts)
+    loss.backward()
+    ref = reference(p.hidden, p.weight, p.target, vocab_size=31990, class_weight=cw, **opts)
+    own = torch_eager(p.hidden.cuda(), p.weight.cuda(), p.target.cuda(), vocab_size=31990, class_weight=cw,
+                      **opts)
+    for name, mine, theirs, want in (("loss", loss, own.loss, ref.loss), ("dX", h.grad, own.dhidden, ref.dhidden),
+                                     ("dW", w.grad, own.dweight, ref.dweight)):
+        a, b = rel_err(mine, want), rel_err(theirs, want)
+        assert a <= 1.2 * b + 1e-5, f"{name}: rel err {a:.2e} > 1.2 x torch's {b:.2e}"
 
 
 def test_without_smoothing_class_weight_is_a_token_weight():

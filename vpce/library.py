@@ -77,9 +77,9 @@ def _(hidden, weight, bias, target, token_weight, class_weight, backend, ignore_
 @torch.library.custom_op("vpce::linear_cross_entropy_backward", mutates_args=())
 def _recompute_backward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor,
                         token_weight: Optional[Tensor], class_weight: Optional[Tensor], m: Tensor, log_s: Tensor,
-                        q: Tensor, denominator: Tensor, grad: Tensor, backend: str, ignore_index: int, reduction: str, label_smoothing: float,
-                        z_loss: float, softcap: Optional[float], memory_budget: str, vocab_size: int,
-                        logit_scale: float, needs: list[bool]) -> tuple[Tensor, Tensor, Tensor]:
+                        q: Tensor, denominator: Tensor, grad: Tensor, backend: str, ignore_index: int, reduction: str,
+                        label_smoothing: float, z_loss: float, softcap: Optional[float], memory_budget: str,
+                        vocab_size: int, logit_scale: float, needs: list[bool]) -> tuple[Tensor, Tensor, Tensor]:
     opts, call = _call(backend, ignore_index, reduction, label_smoothing, z_loss, softcap, memory_budget,
                        vocab_size, logit_scale, needs, hidden, weight)
     dx, dw, db = cross_entropy_grads(hidden, weight, bias, target, token_weight, RowStats(m, log_s, q), grad,

@@ -87,23 +87,29 @@ def reference(hidden, weight, target, bias=None, *, grad=None, ignore_index=-100
 
 
 def torch_eager(hidden, weight, target, bias=None, *, grad=None, ignore_index=-100, reduction="mean",
-                label_smoothing=0.0, z_loss=0.0, softcap=None, vocab_size=None) -> Result:
+                label_smoothing=0.0, z_loss=0.0, softcap=None, vocab_size=None, logit_scale=1.0,
+                class_weight=None) -> Result:
     """What a user writes today, in the inputs' dtype: ``F.linear`` then fp32 cross-entropy. For error bars."""
     v = weight.shape[0] if vocab_size is None else vocab_size
     h = hidden.detach().clone().requires_grad_()
     w = weight.detach().clone().requires_grad_()
     b = None if bias is None else bias.detach().clone().requires_grad_()
     z = F.linear(h, w[:v], None if b is None else b[:v]).float()
+    if logit_scale != 1.0:
+        z = z * logit_scale
     if softcap is not None:
         z = softcap * torch.tanh(z / softcap)
     z = z.reshape(-1, v)
     t = target.reshape(-1).long()
     keep = t != ignore_index
-    per = F.cross_entropy(z, t, ignore_index=ignore_index, reduction="none", label_smoothing=label_smoothing)
+    cw = None if class_weight is None else class_weight.to(z.device, torch.float32)[:v]
+    per = F.cross_entropy(z, t, weight=cw, ignore_index=ignore_index, reduction="none",
+                          label_smoothing=label_smoothing)
+    wt = torch.ones_like(per) if cw is None else cw[torch.where(keep, t, 0)]
     if z_loss:
-        per = per + torch.where(keep, z_loss * torch.logsumexp(z, -1) ** 2, 0)
+        per = per + torch.where(keep, z_loss * wt * torch.logsumexp(z, -1) ** 2, 0)
     if reduction == "mean":
-        loss = per.sum() / keep.sum().clamp(min=1)
+        loss = per.sum() / torch.where(keep, wt, 0).sum().clamp(min=1e-30 if cw is not None else 1)
     elif reduction == "sum":
         loss = per.sum()
     else:
