@@ -28,7 +28,7 @@ __all__ = ["linear_cross_entropy", "linear_log_probs", "LinearCrossEntropy", "Cr
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def _check_number(name: str, value, *, low=None, low_open=False, high_open=None, allow_none=False, high=None):
+def check_number(name: str, value, *, low=None, low_open=False, high_open=None, allow_none=False, high=None):
     if value is None and allow_none:
         return
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
@@ -43,7 +43,7 @@ def _check_number(name: str, value, *, low=None, low_open=False, high_open=None,
         raise ValueError(f"{name}: expected <= {high}, got {value}")
 
 
-def _check_int(name: str, value, *, low=None, allow_none=True):
+def check_int(name: str, value, *, low=None, allow_none=True):
     if value is None and allow_none:
         return
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
@@ -52,15 +52,26 @@ def _check_int(name: str, value, *, low=None, allow_none=True):
         raise ValueError(f"{name}: expected an int >= {low}, got {value}")
 
 
-def _check_bool(name: str, value):
+def check_bool(name: str, value):
     if not isinstance(value, bool):
         raise TypeError(f"{name}: expected a bool, got {type(value).__name__}")
+
+
+def check_memory_budget(value):
+    """``"auto"``, ``"fast"``, ``"lean"``, or a number of GiB ``> 0`` (returned as a float)."""
+    if isinstance(value, str):
+        if value not in BUDGET_NAMES:
+            raise ValueError(f"memory_budget: expected one of {BUDGET_NAMES} or a positive number of GiB, "
+                             f"got {value!r}")
+        return value
+    check_number("memory_budget", value, low=0.0, low_open=True)
+    return float(value)
 
 
 def _check_logit_scale(value):
     """A finite number > 0: it multiplies the logits (a negative one would turn the ranking upside down, and 0
     would make every class equally likely whatever the inputs; negate or zero the weight for that)."""
-    _check_number("logit_scale", value, low=0.0, low_open=True)
+    check_number("logit_scale", value, low=0.0, low_open=True)
     if math.isinf(value):
         raise ValueError(f"logit_scale: expected a finite number > 0, got {value}")
 
@@ -71,21 +82,15 @@ def make_options(*, ignore_index=-100, reduction="mean", label_smoothing=0.0, z_
     """Validate the per-token options once and freeze them into ``LossOptions``."""
     for name, flag in (("token_scaling", token_scaling), ("return_z_loss", return_z_loss),
                        ("return_token_accuracy", return_token_accuracy), ("return_entropy", return_entropy)):
-        _check_bool(name, flag)
+        check_bool(name, flag)
     asked = dict(zip(METRICS, (return_z_loss, return_token_accuracy, return_entropy)))
-    _check_int("ignore_index", ignore_index, allow_none=False)
+    check_int("ignore_index", ignore_index, allow_none=False)
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction: expected one of {REDUCTIONS}, got {reduction!r}")
-    _check_number("label_smoothing", label_smoothing, low=0.0, high=1.0)  # torch's range: 1.0 included
-    _check_number("z_loss", z_loss, low=0.0)
-    _check_number("softcap", softcap, low=0.0, low_open=True, allow_none=True)
-    if isinstance(memory_budget, str):
-        if memory_budget not in BUDGET_NAMES:
-            raise ValueError(f"memory_budget: expected one of {BUDGET_NAMES} or a positive number of GiB, "
-                             f"got {memory_budget!r}")
-    else:
-        _check_number("memory_budget", memory_budget, low=0.0, low_open=True)
-        memory_budget = float(memory_budget)
+    check_number("label_smoothing", label_smoothing, low=0.0, high=1.0)  # torch's range: 1.0 included
+    check_number("z_loss", z_loss, low=0.0)
+    check_number("softcap", softcap, low=0.0, low_open=True, allow_none=True)
+    memory_budget = check_memory_budget(memory_budget)
     _check_logit_scale(logit_scale)
     return LossOptions(ignore_index=int(ignore_index), reduction=reduction,
                        label_smoothing=float(label_smoothing), z_loss=float(z_loss),
@@ -107,7 +112,7 @@ class CrossEntropyOutput(NamedTuple):
     """The entropy of the softmax, ``lse - sum_j p_j z_j``."""
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
+def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
@@ -158,41 +163,33 @@ def _check_tensors(hidden, weight, target, bias, world: int, sequence_parallel: 
         raise ValueError(f"target: expected shape {lead}{what}, got {tuple(target.shape)}")
 
 
-def _check_token_weight(token_weight, target: torch.Tensor):
-    if token_weight is None:
+def _check_weights(name: str, value, shape: tuple, of: str, device: torch.device):
+    """Per-token or per-class loss weights: None, or a floating tensor of ``shape`` on ``device`` with no grad."""
+    if value is None:
         return
-    if not isinstance(token_weight, torch.Tensor):
-        raise TypeError(f"token_weight: expected a torch.Tensor or None, got {type(token_weight).__name__}")
-    if not token_weight.is_floating_point():
-        raise TypeError(f"token_weight: expected a floating dtype, got {token_weight.dtype}")
-    if token_weight.shape != target.shape:
-        raise ValueError(f"token_weight: expected shape {tuple(target.shape)} (target's), "
-                         f"got {tuple(token_weight.shape)}")
-    if token_weight.device != target.device:
-        raise ValueError(f"token_weight: expected device {target.device} (target's), got {token_weight.device}")
-    if token_weight.requires_grad:
-        raise ValueError("token_weight: expected a tensor that does not require grad (no gradient flows to the "
-                         "weights), got requires_grad=True; pass token_weight.detach()")
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor or None, got {type(value).__name__}")
+    if not value.is_floating_point():
+        raise TypeError(f"{name}: expected a floating dtype, got {value.dtype}")
+    if tuple(value.shape) != tuple(shape):
+        raise ValueError(f"{name}: expected shape {tuple(shape)} ({of}), got {tuple(value.shape)}")
+    if value.device != device:
+        raise ValueError(f"{name}: expected device {device} ({of.split(':')[0]}), got {value.device}")
+    if value.requires_grad:
+        raise ValueError(f"{name}: expected a tensor that does not require grad (no gradient flows to the "
+                         f"weights), got requires_grad=True; pass {name}.detach()")
+
+
+def check_token_weight(token_weight, target: torch.Tensor):
+    _check_weights("token_weight", token_weight, target.shape, "target's", target.device)
 
 
 def _check_class_weight(class_weight, weight: torch.Tensor):
-    if class_weight is None:
-        return
-    if not isinstance(class_weight, torch.Tensor):
-        raise TypeError(f"class_weight: expected a torch.Tensor or None, got {type(class_weight).__name__}")
-    if not class_weight.is_floating_point():
-        raise TypeError(f"class_weight: expected a floating dtype, got {class_weight.dtype}")
-    if class_weight.shape != (weight.shape[0],):
-        raise ValueError(f"class_weight: expected shape ({weight.shape[0]},) (weight's rows: this shard's classes), "
-                         f"got {tuple(class_weight.shape)}")
-    if class_weight.device != weight.device:
-        raise ValueError(f"class_weight: expected device {weight.device} (weight's), got {class_weight.device}")
-    if class_weight.requires_grad:
-        raise ValueError("class_weight: expected a tensor that does not require grad (no gradient flows to the "
-                         "weights), got requires_grad=True; pass class_weight.detach()")
+    _check_weights("class_weight", class_weight, (weight.shape[0],), "weight's rows: this shard's classes",
+                   weight.device)
 
 
-def _autocast_operands(hidden, weight, bias):
+def autocast_operands(hidden, weight, bias):
     """Under ``torch.autocast`` the GEMM operands are cast to the autocast dtype, as ``nn.Linear``'s are. The casts
     are differentiable, so the gradients come back in the parameters' own dtype (fp32 for fp32 parameters); the
     logits and the statistics stay fp32, as on 16-bit inputs."""
@@ -203,7 +200,7 @@ def _autocast_operands(hidden, weight, bias):
     return cast(hidden), cast(weight), cast(bias)
 
 
-def _prepare(entry: str, hidden, weight, target, bias, *, group, vocab_start, vocab_size, sequence_parallel,
+def prepare_call(entry: str, hidden, weight, target, bias, *, group, vocab_start, vocab_size, sequence_parallel,
              backend, validate, ignore_index: int, local_checks: Callable[[torch.Tensor, bool], None],
              plan: Callable[[tuple, torch.dtype, str, bool, bool], Plan], fields: Callable[[], list],
              memory: Callable[..., tuple[Plan, bool | None]] = lambda p, *_: (p, None)):
@@ -216,17 +213,17 @@ def _prepare(entry: str, hidden, weight, target, bias, *, group, vocab_start, vo
         hidden, weight, bias, target, group=group, vocab_start=vocab_start, vocab_size=vocab_size,
         sequence_parallel=sequence_parallel)
     original_weight = weight
-    hidden, weight, bias = _autocast_operands(hidden, weight, bias)
+    hidden, weight, bias = autocast_operands(hidden, weight, bias)
     _, world = parallel.group_rank_and_size(group)
     error, call_plan, needs, agreed, fast_fits = None, None, (False, False, False), [], None
     try:
         if not isinstance(hidden, torch.Tensor):
             raise TypeError(f"hidden: expected a torch.Tensor, got {type(hidden).__name__}")
         backend = resolve_backend(backend, hidden)
-        _check_bool("sequence_parallel", sequence_parallel)
-        _check_bool("validate", validate)
-        _check_int("vocab_start", vocab_start, low=0)
-        _check_int("vocab_size", vocab_size, low=1)
+        check_bool("sequence_parallel", sequence_parallel)
+        check_bool("validate", validate)
+        check_int("vocab_start", vocab_start, low=0)
+        check_int("vocab_size", vocab_size, low=1)
         if sequence_parallel and group is None:
             raise ValueError("sequence_parallel: expected a process group in `group` with sequence_parallel=True, "
                              "got group=None")
@@ -236,8 +233,8 @@ def _prepare(entry: str, hidden, weight, target, bias, *, group, vocab_start, vo
         call_plan = plan(needs, hidden.dtype, backend, world > 1, sequence_parallel)
         call_plan, fast_fits = memory(call_plan, hidden, weight.shape[0], needs, world)
         agreed = [("hidden tokens", hidden.numel() // hidden.shape[-1]), ("hidden size", hidden.shape[-1]),
-                  ("hidden dtype", _dtype_name(hidden.dtype)), ("weight dtype", _dtype_name(weight.dtype)),
-                  ("bias", bias is not None), ("target dtype", _dtype_name(target.dtype)),
+                  ("hidden dtype", dtype_name(hidden.dtype)), ("weight dtype", dtype_name(weight.dtype)),
+                  ("bias", bias is not None), ("target dtype", dtype_name(target.dtype)),
                   ("sequence_parallel", sequence_parallel), ("requires_grad", sum(b << i for i, b in enumerate(needs))),
                   *fields(), ("backend", call_plan.backend), ("route", call_plan.route),
                   ("dx_reduce", call_plan.dx_reduce)]  # the options before the route they decide
@@ -338,9 +335,9 @@ def _cross_entropy(hidden, weight, target, bias, box: dict, make: Callable[[], N
                    ignore_index, class_weight=None):
     def local_checks(w, cast_by_autocast):
         make()
-        _check_token_weight(token_weight, target)
+        check_token_weight(token_weight, target)
         _check_class_weight(class_weight, w)
-        _check_bool("accumulate_main_grad", accumulate_main_grad)
+        check_bool("accumulate_main_grad", accumulate_main_grad)
         if accumulate_main_grad:
             check_main_grad(w)
             if cast_by_autocast:
@@ -362,7 +359,7 @@ def _cross_entropy(hidden, weight, target, bias, box: dict, make: Callable[[], N
                 ("logit_scale", o.logit_scale), ("class_weight", class_weight is not None),
                 ("token_scaling", o.token_scaling), *((f"return_{k}", k in o.metrics) for k in METRICS)]
 
-    h2, weight, bias, target, call = _prepare(
+    h2, weight, bias, target, call = prepare_call(
         "ce", hidden, weight, target, bias, group=group, vocab_start=vocab_start, vocab_size=vocab_size,
         sequence_parallel=sequence_parallel, backend=backend, validate=validate,
         ignore_index=ignore_index if isinstance(ignore_index, int) else -100, local_checks=local_checks,
@@ -422,14 +419,14 @@ def linear_log_probs(hidden, weight, target, bias=None, *, temperature=1.0, soft
         three are detached.
     """
     def local_checks(_weight, _cast):
-        _check_int("ignore_index", ignore_index, allow_none=False)
-        _check_number("temperature", temperature, low=0.0, low_open=True)
-        _check_number("softcap", softcap, low=0.0, low_open=True, allow_none=True)
-        _check_bool("return_entropy", return_entropy)
+        check_int("ignore_index", ignore_index, allow_none=False)
+        check_number("temperature", temperature, low=0.0, low_open=True)
+        check_number("softcap", softcap, low=0.0, low_open=True, allow_none=True)
+        check_bool("return_entropy", return_entropy)
         _check_logit_scale(logit_scale)
-        _check_bool("return_top1", return_top1)
-        _check_bool("return_mean_logits", return_mean_logits)
-        _check_bool("return_log_sum_sq_probs", return_log_sum_sq_probs)
+        check_bool("return_top1", return_top1)
+        check_bool("return_mean_logits", return_mean_logits)
+        check_bool("return_log_sum_sq_probs", return_log_sum_sq_probs)
 
     def fields():
         return [("ignore_index", ignore_index), ("temperature", float(temperature)),
@@ -440,7 +437,7 @@ def linear_log_probs(hidden, weight, target, bias=None, *, temperature=1.0, soft
     def plan(needs, dtype, backend_name, sharded, sp):
         return plan_log_probs(needs, backend_name, sharded, sp)
 
-    h2, weight, bias, target, call = _prepare(
+    h2, weight, bias, target, call = prepare_call(
         "logprob", hidden, weight, target, bias, group=group, vocab_start=vocab_start, vocab_size=vocab_size,
         sequence_parallel=sequence_parallel, backend=backend, validate=validate,
         ignore_index=ignore_index if isinstance(ignore_index, int) else -100, local_checks=local_checks,
@@ -476,8 +473,8 @@ class LinearCrossEntropy(torch.nn.Module):
                                     return_token_accuracy=return_token_accuracy, return_entropy=return_entropy)
         if backend not in BACKENDS:
             raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
-        _check_int("vocab_start", vocab_start, low=0)
-        _check_int("vocab_size", vocab_size, low=1)
+        check_int("vocab_start", vocab_start, low=0)
+        check_int("vocab_size", vocab_size, low=1)
         self.group, self.vocab_start, self.vocab_size = group, vocab_start, vocab_size
         self.sequence_parallel, self.backend, self.validate = sequence_parallel, backend, validate
         self.accumulate_main_grad = accumulate_main_grad

@@ -67,15 +67,14 @@ from typing import NamedTuple
 import torch
 
 from . import parallel
-from .api import _autocast_operands, _check_bool, _check_int, _check_number, _check_token_weight, _dtype_name, \
-    _prepare
+from .api import autocast_operands, check_bool, check_int, check_memory_budget, check_number, check_token_weight, \
+    dtype_name, prepare_call
 from .autograd import accumulation_dtype
-from .gemm import mm_out
 from .grads import FastGrads, finish_fast_grads, pad_rows, weight_grad
-from .options import BACKENDS, BUDGET_NAMES, DEFAULT_CHUNK_GIB, REDUCTIONS
+from .options import BACKENDS, DEFAULT_CHUNK_GIB, REDUCTIONS
 from .routing import Call, plan_distillation
 from .targets import TokenTargets
-from .torch_backend import _accumulate, scale_cast
+from .torch_backend import accumulate_grads, chunk_logits, scale_cast
 
 __all__ = ["linear_distillation_loss", "DistillOptions", "DIVERGENCES"]
 
@@ -307,17 +306,6 @@ def _token_loss(st: DistillStats, o: DistillOptions) -> torch.Tensor:
 # the torch backend: logits, the gradient of a chunk, forward and the recompute
 
 
-def _logits(h, w, b, softcap, acc, inv_t=1.0) -> torch.Tensor:
-    z = mm_out(h, w.t(), acc)
-    if b is not None:
-        z += b.to(acc)
-    if softcap is not None:
-        z.div_(softcap).tanh_().mul_(softcap)
-    if inv_t != 1.0:
-        z.mul_(inv_t)
-    return z
-
-
 def _logit_grad(z1, y, rows: DistillRows, kd: torch.Tensor, ce: torch.Tensor | None, t_idx, in_shard,
                 o: DistillOptions) -> torch.Tensor:
     """The gradient ``[c, v]`` with respect to the student's pre-cap logits; per-row weights ``kd`` (the
@@ -377,8 +365,8 @@ def distill_forward(hidden, weight, bias, t_hidden, t_weight, t_bias, tg: TokenT
         sl = slice(c0, min(n, c0 + chunk))
         z1 = y = None
         if v > 0:
-            z1 = _logits(hidden[sl], w, b, o.softcap, acc)
-            y = _logits(t_hidden[sl], tw, tb, o.teacher_softcap, acc, o.inv_t)
+            z1 = chunk_logits(hidden[sl], w, b, o.softcap, acc)
+            y = chunk_logits(t_hidden[sl], tw, tb, o.teacher_softcap, acc, o.inv_t)
         st = _chunk_stats(z1, y, tg, sl, o, call, acc, hidden.device)
         loss_tok[sl] = tg.token_loss(_token_loss(st, o), sl)
         if keep:
@@ -386,7 +374,7 @@ def distill_forward(hidden, weight, bias, t_hidden, t_weight, t_bias, tg: TokenT
         if fast and v > 0:
             kd, ce = _row_weights(unit[sl], o)
             g = _logit_grad(z1, y, DistillRows.of(st, o), kd, ce, tg.idx[sl], tg.in_shard[sl], o)
-            _accumulate(g, hidden[sl], w, sl, dx, dw, db)
+            accumulate_grads(g, hidden[sl], w, sl, dx, dw, db)
             del g
         del z1, y  # before the next chunk's logits exist
     return loss_tok, rows, FastGrads(dx, dw, db) if fast else None
@@ -407,11 +395,11 @@ def distill_recompute_grads(hidden, weight, bias, t_hidden, t_weight, t_bias, tg
     if v > 0:
         for c0 in range(0, n, chunk):
             sl = slice(c0, min(n, c0 + chunk))
-            z1 = _logits(hidden[sl], w, b, o.softcap, acc)
-            y = _logits(t_hidden[sl], tw, tb, o.teacher_softcap, acc, o.inv_t)
+            z1 = chunk_logits(hidden[sl], w, b, o.softcap, acc)
+            y = chunk_logits(t_hidden[sl], tw, tb, o.teacher_softcap, acc, o.inv_t)
             g = _logit_grad(z1, y, rows.rows(sl), kd[sl], None if ce is None else ce[sl], tg.idx[sl],
                             tg.in_shard[sl], o)
-            _accumulate(g, hidden[sl], w, sl, dx, dw, db)
+            accumulate_grads(g, hidden[sl], w, sl, dx, dw, db)
             del z1, y, g
     return (None if dx is None else dx.to(dtype), weight_grad(dw, weight.shape[0], dtype),
             pad_rows(db, weight.shape[0], dtype))
@@ -472,33 +460,27 @@ def make_distill_options(*, divergence, beta, temperature, temperature_squared, 
     if divergence not in DIVERGENCES:
         raise ValueError(f"divergence: expected one of {DIVERGENCES}, got {divergence!r}")
     if divergence == "jsd":
-        _check_number("beta", beta, low=0.0, allow_none=True)
+        check_number("beta", beta, low=0.0, allow_none=True)
         if beta is not None and beta > 1:
             raise ValueError(f"beta: expected a number in [0, 1], got {beta}")
     elif beta is not None:
         raise ValueError(f"beta: expected None with divergence={divergence!r} (beta is the JSD's mixture weight; "
                          f"pass divergence='jsd'), got {beta!r}")
-    _check_number("temperature", temperature, low=0.0, low_open=True)
+    check_number("temperature", temperature, low=0.0, low_open=True)
     if temperature == math.inf:
         raise ValueError("temperature: expected a finite number > 0, got inf")
-    _check_bool("temperature_squared", temperature_squared)
-    _check_number("ce_weight", ce_weight, low=0.0)
+    check_bool("temperature_squared", temperature_squared)
+    check_number("ce_weight", ce_weight, low=0.0)
     if ce_weight > 1:
         raise ValueError(f"ce_weight: expected a number in [0, 1], got {ce_weight}")
     if ce_weight > 0 and not has_target:
         raise ValueError(f"target: expected a tensor of hard labels with ce_weight={ce_weight}, got None")
-    _check_int("ignore_index", ignore_index, allow_none=False)
+    check_int("ignore_index", ignore_index, allow_none=False)
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction: expected one of {REDUCTIONS}, got {reduction!r}")
-    _check_number("softcap", softcap, low=0.0, low_open=True, allow_none=True)
-    _check_number("teacher_softcap", teacher_softcap, low=0.0, low_open=True, allow_none=True)
-    if isinstance(memory_budget, str):
-        if memory_budget not in BUDGET_NAMES:
-            raise ValueError(f"memory_budget: expected one of {BUDGET_NAMES} or a positive number of GiB, "
-                             f"got {memory_budget!r}")
-    else:
-        _check_number("memory_budget", memory_budget, low=0.0, low_open=True)
-        memory_budget = float(memory_budget)
+    check_number("softcap", softcap, low=0.0, low_open=True, allow_none=True)
+    check_number("teacher_softcap", teacher_softcap, low=0.0, low_open=True, allow_none=True)
+    memory_budget = check_memory_budget(memory_budget)
     beta = 0.5 if beta is None else float(beta)
     kind = divergence if divergence != "jsd" or 0 < beta < 1 else ("forward_kl" if beta == 0 else "reverse_kl")
     t = float(temperature)
@@ -592,7 +574,7 @@ def linear_distillation_loss(hidden, weight, teacher_hidden, teacher_weight, tar
         if sequence_parallel is True and lead:
             lead = (lead[0] * world,) + lead[1:]
         target = torch.zeros(lead, dtype=torch.int64, device=hidden.device)  # no token ignored (ignore_index -1)
-    teacher_hidden, teacher_weight, teacher_bias = _autocast_operands(teacher_hidden, teacher_weight, teacher_bias)
+    teacher_hidden, teacher_weight, teacher_bias = autocast_operands(teacher_hidden, teacher_weight, teacher_bias)
     box = {}
 
     def local_checks():
@@ -609,7 +591,7 @@ def linear_distillation_loss(hidden, weight, teacher_hidden, teacher_weight, tar
             ce_weight=ce_weight, has_target=has_target, ignore_index=ignore_index, reduction=reduction,
             softcap=softcap, teacher_softcap=teacher_softcap, memory_budget=memory_budget)
         _check_teacher(box["hidden"], box["weight"], teacher_hidden, teacher_weight, teacher_bias, sequence_parallel)
-        _check_token_weight(token_weight, target)
+        check_token_weight(token_weight, target)
 
     def plan(needs, _dtype, backend_name, sharded, sp):
         o = box["o"]
@@ -623,14 +605,14 @@ def linear_distillation_loss(hidden, weight, teacher_hidden, teacher_weight, tar
                 ("target given", has_target), ("reduction", o.reduction), ("ignore_index", o.ignore_index),
                 ("softcap", o.softcap), ("teacher_softcap", o.teacher_softcap), ("memory_budget", o.memory_budget),
                 ("token_weight", token_weight is not None), ("teacher hidden size", teacher_hidden.shape[-1]),
-                ("teacher dtype", _dtype_name(teacher_hidden.dtype)), ("teacher_bias", teacher_bias is not None)]
+                ("teacher dtype", dtype_name(teacher_hidden.dtype)), ("teacher_bias", teacher_bias is not None)]
 
     def checks_with_student(_weight, _cast):
-        # the student's hidden and weight as _prepare computes with them (under autocast: cast)
-        box["hidden"], box["weight"], _ = _autocast_operands(hidden, weight, None)
+        # the student's hidden and weight as prepare_call computes with them (under autocast: cast)
+        box["hidden"], box["weight"], _ = autocast_operands(hidden, weight, None)
         local_checks()
 
-    h2, weight2, bias2, target, call = _prepare(
+    h2, weight2, bias2, target, call = prepare_call(
         "distill", hidden, weight, target, bias, group=group, vocab_start=vocab_start, vocab_size=vocab_size,
         sequence_parallel=sequence_parallel, backend="torch",
         validate=validate, ignore_index=(ignore_index if isinstance(ignore_index, int) else -100) if has_target

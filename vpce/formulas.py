@@ -38,7 +38,7 @@ from .options import LossOptions
 from .parallel import RankStats
 from .targets import TokenTargets
 
-__all__ = ["RowStats", "Coefficients", "ce_loss", "ce_coefficients", "logprob_outputs", "logprob_coefficients",
+__all__ = ["RowStats", "Coefficients", "ce_loss", "ce_coefficients", "ce_token_outputs", "logprob_outputs", "logprob_coefficients",
            "target_probability", "ce_metrics", "logprob_extras"]
 
 
@@ -113,6 +113,19 @@ def ce_metrics(st: RankStats, opts: LossOptions) -> dict[str, torch.Tensor]:
     if "entropy" in opts.metrics:
         out["entropy"] = st.lse - st.expectations[0]
     return out
+
+
+def ce_token_outputs(st: RankStats, opts: LossOptions, vocab_size: int, tg: TokenTargets, part: slice,
+                     loss_tok: torch.Tensor, metrics: dict[str, torch.Tensor]):
+    """Fill rows ``part`` of the per-token loss (class-weighted, times ``p_t`` with ``token_scaling``, whose factor
+    goes to ``tg.scaling``) and of the asked metrics, from the part's global statistics. Both backends call it."""
+    loss = ce_loss(st, opts, vocab_size, tg.class_rows(part))
+    if opts.token_scaling:
+        tg.scaling[part] = target_probability(st)
+        loss = loss * tg.scaling[part]
+    loss_tok[part] = tg.token_loss(loss, part)
+    for k, value in ce_metrics(st, opts).items():
+        metrics[k][part] = tg.metric(value, part)
 
 
 def ce_coefficients(scale: torch.Tensor, lse: torch.Tensor, opts: LossOptions, vocab_size: int,

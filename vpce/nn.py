@@ -123,7 +123,7 @@ class LinearCrossEntropyLoss(torch.nn.Module):
             got = tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__
             raise ValueError(f"weight: expected a tensor of shape ({num_classes},) (num_classes), got {got}")
         if ignore_index is not None:
-            api._check_int("ignore_index", ignore_index, allow_none=False)
+            api.check_int("ignore_index", ignore_index, allow_none=False)
         # the options vpce checks per call, checked once here
         api.make_options(reduction=reduction, label_smoothing=label_smoothing,
                          **{k: vpce_extras[k] for k in ("z_loss", "softcap", "logit_scale") if k in vpce_extras})

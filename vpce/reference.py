@@ -35,6 +35,16 @@ def _float64_logits(hidden, weight, bias, softcap, vocab_size, logit_scale=1.0):
     return h, w, b, z, v
 
 
+def _reduce(per: torch.Tensor, tw: torch.Tensor, counted: torch.Tensor, keep: torch.Tensor, reduction: str):
+    """Per-token losses times their token weights, 0 where not kept; ``mean`` divides by ``counted`` summed over
+    the kept tokens (1 where that is 0)."""
+    per = torch.where(keep, per * tw, torch.zeros_like(per))
+    if reduction == "mean":
+        den = torch.where(keep, counted, 0).sum()
+        return per.sum() / (den if den != 0 else 1)
+    return per.sum() if reduction == "sum" else per
+
+
 def reference(hidden, weight, target, bias=None, *, grad=None, ignore_index=-100, reduction="mean",
               label_smoothing=0.0, z_loss=0.0, softcap=None, vocab_size=None, token_weight=None,
               logit_scale=1.0, class_weight=None, token_scaling=False) -> Result:
@@ -72,14 +82,7 @@ def reference(hidden, weight, target, bias=None, *, grad=None, ignore_index=-100
         counted = tw * wt
     if token_scaling:
         per = per * torch.exp(zt - lse).detach()
-    per = torch.where(keep, per * tw, torch.zeros_like(per))
-    if reduction == "mean":
-        den = torch.where(keep, counted, 0).sum()
-        loss = per.sum() / (den if den != 0 else 1)
-    elif reduction == "sum":
-        loss = per.sum()
-    else:
-        loss = per.reshape(target.shape)
+    loss = _reduce(per, tw, counted, keep, reduction).reshape(target.shape if reduction == "none" else ())
     g = torch.ones_like(loss) if grad is None else grad.double().expand_as(loss)
     dh, dw, *db = torch.autograd.grad(loss, [h, w] + ([b] if b is not None else []), g, allow_unused=True)
     zero = lambda x, like: torch.zeros_like(like) if x is None else x  # noqa: E731
@@ -298,14 +301,7 @@ def reference_distillation(hidden, weight, teacher_hidden, teacher_weight, targe
         ce = F.cross_entropy(z1.reshape(-1, v), torch.where(keep, t, 0).reshape(-1), reduction="none")
         per = (1 - ce_weight) * per + ce_weight * ce.reshape(lead)
     tw = torch.ones_like(per) if token_weight is None else token_weight.to(per.dtype)
-    per = torch.where(keep, per * tw, torch.zeros_like(per))
-    if reduction == "mean":
-        den = torch.where(keep, tw, 0).sum()
-        loss = per.sum() / (den if den != 0 else 1)
-    elif reduction == "sum":
-        loss = per.sum()
-    else:
-        loss = per
+    loss = _reduce(per, tw, tw, keep, reduction)
     g = torch.ones_like(loss) if grad is None else grad.to(loss.dtype).expand_as(loss)
     dh, dw, *db = torch.autograd.grad(loss, [h, w] + ([b] if b is not None else []), g, allow_unused=True)
     zero = lambda x, like: torch.zeros_like(like) if x is None else x  # noqa: E731

@@ -20,7 +20,7 @@ import math
 
 import torch
 
-from .formulas import Coefficients, RowStats, ce_coefficients, ce_loss, ce_metrics, target_probability
+from .formulas import Coefficients, RowStats, ce_coefficients, ce_token_outputs
 from .gemm import mm_out
 from .grads import FastGrads, pad_rows, weight_grad
 from .options import DEFAULT_CHUNK_GIB, LogProbOptions, LossOptions
@@ -42,7 +42,7 @@ def _acc(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _logits(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, softcap: float | None, acc: torch.dtype,
+def chunk_logits(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, softcap: float | None, acc: torch.dtype,
             inv_t: float = 1.0) -> torch.Tensor:
     z = mm_out(h, w.t(), acc)
     if b is not None:
@@ -63,7 +63,7 @@ def _chunk_stats(hidden, w, b, tg: TokenTargets, sl: slice, call: Call, softcap,
     c = sl.stop - sl.start
     full = lambda value: torch.full((c,), value, dtype=acc, device=hidden.device)  # noqa: E731
     if call.shard.valid_rows > 0:
-        z = _logits(hidden[sl], w, b, softcap, acc, inv_t)
+        z = chunk_logits(hidden[sl], w, b, softcap, acc, inv_t)
         idx, mine = tg.idx[sl, None], tg.in_shard[sl]
         zt = torch.where(mine, z.gather(1, idx).squeeze(1), -math.inf)
         # max and sum of exp over every column but the target's (its term is kept apart, in zt)
@@ -118,7 +118,7 @@ def _logit_grad_(z: torch.Tensor, rows: RowStats, co: Coefficients, t_idx: torch
     return g
 
 
-def _accumulate(g: torch.Tensor, h: torch.Tensor, w: torch.Tensor, sl: slice, dx, dw, db):
+def accumulate_grads(g: torch.Tensor, h: torch.Tensor, w: torch.Tensor, sl: slice, dx, dw, db):
     """Add one chunk's logit gradient ``g`` [c, v] into dX (rows ``sl``), the dW and db accumulators."""
     if dx is not None:
         dx[sl] = mm_out(g.to(w.dtype), w, g.dtype)
@@ -145,9 +145,9 @@ def recompute_grads(hidden, weight, bias, tg: TokenTargets, rows: RowStats, coef
     if v > 0:
         for c0 in range(0, n, chunk):
             sl = slice(c0, min(n, c0 + chunk))
-            z = _logits(hidden[sl], w, b, softcap, acc, inv_t)
+            z = chunk_logits(hidden[sl], w, b, softcap, acc, inv_t)
             g = _logit_grad_(z, rows.rows(sl), coef.rows(sl), tg.idx[sl], tg.in_shard[sl], softcap, inv_t, cw)
-            _accumulate(g, hidden[sl], w, sl, dx, dw, db)
+            accumulate_grads(g, hidden[sl], w, sl, dx, dw, db)
             del z, g  # before the next chunk's logits exist
     return (None if dx is None else dx.to(dtype),
             weight_grad(dw, weight.shape[0] if main_weight is None else main_weight, dtype),
@@ -186,20 +186,14 @@ def cross_entropy(hidden, weight, bias, tg: TokenTargets, opts: LossOptions, cal
         sl = slice(c0, min(n, c0 + chunk))
         z, st = _chunk_stats(hidden, w, b, tg, sl, call, cap, acc, sum_z=smooth, inv_t=mult, class_weight=cw,
                              sum_ez="entropy" in opts.metrics, top1="token_accuracy" in opts.metrics)
-        loss = ce_loss(st, opts, shard.vocab_size, tg.class_rows(sl))
-        if opts.token_scaling:
-            tg.scaling[sl] = target_probability(st)
-            loss = loss * tg.scaling[sl]
-        loss_tok[sl] = tg.token_loss(loss, sl)
-        for k, value in ce_metrics(st, opts).items():
-            metrics[k][sl] = tg.metric(value, sl)
+        ce_token_outputs(st, opts, shard.vocab_size, tg, sl, loss_tok, metrics)
         if keep:
             rows.store(sl, st)
         if fast and v > 0:
             scale = unit[sl] if tg.scaling is None else unit[sl] * tg.scaling[sl]
             co = ce_coefficients(scale, st.lse, opts, shard.vocab_size, tg.class_rows(sl))
             g = _logit_grad_(z, RowStats.of(st), co, tg.idx[sl], tg.in_shard[sl], cap, mult, cw)
-            _accumulate(g, hidden[sl], w, sl, dx, dw, db)
+            accumulate_grads(g, hidden[sl], w, sl, dx, dw, db)
         del z  # before the next chunk's logits exist: one chunk live at a time
     tg.metrics = metrics
     return loss_tok, rows, FastGrads(dx, dw, db) if fast else None

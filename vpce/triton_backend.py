@@ -42,11 +42,11 @@ import math
 import torch
 
 from . import kernels
-from .formulas import Coefficients, RowStats, ce_coefficients, ce_loss, ce_metrics, target_probability
+from .formulas import Coefficients, RowStats, ce_coefficients, ce_token_outputs
 from .gemm import addmm_out_, mm_into, mm_out
 from .grads import FastGrads, weight_grad
 from .options import LogProbOptions, LossOptions
-from .parallel import HiddenGradReduce, RankStats, VocabShard, gather_sequence, start_stats_exchange
+from .parallel import HiddenGradReduce, RankStats, gather_sequence, start_stats_exchange
 from .routing import Call
 from .targets import TokenTargets
 
@@ -255,14 +255,7 @@ def cross_entropy(hidden, weight, bias, tg: TokenTargets, opts: LossOptions, cal
         tg.scaling = torch.empty(n, dtype=torch.float32, device=dev)
 
     def outputs(part, st):
-        """The chunk part's per-token loss and metrics; with token scaling, its factor ``p_t``."""
-        loss = ce_loss(st, opts, shard.vocab_size, tg.class_rows(part))
-        if opts.token_scaling:
-            tg.scaling[part] = target_probability(st)
-            loss = loss * tg.scaling[part]
-        loss_tok[part] = tg.token_loss(loss, part)
-        for k, value in ce_metrics(st, opts).items():
-            metrics[k][part] = tg.metric(value, part)
+        ce_token_outputs(st, opts, shard.vocab_size, tg, part, loss_tok, metrics)
 
     if plan.route != "fast":
         keep = plan.route == "lean"
