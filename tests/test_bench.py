@@ -131,3 +131,22 @@ def test_loss_option_rows_run_on_cpu(tmp_path):
     for name in ("vpce-logprobs", "vpce-metrics"):  # the plain loss (metrics aside): checked against float64
         plain = rows[name]
         assert plain["loss_err"] < 1e-5 and plain["dx_err"] < 2e-2 and plain["dw_err"] < 2e-2, plain
+
+
+def test_sweep_plot_keeps_the_points_where_the_floor_ran():
+    """A sweep whose floor failed at its largest N (out of memory) still draws every other point's multiple."""
+    pytest.importorskip("matplotlib")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from vpce.bench.plots import plot_series
+
+    rows = [dict(ms=1.0 * n, x_floor=None if n == 8 else 1.1, extra_gib=0.5) for n in (2, 4, 8)]
+    fig, panels = plt.subplots(1, 3)
+    plot_series(panels, [2, 4, 8], rows, "vpce-triton", "vpce triton")
+    (line,) = panels[1].get_lines()
+    assert list(line.get_xdata()) == [2, 4] and list(line.get_ydata()) == [1.1, 1.1]
+    assert len(panels[2].get_lines()[0].get_xdata()) == 3
+    plt.close(fig)

@@ -34,8 +34,9 @@ def plot_series(panels, xs: list, rows: list[dict], name: str, label: str):
     if name == "floor":
         return
     for ax, key in ((panels[1], "x_floor"), (panels[2], "extra_gib")):
-        if all(r[key] is not None for r in rows):
-            ax.plot(xs, [r[key] for r in rows], label=label, **style)
+        pts = [(x, r[key]) for x, r in zip(xs, rows) if r[key] is not None]  # e.g. no multiple where the floor failed
+        if pts:
+            ax.plot(*zip(*pts), label=label, **style)
 
 
 def format_panels(panels, ticks: list, xlabel: str, titles: tuple[str, str, str]):
