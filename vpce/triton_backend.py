@@ -254,9 +254,6 @@ def cross_entropy(hidden, weight, bias, tg: TokenTargets, opts: LossOptions, cal
     if opts.token_scaling:
         tg.scaling = torch.empty(n, dtype=torch.float32, device=dev)
 
-    def outputs(part, st):
-        ce_token_outputs(st, opts, shard.vocab_size, tg, part, loss_tok, metrics)
-
     if plan.route != "fast":
         keep = plan.route == "lean"
         rows = RowStats.empty(n, torch.float32, dev) if keep else None
@@ -264,7 +261,7 @@ def cross_entropy(hidden, weight, bias, tg: TokenTargets, opts: LossOptions, cal
         for c0 in range(0, n, STATS_TOKENS):
             sl = slice(c0, min(n, c0 + STATS_TOKENS))
             for part, _, st in stats.parts(hidden, w, b, tl_local, sl, call, *opts.folded_cap()):
-                outputs(part, st)
+                ce_token_outputs(st, opts, shard.vocab_size, tg, part, loss_tok, metrics)
                 if keep:
                     rows.store(part, st)
         return loss_tok, rows, None
@@ -284,7 +281,7 @@ def cross_entropy(hidden, weight, bias, tg: TokenTargets, opts: LossOptions, cal
         sl = slice(c0, min(n, c0 + chunk))
         pc = None if p is None else p[: sl.stop - sl.start]
         for part, r, st in stats.parts(hidden, w, b, tl_local, sl, call, *opts.folded_cap(), p=pc):
-            outputs(part, st)
+            ce_token_outputs(st, opts, shard.vocab_size, tg, part, loss_tok, metrics)
             if v > 0:
                 scale = unit[part] if tg.scaling is None else unit[part] * tg.scaling[part]
                 co = ce_coefficients(scale, st.lse, opts, shard.vocab_size, tg.class_rows(part))
