@@ -460,13 +460,12 @@ def logits_tiles(x, w, b, t_local, *, softcap=None, inv_t=1.0, tile_m=None, tile
     Stats mode (``rows is None``) fills ``tile_m``, ``tile_s`` (the max over every column, the sum of exp over
     every column but the target's; ``tile_z``: sum of every logit, ``tile_ez``: sum of exp * logit but the
     target's) ``[M, n_tiles]`` and ``zt [M]`` (callers fill it with ``-inf``) and, if ``p`` is given, writes
-    ``exp(z - m_t)`` into it. Grad mode (``rows``: the global ``(M, lse, 1 - p_t)`` per row, and ``coef = (a, b, c, d)``, per-row fp32 vectors, ``b``/``d`` may be None) writes the gradient into
-    ``p``.
-    ``config`` overrides the block shapes (for ``launch/tune_kernels.py``). ``class_weight`` (fp32 ``[V]``, per
-    column): ``tile_z`` becomes the weighted sum ``sum w_j z_j`` and grad mode's ``d`` term ``d w_j``.
-    Metrics, stats mode: ``tile_sq`` gets
-    the sum of ``exp(2 (z - m_t))`` but the target's, ``tile_mb`` the max over the columns below ``before`` (int32
-    ``[M]``: how many of this shard's columns have a lower global id than the target).
+    ``exp(z - m_t)`` into it. Metrics: ``tile_sq`` gets the sum of ``exp(2 (z - m_t))`` but the target's,
+    ``tile_mb`` the max over the columns below ``before`` (int32 ``[M]``: how many of this shard's columns have a
+    lower global id than the target). Grad mode (``rows``: the global ``(M, lse, 1 - p_t)`` per row, and ``coef =
+    (a, b, c, d)``, per-row fp32 vectors, ``b``/``d`` may be None) writes the gradient into ``p``.
+    ``class_weight`` (fp32 ``[V]``, per column): ``tile_z`` becomes the weighted sum ``sum w_j z_j`` and grad
+    mode's ``d`` term ``d w_j``. ``config`` overrides the block shapes (for ``launch/tune_kernels.py``).
     """
     m, d = x.shape
     v = w.shape[0]
