@@ -1,12 +1,12 @@
-"""Where the fast route's time goes, phase by phase, and a block-shape sweep of the fused GEMM (one GPU).
+"""Where the fast route's time goes, phase by phase, and launch/block-shape sweeps of its kernels (one GPU).
 
     python launch/tune_kernels.py [--shapes llama3-8b,gemma2-2b] [--chunk 4096]
 
-For one token chunk of each head it times, with CUDA events (median of repeated runs): the plain cuBLAS
-logits GEMM (the reference for the fused kernel), the fused kernel in stats-only mode and with the 16-bit ``P``
-written, the probabilities -> gradient pass, and the two cuBLAS gradient GEMMs (fp32 outputs). Then it times the
-probabilities -> gradient pass over a few launch shapes and the fused kernel over a list of block shapes. It
-prints TFLOP/s (GB/s for the memory-bound pass) next to each so that the gap to cuBLAS is visible.
+For one token chunk of each head it times, with CUDA events (median of repeated runs): the cuBLAS logits GEMM
+(bf16 out, what the fast route runs), the fused GEMM in stats-only mode (the lean route's forward), the stored
+logits -> statistics pass, the fp32 target logits, the stored logits -> gradient pass (in place) and the two
+cuBLAS gradient GEMMs (fp32 outputs). Then it times the two bandwidth passes over a few launch shapes and the
+fused kernel over a list of block shapes. It prints TFLOP/s (GB/s for the memory-bound passes) next to each.
 Notes for tuning, not a benchmark: the numbers that count come from ``python -m vpce.bench``. One process, one
 GPU, no process group; this script imports the ``vpce`` of the checkout it sits in.
 """
@@ -108,38 +108,48 @@ def main():
         f32 = dict(device="cuda", dtype=torch.float32)
         tm, ts, zt = torch.empty(c, n_tiles, **f32), torch.empty(c, n_tiles, **f32), torch.zeros(c, **f32)
         p = torch.empty(c, v, device="cuda", dtype=torch.bfloat16)
-        lse, scale = torch.zeros(c, **f32), torch.ones(c, **f32)
-        coef = (scale, -scale, None)  # plain cross-entropy at unit upstream scale: a = s, c = -s
+        rows_ = (torch.zeros(c, **f32), torch.full((c,), 12.0, **f32), torch.full((c,), 0.5, **f32))
+        scale = torch.full((c,), 1e-4, **f32)
+        coef = (scale, None, -scale, None)  # plain cross-entropy: a = s, c = -s
         dw = torch.zeros(v, d, **f32)
         flop = 2 * c * d * v
 
-        def stats(p_out=None, config=None):
-            kernels.logits_tiles(x, w, None, t, tile_m=tm, tile_s=ts, zt=zt, p=p_out, config=config)
+        def stats(config=None):
+            kernels.logits_tiles(x, w, None, t, tile_m=tm, tile_s=ts, zt=zt, config=config)
+
+        def stored_stats(**launch):
+            kernels.stored_logits(p, None, t, tile_m=tm, tile_s=ts, zt=zt, **launch)
+
+        def stored_grad(**launch):
+            kernels.stored_logits(p, None, t, rows=rows_, coef=coef, **launch)
 
         rows = [
-            ("cuBLAS logits GEMM (bf16 out)", lambda: x @ w.t(), flop),
+            ("cuBLAS logits GEMM (bf16 out)", lambda: torch.mm(x, w.t(), out=p), flop),
             ("fused GEMM, stats only", stats, flop),
-            ("fused GEMM, stats + P", lambda: stats(p), flop),
-            ("P -> dL/dz (in place)", lambda: kernels.probs_to_grad_(p, p, tm, lse, zt, t, coef, None, bn), 0),
+            ("stored logits -> stats", stored_stats, -1),
+            ("target logits (fp32)", lambda: kernels.target_logits(x, w, None, t, zt), 0),
+            ("stored logits -> dL/dz (in place)", stored_grad, -2),
             ("dX = dz @ W (fp32 out)", lambda: mm_out(p, w, torch.float32), flop),
             ("dW += dz.T @ X (fp32 acc)", lambda: addmm_out_(dw, p.t(), x), flop),
         ]
         print(f"\n## {name}: chunk C={c}, D={d}, V={v}")
         for label, fn, fl in rows:
             t_ms = ms(fn)
-            rate = f"{fl / t_ms / 1e9:7.1f} TFLOP/s" if fl else f"{2 * p.numel() * 2 / t_ms / 1e6:7.1f} GB/s"
+            rate = f"{fl / t_ms / 1e9:7.1f} TFLOP/s" if fl > 0 else \
+                f"{-fl * p.numel() * 2 / t_ms / 1e6:7.1f} GB/s" if fl < 0 else ""
             print(f"{label:34s} {t_ms:8.3f} ms  {rate}")
-        print("launch-shape sweep of P -> dL/dz (rows per program, warps), against HBM bandwidth:")
-        for bm, nw in itertools.product((8, 16, 32), (4, 8, 16)):
-            t_ms = ms(lambda: kernels.probs_to_grad_(p, p, tm, lse, zt, t, coef, None, bn, block_m=bm, num_warps=nw))
-            print(f"  BLOCK_M={bm:3d} num_warps={nw}  {t_ms:8.3f} ms  {2 * p.numel() * 2 / t_ms / 1e6:7.1f} GB/s")
-        print("block-shape sweep of the fused GEMM (stats + P):")
+        for label, fn, passes in (("stats", stored_stats, 1), ("dL/dz", stored_grad, 2)):
+            print(f"launch-shape sweep of stored logits -> {label} (rows per program, warps), against HBM bandwidth:")
+            for bm, nw in itertools.product((8, 16, 32, 64), (4, 8)):
+                t_ms = ms(lambda: fn(block_m=bm, num_warps=nw))
+                print(f"  BLOCK_M={bm:3d} num_warps={nw}  {t_ms:8.3f} ms  {passes * p.numel() * 2 / t_ms / 1e6:7.1f} GB/s")
+        print("block-shape sweep of the fused GEMM (stats, the lean route's forward):")
         for (bm, bn_, bk, gm, nw, ns), tma in itertools.product(CONFIGS, (True, False)):
             cfg = dict(BLOCK_M=bm, BLOCK_N=bn_, BLOCK_K=bk, GROUP_M=gm, num_warps=nw, num_stages=ns, TMA=tma)
             nt = triton.cdiv(v, bn_)
             tm, ts = torch.empty(c, nt, **f32), torch.empty(c, nt, **f32)
             try:
-                t_ms = ms(lambda: stats(p, cfg))
+                t_ms = ms(lambda: stats(cfg))
                 print(f"  {cfg}  {t_ms:8.3f} ms  {flop / t_ms / 1e9:7.1f} TFLOP/s")
             except Exception as e:  # noqa: BLE001 - report and go on (e.g. out of shared memory)
                 print(f"  {cfg}  failed: {type(e).__name__}: {str(e)[:120]}")

@@ -346,7 +346,7 @@ def _cross_entropy(hidden, weight, target, bias, box: dict, make: Callable[[], N
                                  f"lm_head weight in the compute dtype or call vpce outside the autocast region")
 
     def plan(needs, dtype, backend_name, sharded, sp):
-        return plan_cross_entropy(box["opts"], needs, dtype, backend_name, sharded, sp)
+        return plan_cross_entropy(box["opts"], needs, backend_name, sharded, sp)
 
     def memory(p, h, rows, needs, world):
         return settle_by_memory(p, h, rows, needs, box["opts"], world)

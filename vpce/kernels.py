@@ -1,8 +1,10 @@
-"""Triton kernels: the lm_head GEMM with a softmax epilogue, the in-place probabilities -> gradient pass, the
-per-row reduction of the tile statistics, the combine of every rank's statistics, and a one-pass scale-and-cast.
+"""Triton kernels: the lm_head GEMM with a softmax epilogue, the same epilogue over logits cuBLAS already wrote,
+the exact target logit, the per-row reduction of the tile statistics, the combine of every rank's statistics, and
+a one-pass scale-and-cast.
 
 ``logits_tiles`` computes ``x = X @ W.T (+ b)`` one ``[BLOCK_M, BLOCK_N]`` tile at a time (fp32 accumulation over
-D, TMA loads on Hopper, int64 addressing) and never writes it. The epilogue, per tile:
+D, TMA loads on Hopper, int64 addressing) and never writes it; ``stored_logits`` runs the same epilogue
+(``_epilogue``) over a ``[rows, V]`` buffer of logits a GEMM already wrote (one bandwidth-bound pass). Per tile:
 
 1. bias, the soft cap ``c * tanh(x / c)``, the temperature ``z = cap(x) / T``; columns past the valid vocab
    become ``-inf``;
@@ -10,21 +12,19 @@ D, TMA loads on Hopper, int64 addressing) and never writes it. The epilogue, per
    the target's go to ``[rows, n_tiles]`` buffers, optionally ``sum z`` over all columns (label smoothing; ``sum
    w_j z_j`` with per-class weights ``w``, loaded per tile, which also weight the gradient's ``d`` term) and
    ``sum exp(z - m_t) z`` but the target's (entropy) too; the target's ``z`` goes to ``ZT[row]``, stored by the one
-   tile that holds it (no atomics); optionally the tile of ``exp(z - m_t)`` in the inputs' dtype (the fast route's
-   ``P``; its target column is never read).
-   Keeping the target apart is what makes ``-log p_t`` and ``1 - p_t`` exact for confident tokens
-   (``vpce.parallel`` has the combine);
-3. grad mode: with the global statistics known it writes the gradient with respect to the pre-cap logit.
+   tile that holds it (no atomics). Keeping the target apart is what makes ``-log p_t`` and ``1 - p_t`` exact for
+   confident tokens (``vpce.parallel`` has the combine); over stored 16-bit logits ``target_logits`` then
+   recomputes ``ZT`` in fp32 from ``X`` and the target's row of ``W``;
+3. grad mode: with the global statistics known it writes the gradient with respect to the pre-cap logit (in
+   place over stored logits).
 
 The gradient of every loss vpce offers has one form per row, with per-row coefficients ``a, b, c, d`` computed
 on the host (``vpce.formulas``; they include the upstream gradient, the temperature and the token weight)::
 
     dL/dx_j = (p_j (a + b (z_j - M)) + d) * dcap_j,   dL/dx_t = ((a + c) - a q + b (z_t - M) p_t + d) * dcap_t
 
-with ``p_j = exp(z_j - lse)``, ``q = 1 - p_t`` and ``dcap = sech^2(x / c)``. ``probs_to_grad_`` forms the same
-gradient in place from the fast route's ``P`` once the global statistics are known: ``p = P exp((m_t - M) -
-log S)``; with a soft cap the capped logit is recovered as ``m_t + log P`` (exactly, from ``ZT``, at the target
-column). A tile whose logits are all ``-inf`` contributes 0 (``exp`` is taken against 0 there, not ``-inf``).
+with ``p_j = exp(z_j - lse)``, ``q = 1 - p_t`` and ``dcap = sech^2(x / c)``. A tile whose logits are all ``-inf``
+contributes 0 (``exp`` is taken against 0 there, not ``-inf``).
 
 Everything is deterministic (plain stores, no atomics) and runs under ``TRITON_INTERPRET=1`` on the CPU.
 """
@@ -44,7 +44,7 @@ try:  # host-side TMA descriptors (Triton >= 3.3)
 except ImportError:  # pragma: no cover - older Triton: pointer loads only
     TensorDescriptor = None
 
-__all__ = ["logits_tiles", "probs_to_grad_", "reduce_tiles", "combine_rank_stats", "scale_cast", "tile_n",
+__all__ = ["logits_tiles", "stored_logits", "target_logits", "reduce_tiles", "combine_rank_stats", "scale_cast", "tile_n",
            "INTERPRET"]
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -103,7 +103,7 @@ def _logits_tile(
     softcap, inv_t,
     # meta
     HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, TEMPERATURE: tl.constexpr, GRAD: tl.constexpr,
-    WRITE_P: tl.constexpr, SUM_Z: tl.constexpr, SUM_EZ: tl.constexpr, HAS_CB: tl.constexpr,
+    SUM_Z: tl.constexpr, SUM_EZ: tl.constexpr, HAS_CB: tl.constexpr,
     HAS_CD: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr, HAS_CW: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     EVEN_N: tl.constexpr, SUM_SQ: tl.constexpr, TOP1: tl.constexpr,
@@ -141,7 +141,27 @@ def _logits_tile(
             x_ptrs += BLOCK_K * stride_xk
             w_ptrs += BLOCK_K * stride_wk
 
-    # -- epilogue: bias, soft cap, temperature --
+    _epilogue(acc, rm, rn, pid_n, BIAS, TL, TILE_M, TILE_S, TILE_Z, TILE_EZ, ZT, P, RM, RLSE, RQ, CA, CB, CC, CD, CW,
+              TILE_SQ, TILE_MB, TB, M, V, n_tiles, stride_pm, stride_pn, softcap, inv_t, HAS_BIAS, SOFTCAP,
+              TEMPERATURE, GRAD, SUM_Z, SUM_EZ, HAS_CB, HAS_CD, HAS_CW, EVEN_N, SUM_SQ, TOP1, BLOCK_N, False)
+
+
+@triton.jit
+def _epilogue(
+    acc, rm, rn, pid_n,
+    # pointers
+    BIAS, TL, TILE_M, TILE_S, TILE_Z, TILE_EZ, ZT, P, RM, RLSE, RQ, CA, CB, CC, CD, CW, TILE_SQ, TILE_MB, TB,
+    # shapes, strides, options
+    M, V, n_tiles, stride_pm, stride_pn, softcap, inv_t,
+    # meta
+    HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, TEMPERATURE: tl.constexpr, GRAD: tl.constexpr,
+    SUM_Z: tl.constexpr, SUM_EZ: tl.constexpr, HAS_CB: tl.constexpr,
+    HAS_CD: tl.constexpr, HAS_CW: tl.constexpr, EVEN_N: tl.constexpr, SUM_SQ: tl.constexpr, TOP1: tl.constexpr,
+    BLOCK_N: tl.constexpr, TARGET_APART: tl.constexpr,
+):
+    """The softmax epilogue of one fp32 logits tile ``acc`` (rows ``rm``, columns ``rn``, stats tile ``pid_n``),
+    whether the tile comes from the GEMM or from logits already in memory."""
+    # -- bias, soft cap, temperature --
     row_ok = rm < M
     if HAS_BIAS:
         acc += tl.load(BIAS + rn, mask=rn < V, other=0.0).to(tl.float32)[None, :]
@@ -155,13 +175,12 @@ def _logits_tile(
     cw = tl.zeros([BLOCK_N], dtype=tl.float32)
     if HAS_CW:  # per-class weights: the label-smoothing sum and gradient term weight each column
         cw = tl.load(CW + rn, mask=rn < V, other=0.0)
-    p_offs = rm.to(tl.int64)[:, None] * stride_pm + rn.to(tl.int64)[None, :] * stride_pn
-    if EVEN_N:  # every column is a vocab entry: no column mask anywhere (each 2-D op costs in this epilogue)
-        p_mask = row_ok[:, None]
-    else:
-        p_mask = row_ok[:, None] & (rn < V)[None, :]
-
     if GRAD:
+        p_offs = rm.to(tl.int64)[:, None] * stride_pm + rn.to(tl.int64)[None, :] * stride_pn
+        if EVEN_N:  # every column is a vocab entry: no column mask anywhere (each 2-D op costs in this epilogue)
+            p_mask = row_ok[:, None]
+        else:
+            p_mask = row_ok[:, None] & (rn < V)[None, :]
         # padding columns are computed like the others and never stored
         lse_row = tl.load(RLSE + rm, mask=row_ok, other=0.0)
         q_row = tl.load(RQ + rm, mask=row_ok, other=0.0)
@@ -186,11 +205,16 @@ def _logits_tile(
         z = acc
         if not EVEN_N:
             z = acc + tl.where(rn < V, 0.0, float("-inf"))[None, :]  # padding columns: -inf
+        if TARGET_APART:  # ZT comes from target_logits: the rounded target logit takes no part, not even the max
+            z = tl.where(hit, float("-inf"), z)
         m_t = tl.max(z, axis=1)
         e = tl.exp(z - tl.where(m_t == float("-inf"), 0.0, m_t)[:, None])  # an all -inf row gives 0, not NaN
         stat = rm.to(tl.int64) * n_tiles + pid_n
         tl.store(TILE_M + stat, m_t, mask=row_ok)
-        tl.store(TILE_S + stat, tl.sum(tl.where(hit, 0.0, e), axis=1), mask=row_ok)
+        if TARGET_APART:
+            tl.store(TILE_S + stat, tl.sum(e, axis=1), mask=row_ok)
+        else:
+            tl.store(TILE_S + stat, tl.sum(tl.where(hit, 0.0, e), axis=1), mask=row_ok)
         if SUM_Z:
             zw = acc
             if HAS_CW:
@@ -204,11 +228,11 @@ def _logits_tile(
             before = tl.load(TB + rm, mask=row_ok, other=0)
             tl.store(TILE_MB + stat, tl.max(tl.where(rn[None, :] < before[:, None], acc, float("-inf")), axis=1),
                      mask=row_ok)
-        zt = tl.sum(tl.where(hit, acc, 0.0), axis=1)
-        mine = row_ok & (t >= pid_n * BLOCK_N) & (t < pid_n * BLOCK_N + BLOCK_N)
-        tl.store(ZT + rm, zt, mask=mine)
-        if WRITE_P:
-            tl.store(P + p_offs, e.to(P.dtype.element_ty), mask=p_mask)
+        if not TARGET_APART:
+            zt = tl.sum(tl.where(hit, acc, 0.0), axis=1)
+            mine = row_ok & (t >= pid_n * BLOCK_N) & (t < pid_n * BLOCK_N + BLOCK_N)
+            tl.store(ZT + rm, zt, mask=mine)
+
 
 
 @triton.heuristics({"EVEN_K": lambda a: a["D"] % a["BLOCK_K"] == 0,
@@ -225,7 +249,7 @@ def _logits_tiles_kernel(
     softcap, inv_t,
     # meta
     HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, TEMPERATURE: tl.constexpr, GRAD: tl.constexpr,
-    WRITE_P: tl.constexpr, SUM_Z: tl.constexpr, SUM_EZ: tl.constexpr, HAS_CB: tl.constexpr,
+    SUM_Z: tl.constexpr, SUM_EZ: tl.constexpr, HAS_CB: tl.constexpr,
     HAS_CD: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr, HAS_CW: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, SUM_SQ: tl.constexpr, TOP1: tl.constexpr,
@@ -241,59 +265,71 @@ def _logits_tiles_kernel(
                  X, W, BIAS, TL, TILE_M, TILE_S, TILE_Z, TILE_EZ, ZT, P, RM, RLSE, RQ, CA, CB, CC, CD, CW,
                  TILE_SQ, TILE_MB, TB,
                  M, V, D, n_tiles, stride_xm, stride_xk, stride_wv, stride_wk, stride_pm, stride_pn,
-                 softcap, inv_t, HAS_BIAS, SOFTCAP, TEMPERATURE, GRAD, WRITE_P, SUM_Z, SUM_EZ, HAS_CB, HAS_CD,
+                 softcap, inv_t, HAS_BIAS, SOFTCAP, TEMPERATURE, GRAD, SUM_Z, SUM_EZ, HAS_CB, HAS_CD,
                  IEEE, TMA, HAS_CW, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, SUM_SQ, TOP1)
 
 
+@triton.heuristics({"EVEN_N": lambda a: a["V"] % a["BLOCK_N"] == 0})
 @triton.jit
-def _probs_to_grad_kernel(
+def _stored_logits_kernel(
     # pointers
-    P, G, TILE_M, RM, RLS, RQ, CA, CC, CD, TL, ZT, CW,
+    L, BIAS, TL, TILE_M, TILE_S, TILE_Z, TILE_EZ, ZT, RM, RLSE, RQ, CA, CB, CC, CD, CW, TILE_SQ, TILE_MB, TB,
     # shapes
     M, V, n_tiles,
     # strides
-    stride_pm, stride_pn,
+    stride_lm, stride_ln,
     # options
-    softcap,
+    softcap, inv_t,
     # meta
-    SOFTCAP: tl.constexpr, HAS_CD: tl.constexpr, HAS_CW: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, TEMPERATURE: tl.constexpr, GRAD: tl.constexpr,
+    SUM_Z: tl.constexpr, SUM_EZ: tl.constexpr, HAS_CB: tl.constexpr, HAS_CD: tl.constexpr, HAS_CW: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr, SUM_SQ: tl.constexpr, TOP1: tl.constexpr,
 ):
+    """The epilogue over logits a GEMM already wrote to ``L`` (one stats tile per program): stats mode reads the
+    tile, grad mode overwrites it with the gradient."""
     pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)  # one stats tile of the GEMM epilogue (same BLOCK_N)
+    pid_n = tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs = rm.to(tl.int64)[:, None] * stride_lm + rn.to(tl.int64)[None, :] * stride_ln
+    if EVEN_N:
+        acc = tl.load(L + offs, mask=(rm < M)[:, None], other=0.0).to(tl.float32)
+    else:
+        acc = tl.load(L + offs, mask=(rm < M)[:, None] & (rn < V)[None, :], other=0.0).to(tl.float32)
+    _epilogue(acc, rm, rn, pid_n, BIAS, TL, TILE_M, TILE_S, TILE_Z, TILE_EZ, ZT, L, RM, RLSE, RQ, CA, CB, CC, CD, CW,
+              TILE_SQ, TILE_MB, TB, M, V, n_tiles, stride_lm, stride_ln, softcap, inv_t, HAS_BIAS, SOFTCAP,
+              TEMPERATURE, GRAD, SUM_Z, SUM_EZ, HAS_CB, HAS_CD, HAS_CW, EVEN_N, SUM_SQ, TOP1, BLOCK_N, True)
+
+
+@triton.jit
+def _target_logits_kernel(X, W, BIAS, TL, ZT, M, D, stride_xm, stride_xk, stride_wv, stride_wk, softcap, inv_t,
+                          HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, TEMPERATURE: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``ZT[row] = z`` of the row's target column from ``X[row] . W[t]`` in fp32 (``-inf`` where ``t < 0``): the
+    target logit never goes through the 16-bit logits buffer."""
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rm < M
-    col_ok = (rn < V)[None, :]
-    offs = rm.to(tl.int64)[:, None] * stride_pm + rn.to(tl.int64)[None, :] * stride_pn
-    mask = row_ok[:, None] & col_ok
-    e = tl.load(P + offs, mask=mask, other=0.0).to(tl.float32)
-    m_t = tl.load(TILE_M + rm.to(tl.int64) * n_tiles + pid_n, mask=row_ok, other=0.0)
-    m_row = tl.load(RM + rm, mask=row_ok, other=0.0)
-    ls_row = tl.load(RLS + rm, mask=row_ok, other=0.0)
-    q_row = tl.load(RQ + rm, mask=row_ok, other=0.0)
-    ca = tl.load(CA + rm, mask=row_ok, other=0.0)
-    cc = tl.load(CC + rm, mask=row_ok, other=0.0)
-    cd = ca
-    if HAS_CD:
-        cd = tl.load(CD + rm, mask=row_ok, other=0.0)
     t = tl.load(TL + rm, mask=row_ok, other=-1)
-    p = e * tl.exp((m_t - m_row) - ls_row)[:, None]  # m_t - M is exact (0 in the max's tile)
-    hit = rn[None, :] == t[:, None]
-    dcap = e
+    mine = row_ok & (t >= 0)
+    rk = tl.arange(0, BLOCK_K)
+    x_ptrs = X + rm.to(tl.int64)[:, None] * stride_xm + rk[None, :] * stride_xk
+    w_ptrs = W + tl.where(mine, t, 0).to(tl.int64)[:, None] * stride_wv + rk[None, :] * stride_wk
+    acc = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)
+    for k in range(0, tl.cdiv(D, BLOCK_K)):
+        msk = mine[:, None] & (rk[None, :] < D - k * BLOCK_K)
+        a = tl.load(x_ptrs, mask=msk, other=0.0).to(tl.float32)
+        b = tl.load(w_ptrs, mask=msk, other=0.0).to(tl.float32)
+        acc += a * b
+        x_ptrs += BLOCK_K * stride_xk
+        w_ptrs += BLOCK_K * stride_wk
+    z = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        z += tl.load(BIAS + t, mask=mine, other=0.0).to(tl.float32)
     if SOFTCAP:
-        # the cap's derivative 1 - (z/c)^2 from the capped logit: exact at the target column, elsewhere z is
-        # recovered from the stored exp(z - m_t). Where that underflowed to 0, p is 0 too and only the label
-        # smoothing term would need z: triton_backend keeps that case off this route (r = 0 here is unused).
-        zt = tl.load(ZT + rm, mask=row_ok, other=0.0)
-        z_rec = tl.where(e > 0, m_t[:, None] + tl.log(tl.where(e > 0, e, 1.0)), 0.0)
-        r = tl.where(hit, zt[:, None], z_rec) / softcap
-        dcap = (1.0 - r) * (1.0 + r)
-    cw = tl.zeros([BLOCK_N], dtype=tl.float32)
-    if HAS_CW:
-        cw = tl.load(CW + rn, mask=rn < V, other=0.0)
-    g = _dlogits(p, e, hit, ca, ca, cc, cd, q_row, dcap, False, HAS_CD, SOFTCAP, cw, HAS_CW)
-    tl.store(G + offs, g.to(G.dtype.element_ty), mask=mask)
+        z, _ = _softcap(z, softcap)
+    if TEMPERATURE:
+        z = z * inv_t
+    tl.store(ZT + rm, tl.where(mine, z, float("-inf")), mask=row_ok)
 
 
 @triton.jit
@@ -459,8 +495,7 @@ def logits_tiles(x, w, b, t_local, *, softcap=None, inv_t=1.0, tile_m=None, tile
 
     Stats mode (``rows is None``) fills ``tile_m``, ``tile_s`` (the max over every column, the sum of exp over
     every column but the target's; ``tile_z``: sum of every logit, ``tile_ez``: sum of exp * logit but the
-    target's) ``[M, n_tiles]`` and ``zt [M]`` (callers fill it with ``-inf``) and, if ``p`` is given, writes
-    ``exp(z - m_t)`` into it. Metrics: ``tile_sq`` gets the sum of ``exp(2 (z - m_t))`` but the target's,
+    target's) ``[M, n_tiles]`` and ``zt [M]`` (callers fill it with ``-inf``). Metrics: ``tile_sq`` gets the sum of ``exp(2 (z - m_t))`` but the target's,
     ``tile_mb`` the max over the columns below ``before`` (int32 ``[M]``: how many of this shard's columns have a
     lower global id than the target). Grad mode (``rows``: the global ``(M, lse, 1 - p_t)`` per row, and ``coef =
     (a, b, c, d)``, per-row fp32 vectors, ``b``/``d`` may be None) writes the gradient into ``p``.
@@ -495,35 +530,60 @@ def logits_tiles(x, w, b, t_local, *, softcap=None, inv_t=1.0, tile_m=None, tile
         out.stride(0) if p is not None else 0, out.stride(1) if p is not None else 0,
         float(softcap or 1.0), float(inv_t),
         HAS_BIAS=b is not None, SOFTCAP=softcap is not None, TEMPERATURE=inv_t != 1.0, GRAD=grad,
-        WRITE_P=p is not None and not grad, SUM_Z=tile_z is not None, SUM_EZ=tile_ez is not None,
+        SUM_Z=tile_z is not None, SUM_EZ=tile_ez is not None,
         HAS_CB=cb is not None, HAS_CD=cd is not None, IEEE=x.dtype == torch.float32, TMA=tma,
         HAS_CW=class_weight is not None and (tile_z is not None or (grad and cd is not None)),
         SUM_SQ=tile_sq is not None, TOP1=tile_mb is not None, **cfg,
     )
 
 
-def probs_to_grad_(p, g, tile_m, rows, zt, t_local, coef, softcap, block_n: int, block_m=None, num_warps=None,
-                   class_weight=None):
-    """The gradient from the fast route's ``p = exp(z - m_t)`` into ``g`` (may alias ``p``); ``rows`` the global
-    ``(M, log S, 1 - p_t)`` per row, ``coef = (a, c, d)`` per-row vectors (``d`` may be None), ``zt`` the global
-    target logit per row (used with a soft cap), ``class_weight`` the columns' weights (the ``d`` term's factor).
-    ``block_m`` / ``num_warps`` override the launch shape (for ``launch/tune_kernels.py``)."""
-    m, v = p.shape
+def stored_logits(logits, b, t_local, *, softcap=None, inv_t=1.0, tile_m=None, tile_s=None, tile_z=None,
+                  tile_ez=None, zt=None, rows=None, coef=None, class_weight=None, tile_sq=None, tile_mb=None,
+                  before=None, block_n=None, block_m=None, num_warps=None):
+    """``logits_tiles``'s epilogue over ``logits [M, V]`` that a GEMM already wrote (the inputs' dtype; ``b`` is
+    added here, None if the GEMM added it): stats mode fills the same buffers as ``logits_tiles`` but ``zt``, and
+    leaves the target column out of the tile max too (``target_logits`` gives its exact logit), grad mode
+    (``rows``, ``coef``) overwrites ``logits`` with the gradient. One bandwidth-bound pass; ``block_n`` is the stats
+    tile width (``tile_n``); ``block_m`` / ``num_warps`` override the launch shape (``launch/tune_kernels.py``)."""
+    m, v = logits.shape
     if m == 0 or v == 0:
         return
-    ca, cc, cd = coef
-    # 16 rows x 256 columns per program, 8 warps: 3.75 TB/s on an H200 (launch/tune_kernels.py, 2026-11-21), against
-    # 3.2 TB/s for the 32-row, 4-warp shape used before.
-    block_m = block_m or 16
-    num_warps = num_warps or (4 if INTERPRET or not p.is_cuda else 8)
-    grid = (triton.cdiv(m, block_m), triton.cdiv(v, block_n))
-    _probs_to_grad_kernel[grid](
-        p, g, tile_m, *rows, ca, cc, ca if cd is None else cd, t_local, zt,
-        ca if class_weight is None else class_weight, m, v, tile_m.shape[1],
-        p.stride(0), p.stride(1), float(softcap or 1.0),
-        SOFTCAP=softcap is not None, HAS_CD=cd is not None, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
-        HAS_CW=class_weight is not None and cd is not None,
+    bn = block_n or tile_n(logits)
+    n_tiles = triton.cdiv(v, bn)
+    grad = rows is not None
+    dummy = logits.new_empty(0, dtype=torch.float32)
+    ca, cb, cc, cd = coef if grad else (None,) * 4
+    rm, rls, rq = rows if grad else (None,) * 3
+    pick = lambda t: dummy if t is None else t  # noqa: E731
+    gpu = logits.is_cuda and not INTERPRET
+    # 16 rows x 256 columns per program, 4 warps: 2.6 TB/s (stats) and 3.8 TB/s (gradient, read + write) on an H200
+    # (launch/tune_kernels.py, 2026-11-23); 8 warps or 8-64 rows were slower
+    block_m = block_m or (16 if gpu else 8)
+    _stored_logits_kernel[(triton.cdiv(m, block_m), n_tiles)](
+        logits, pick(b), t_local, pick(tile_m), pick(tile_s), pick(tile_z), pick(tile_ez), pick(zt),
+        pick(rm), pick(rls), pick(rq), pick(ca), pick(cb), pick(cc), pick(cd), pick(class_weight), pick(tile_sq),
+        pick(tile_mb), t_local if before is None else before,
+        m, v, n_tiles, logits.stride(0), logits.stride(1), float(softcap or 1.0), float(inv_t),
+        HAS_BIAS=b is not None, SOFTCAP=softcap is not None, TEMPERATURE=inv_t != 1.0, GRAD=grad,
+        SUM_Z=tile_z is not None, SUM_EZ=tile_ez is not None, HAS_CB=cb is not None, HAS_CD=cd is not None,
+        HAS_CW=class_weight is not None and (tile_z is not None or (grad and cd is not None)),
+        SUM_SQ=tile_sq is not None, TOP1=tile_mb is not None, BLOCK_M=block_m, BLOCK_N=bn,
+        num_warps=num_warps or 4,
     )
+
+
+def target_logits(x, w, b, t_local, zt, *, softcap=None, inv_t=1.0):
+    """``zt [M] = cap(x . w[t] + b[t]) / T`` in fp32 for each row's local target column ``t_local`` (``-inf``
+    where it is -1): the exact target logit beside ``stored_logits``' 16-bit logits."""
+    m, d = x.shape
+    if m == 0:
+        return
+    gpu = x.is_cuda and not INTERPRET
+    block_m, block_k = (16, 256) if gpu else (8, 32)
+    _target_logits_kernel[(triton.cdiv(m, block_m),)](
+        x, w, x if b is None else b, t_local, zt, m, d, x.stride(0), x.stride(1), w.stride(0), w.stride(1),
+        float(softcap or 1.0), float(inv_t), HAS_BIAS=b is not None, SOFTCAP=softcap is not None,
+        TEMPERATURE=inv_t != 1.0, BLOCK_M=block_m, BLOCK_K=block_k, num_warps=4)
 
 
 def reduce_tiles(tile_m, tile_s, tile_z, tile_ez, zt, tile_sq=None, tile_mb=None) -> torch.Tensor:

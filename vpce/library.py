@@ -38,7 +38,7 @@ def _call(backend, ignore_index, reduction, label_smoothing, z_loss, softcap, me
     opts = LossOptions(ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
                        z_loss=z_loss, softcap=softcap, memory_budget=budget, logit_scale=logit_scale)
     # the compiled graph's outputs must not depend on free memory: "auto" is the fast route here
-    plan = settle(plan_cross_entropy(opts, tuple(needs), hidden.dtype, backend, False, False), True)
+    plan = settle(plan_cross_entropy(opts, tuple(needs), backend, False, False), True)
     return opts, Call(VocabShard(None, 0, 1, 0, weight.shape[0], vocab_size), plan, tuple(needs))
 
 

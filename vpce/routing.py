@@ -85,23 +85,17 @@ def resolve_backend(backend: str, hidden: torch.Tensor) -> str:
     return backend
 
 
-def _softcap_corner(opts: LossOptions, dtype: torch.dtype) -> bool:
-    """Soft cap + label smoothing where the Triton fast route's 16-bit ``P`` can underflow inside the cap's range
-    (see ``vpce.triton_backend``): fp16, or a cap above 40."""
-    return opts.label_smoothing > 0 and opts.softcap is not None and (opts.softcap > 40 or dtype == torch.float16)
-
-
 def _dx_reduce(backend: str, route: str, sharded: bool) -> str:
     if not sharded:
         return "none"
     return "forward" if backend == "triton" and route == "fast" else "region"
 
 
-def plan_cross_entropy(opts: LossOptions, needs_grad: tuple[bool, bool, bool], dtype: torch.dtype, backend: str,
+def plan_cross_entropy(opts: LossOptions, needs_grad: tuple[bool, bool, bool], backend: str,
                        sharded: bool, sequence_parallel: bool) -> Plan:
     if not any(needs_grad):
         route = "forward"
-    elif opts.reduction == "none" or opts.lean or (backend == "triton" and _softcap_corner(opts, dtype)):
+    elif opts.reduction == "none" or opts.lean:
         route = "lean"
     elif opts.memory_budget == "auto" and backend == "triton":
         route = "auto"  # fast where its buffers fit: settle_by_memory
@@ -119,10 +113,16 @@ def settle(plan: Plan, fast: bool) -> Plan:
                 plan.sequence_parallel)
 
 
-def _free_bytes(device: torch.device) -> int:
-    """Free device memory: the driver's, plus what PyTorch's caching allocator holds unused."""
+def _fits(need: int, device: torch.device) -> bool:
+    """Whether ``need`` bytes fit, with ``FAST_HEADROOM``, in the device's free memory: the driver's, plus what
+    PyTorch's caching allocator holds unused. The allocator's counters (a slow host call, ~1 ms) are read only when
+    the driver's free memory alone is not enough."""
     free, _ = torch.cuda.mem_get_info(device)
-    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    if need <= FAST_HEADROOM * free:
+        return True
+    stats = torch.cuda.memory_stats(device)
+    unused = stats.get("reserved_bytes.all.current", 0) - stats.get("allocated_bytes.all.current", 0)
+    return need <= FAST_HEADROOM * (free + unused)
 
 
 def settle_by_memory(plan: Plan, hidden: torch.Tensor, rows: int, needs: tuple[bool, bool, bool],
@@ -141,7 +141,7 @@ def settle_by_memory(plan: Plan, hidden: torch.Tensor, rows: int, needs: tuple[b
         return settle(plan, True), None
     from .triton_backend import fast_route_bytes
 
-    fits = fast_route_bytes(tokens, d, rows, hidden.dtype, needs, opts) <= FAST_HEADROOM * _free_bytes(hidden.device)
+    fits = _fits(fast_route_bytes(tokens, d, rows, hidden.dtype, needs, opts), hidden.device)
     if world == 1:
         return settle(plan, fits), None
     return plan, fits

@@ -1,38 +1,38 @@
-"""Triton backend: fused lm_head GEMM + online-softmax statistics, exact gradients, two memory routes.
+"""Triton backend: lm_head logits + online-softmax statistics, exact gradients, two memory routes.
 
 Fast route (default; cross-entropy with ``mean``/``sum`` and gradients), 6NDV. Per chunk of ``C`` tokens:
 
-1. ``kernels.logits_tiles`` (stats mode, writing ``P``): one Triton GEMM whose epilogue keeps per-tile row
-   max/sum-exp, the target logit and (label smoothing) the row sum of logits, and writes ``P = exp(z - m_t)``
-   in the inputs' dtype: the logits themselves are never written;
+1. cuBLAS writes the chunk's logits ``P = X W^T (+ b)`` in the inputs' dtype (one rounding, as ``F.linear``);
+   ``kernels.stored_logits`` (stats mode) reads them once for the per-tile row max / sum of exp (and the sums the
+   loss options need), and ``kernels.target_logits`` computes each target logit in fp32 from ``X`` and ``W``;
 2. per-row reduction of the tile statistics (``kernels.reduce_tiles``); under a group, one packed all-gather of
    (max, sum of exp but the target's, target logit, sum of logits) (``vpce.parallel``) and the combine
    (``kernels.combine_rank_stats``) give every rank the global ``RankStats``; the chunk runs as two halves so
    that the first half's all-gather overlaps the second half's GEMM;
-3. ``kernels.probs_to_grad_`` rescales ``P`` in place into the gradient at unit upstream scale;
+3. ``kernels.stored_logits`` (grad mode) overwrites ``P`` with the gradient at unit upstream scale;
 4. cuBLAS: ``dX[chunk] = dz @ W`` (fp32 out) and ``dW += dz.T @ X[chunk]`` into an fp32 accumulator; under a
    group the chunk's ``dX`` rows are summed over the group (async, under the dW GEMM; ``HiddenGradReduce``).
+
+Measured on one H200 (docs/benchmarks.md, 2026-11-23 session 6): per 4096-token chunk cuBLAS plus the two
+bandwidth passes cost the same as the fused Triton GEMM with its epilogue plus the P -> gradient pass it needed on
+the Llama-3-8B head (D = 4096), 3 % less on the Gemma-2-2B head (D = 2304, where the fused GEMM could not hide its
+epilogue) and 4-5 % less with a soft cap. The logits are then rounded to the inputs' dtype before the softmax, as
+in torch eager, torch.compile and quack; the target logit is not.
 
 Backward scales the held ``dX``, ``dW``, ``db`` by the upstream gradient (and ``1/count`` for ``mean``) and casts
 them in one pass. Memory: ``P`` (``C * V_local`` values; by default 1.5 GiB but at most the fp32 ``dW``
 accumulator's size), the fp32 ``dW`` accumulator, fp32 ``dX``.
 
 Lean route (``memory_budget="lean"``, ``reduction="none"``, and ``linear_log_probs``), 8NDV.
-Forward runs the GEMM in stats mode only (no ``P``) and keeps the global ``lse`` (and ``E[z]`` for the entropy)
-per token. Backward recomputes the gradient in blocks with the GEMM in grad mode (``recompute_grads``), in the
-order that holds the smaller fp32 accumulator: vocab-major while ``N <= V_local`` (each ``[N, Vb]`` block's dW in
-one GEMM over all tokens, no dW accumulator; ``dX += dz @ W[block]`` into fp32 ``[N, D]``), token-major beyond
-(each token block's dX finished before the next, ``dW += dz.T @ X[block]`` into fp32 ``[V_local, D]`` or straight
-into ``main_grad``), so the extra memory stops growing with N. Memory: one ``LEAN_BLOCK_GIB`` block plus the
-smaller of the two accumulators.
+Forward runs the fused GEMM (``kernels.logits_tiles``) in stats mode only and keeps the global ``lse`` (and
+``E[z]`` for the entropy) per token. Backward recomputes the gradient in blocks with the GEMM in grad mode
+(``recompute_grads``), in the order that holds the smaller fp32 accumulator: vocab-major while ``N <= V_local``
+(each ``[N, Vb]`` block's dW in one GEMM over all tokens, no dW accumulator; ``dX += dz @ W[block]`` into fp32
+``[N, D]``), token-major beyond (each token block's dX finished before the next, ``dW += dz.T @ X[block]`` into
+fp32 ``[V_local, D]`` or straight into ``main_grad``), so the extra memory stops growing with N. Memory: one
+``LEAN_BLOCK_GIB`` block plus the smaller of the two accumulators.
 
-No-grad: the stats-mode GEMM over token chunks; O(N) memory beyond the small per-tile statistics.
-
-``P`` has the inputs' dtype. With a soft cap the fast route recovers each capped logit from ``P`` for the cap's
-derivative (exactly at the target column, from the target logit); where ``P`` underflowed the probability is 0
-and only the label-smoothing term would still need that logit, so soft cap + label smoothing takes the lean route
-when ``P`` can underflow inside the cap's range ``z - m_t >= -2 * cap``: fp16 (``P`` flushes to 0 below
-``exp(-17)``) or a cap above 40 (bf16/fp32 flush below ``exp(-87)``).
+No-grad: the stats-mode fused GEMM over token chunks; O(N) memory beyond the small per-tile statistics.
 """
 
 from __future__ import annotations
@@ -126,10 +126,17 @@ class _ChunkStats:
         cut = lambda t: None if t is None else t[r]  # noqa: E731
         if call.shard.valid_rows > 0:
             zt = self.zt[r].fill_(-math.inf)
-            kernels.logits_tiles(h[sl], w, b, tl_local[sl], softcap=softcap, inv_t=inv_t, tile_m=self.m[r],
-                                 tile_s=self.s[r], tile_z=cut(self.z), tile_ez=cut(self.ez), zt=zt, p=p,
-                                 class_weight=self.class_weight, tile_sq=cut(self.sq), tile_mb=cut(self.mb),
-                                 before=None if self.before is None else self.before[sl])
+            stats = dict(softcap=softcap, inv_t=inv_t, tile_m=self.m[r], tile_s=self.s[r], tile_z=cut(self.z),
+                         tile_ez=cut(self.ez), zt=zt, class_weight=self.class_weight, tile_sq=cut(self.sq),
+                         tile_mb=cut(self.mb), before=None if self.before is None else self.before[sl])
+            if p is not None:
+                # the fast route: cuBLAS writes the logits into P (the bias added before the one rounding, as
+                # F.linear does), one bandwidth pass takes their statistics, the target logit comes in fp32
+                torch.mm(h[sl], w.t(), out=p) if b is None else torch.addmm(b, h[sl], w.t(), out=p)
+                kernels.stored_logits(p, None, tl_local[sl], **stats)
+                kernels.target_logits(h[sl], w, b, tl_local[sl], zt, softcap=softcap, inv_t=inv_t)
+            else:
+                kernels.logits_tiles(h[sl], w, b, tl_local[sl], **stats)
             packed = kernels.reduce_tiles(self.m[r], self.s[r], cut(self.z), cut(self.ez), zt, cut(self.sq),
                                           cut(self.mb))
         else:  # this rank's rows are all padding: no max, no target, every sum 0
@@ -285,9 +292,9 @@ def cross_entropy(hidden, weight, bias, tg: TokenTargets, opts: LossOptions, cal
             if v > 0:
                 scale = unit[part] if tg.scaling is None else unit[part] * tg.scaling[part]
                 co = ce_coefficients(scale, st.lse, opts, shard.vocab_size, tg.class_rows(part))
-                kernels.probs_to_grad_(pc[r], pc[r], stats.m[r], RowStats.of(st), stats.zt[r], tl_local[part],
-                                       (co.a, co.c, co.d), opts.softcap, kernels.tile_n(hidden),  # z's own cap
-                                       class_weight=cw)
+                cap, inv_t = opts.folded_cap()
+                kernels.stored_logits(pc[r], None, tl_local[part], softcap=cap, inv_t=inv_t,
+                                      rows=(st.m, st.lse, st.q), coef=co, class_weight=cw)  # in place
         if v > 0 and dx is not None:
             mm_into(dx[sl], pc, w)
         if reduce_dx is not None:  # overlaps this chunk's dW GEMM and the next chunk
