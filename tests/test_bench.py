@@ -269,3 +269,86 @@ def test_quack_rows_call_quack_and_its_failure_is_a_row(monkeypatch):
         assert r["status"] == "ok" and r["loss_err"] < 1e-3 and r["dx_err"] < 2e-2, r
     assert rows["quack-base"]["dw_err"] < 2e-2 and rows["quack-base-frozen"]["dw_err"] is None, rows
     assert rows["quack-base-frozen"]["floor_ms"] == record["floor"]["frozen_ms"], (rows, record)
+
+
+def test_profile_on_cpu(tmp_path):
+    """``--profile`` on a CPU profiles CPU ops: a table per phase and per op for each row, the GEMMs where they
+    belong (torch eager: logits, dX and dW; frozen: no dW), a row that cannot run said as missing."""
+    proc = _bench("--device", "cpu", "--quick", "--shapes", "tiny", "--profile", "--methods",
+                  "floor,torch,torch-frozen,vpce-torch,vpce-triton", "--profile-steps", "2", "--reps", "1",
+                  "--rep-time", "0", "--out", str(tmp_path))
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    for label in ("torch eager", "torch eager frozen W", "vpce torch"):
+        section = proc.stdout.split(f"## profile: {label}, tiny")[1].split("## profile")[0]
+        assert "| phase" in section and "% of step" in section and "| op " in section, section
+        assert "GEMMs (cuBLAS / CUTLASS)" in section and "(in no op:" in section, section
+    assert "## profile: vpce triton, tiny" in proc.stdout and "missing: needs a CUDA device" in proc.stdout
+    doc = json.loads((tmp_path / "profile.json").read_text())
+    assert doc["schema"] == "vpce.bench.profile/1" and doc["steps"] == 2, doc.keys()
+    rows = {r["method"]: r for r in doc["profiles"]}
+    assert set(rows) == {"torch", "torch-frozen", "vpce-torch", "vpce-triton"}, sorted(rows)
+    assert rows["vpce-triton"]["status"].startswith("missing:"), rows["vpce-triton"]
+    for name in ("torch", "torch-frozen", "vpce-torch"):
+        r = rows[name]
+        assert r["status"] == "ok" and r["measured"] == "cpu ops (self time)", r["status"]
+        assert _finite(r["step_ms"]) and r["profiled_step_ms"] > 0 and r["kernels"], r
+        phase_ms = sum(p["ms"] for p in r["phases"])
+        assert phase_ms == pytest.approx(r["kernels_ms"], rel=1e-9), (phase_ms, r["kernels_ms"])
+        assert 0 < r["kernels_ms"] <= r["profiled_step_ms"] * 1.01, r  # self times: nested ops counted once
+    gemms = {name: {k["name"]: k["calls"] for k in rows[name]["kernels"] if k["phase"].startswith("GEMMs")}
+             for name in ("torch", "torch-frozen")}
+    assert gemms == {"torch": {"aten::mm": 3}, "torch-frozen": {"aten::mm": 2}}, gemms
+
+
+def test_profile_phases():
+    """The phase table names vpce's kernels, cuBLAS's and NCCL's by their profiler names, and every Triton kernel
+    of the package has a phase (a new kernel must be added to ``PHASES``)."""
+    import re
+
+    from vpce.bench.profile import OTHER, phase_of
+
+    expected = {
+        "_logits_tiles_kernel": "logits tiles (fused GEMM + softmax stats)",
+        "_probs_to_grad_kernel": "probs -> grad",
+        "_scale_cast_kernel": "casts / copies",
+        "Memcpy DtoD (Device -> Device)": "casts / copies",
+        "ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)": "collectives",
+        "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64_warpgroupsize2x1x1": "GEMMs (cuBLAS / CUTLASS)",
+        "nvjet_tst_256x128_64x4_1x2_h_bz_coopA_NTN": "GEMMs (cuBLAS / CUTLASS)",
+        "_reduce_tiles_kernel": "reductions / combine",
+        "_combine_rank_stats_kernel": "reductions / combine",
+        "void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float>>": "reductions / combine",
+        "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>": "elementwise / fills",
+        "aten::addmm_": "GEMMs (cuBLAS / CUTLASS)",
+        "aten::mm": "GEMMs (cuBLAS / CUTLASS)",
+        "aten::exp_": "elementwise / fills",
+        "aten::copy_": "casts / copies",
+        "cudaStreamSynchronize": OTHER,
+    }
+    got = {name: phase_of(name) for name in expected}
+    assert got == expected, {k: (got[k], v) for k, v in expected.items() if got[k] != v}
+    kernels = sorted({k for f in (REPO / "vpce").rglob("*.py")
+                      for k in re.findall(r"^def (\w+_kernel)\(", f.read_text(), re.MULTILINE)})
+    assert "_logits_tiles_kernel" in kernels and len(kernels) >= 5, kernels
+    assert all(phase_of(k) != OTHER for k in kernels), {k: phase_of(k) for k in kernels}
+
+
+def test_profile_defaults_to_vpce_on_the_device_backend(tmp_path, capsys):
+    from vpce.bench.cli import main
+
+    assert main(["--device", "cpu", "--quick", "--shapes", "tiny", "--profile", "--profile-steps", "1", "--reps", "1",
+                 "--rep-time", "0", "--quiet", "--out", str(tmp_path)]) == 0
+    doc = json.loads((tmp_path / "profile.json").read_text())
+    assert doc["methods"] == ["vpce-torch"] and doc["profiles"][0]["status"] == "ok", doc["profiles"]
+    assert "## profile: vpce torch, tiny" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, what", [(["--tp"], "--profile: expected without --tp"),
+                                        (["--methods", "floor"], "got only the floor"),
+                                        (["--profile-steps", "0"], "--profile-steps: expected a positive number")])
+def test_profile_argument_errors(argv, what, capsys):
+    from vpce.bench.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--device", "cpu", "--quick", "--profile", *argv])
+    assert e.value.code == 2 and what in capsys.readouterr().err

@@ -62,14 +62,21 @@ JSON (``schema: "vpce.bench/1"``)::
 Non-finite numbers are written as null. ``floor_ms`` is the floor that ``floor_gemms`` names: ``total_ms`` for
 fwd+bwd rows, ``frozen_ms`` (logits + dX) for frozen-weight rows, ``logits_ms`` for no-grad rows.
 
+Profile (``--profile``, ``vpce.bench.profile``): instead of the tables, where one step's time goes, per kernel
+and per phase (vpce's fused logits kernel, cuBLAS GEMMs, probs-to-grad, reductions, casts, collectives, ...;
+the patterns are ``vpce.bench.profile.PHASES``), under ``torch.profiler``: CUDA kernels on a GPU, CPU ops on a
+CPU; for ``vpce-triton`` (``vpce-torch`` on a CPU) or the ``--methods`` rows; ``--out/profile.json``.
+
 Examples::
 
     python -m vpce.bench                                   # llama3-8b and gemma2-2b heads, every row
     python -m vpce.bench --sweep N --methods floor,torch,compile,vpce-triton
+    python -m vpce.bench --methods floor,compile-frozen,quack-base-frozen,vpce-triton-frozen
+    python -m vpce.bench --profile --shapes llama3-8b      # vpce-triton's step, kernel by kernel
     python -m vpce.bench --device cpu --quick --methods torch,vpce-torch,floor
 
 Peers on the GPU machine: ``vpce/bench/wheels.sh`` downloads their wheels into ``.whl/`` and prints the install
-line.
+line; ``launch/quack_wheels.sh`` does the same for quack-kernels (``.whl-quack/``, two device calls).
 
 Tensor parallelism: ``torchrun --nproc-per-node K -m vpce.bench --tp [--sp]`` (or ``launch/bench_tp.py``) shards
 the vocab over the K processes and measures, on every rank, the rows with a vocab-parallel form (``Method.tp``):
