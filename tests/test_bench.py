@@ -3,17 +3,25 @@
 The numbers are meaningless on CPU; what is checked is that the product runs end to end, prints its tables (and
 says that CPU times mean nothing), writes a JSON with every requested row measured (finite time, memory and errors
 against float64) and a PNG per shape, reports rows it cannot run instead of dropping them, runs the loss-option
-and log-prob rows on the torch backend, and refuses the GPU-sized default shapes on a CPU.
+and log-prob rows on the torch backend, and refuses the GPU-sized default shapes on a CPU. The peers' rows that
+run on a CPU (torch's ``F.linear_cross_entropy``) are checked against float64; quack's rows are ``missing`` on a
+CPU, and a stand-in module checks how they call quack and that its known ``ValueError`` is a ``failed`` row. The
+frozen-weight rows are divided by the two-GEMM floor and report no ``dW`` error.
 """
 
+import dataclasses
+import importlib.util
 import json
 import math
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
+import torch
+import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -150,3 +158,197 @@ def test_sweep_plot_keeps_the_points_where_the_floor_ran():
     assert list(line.get_xdata()) == [2, 4] and list(line.get_ydata()) == [1.1, 1.1]
     assert len(panels[2].get_lines()[0].get_xdata()) == 3
     plt.close(fig)
+
+
+TORCH_LCE_ROWS = ["torch-lce", "torch-lce-chunked", "torch-lce-accurate", "torch-lce-balanced", "torch-lce-ar1"]
+FROZEN_ROWS = ["torch-frozen", "vpce-torch-frozen", "vpce-triton-frozen", "quack-frozen"]
+
+
+@pytest.fixture(scope="module")
+def rows_run(tmp_path_factory):
+    """torch's F.linear_cross_entropy rows, quack's rows and the frozen-weight rows on CPU, one tiny shape."""
+    out = tmp_path_factory.mktemp("rows")
+    names = ["floor", "torch", *TORCH_LCE_ROWS, "quack", "quack-base", *FROZEN_ROWS]
+    proc = _bench("--device", "cpu", "--quick", "--shapes", "tiny", "--methods", ",".join(names), "--out", str(out),
+                  "--reps", "1", "--rep-time", "0", "--skip-no-grad")
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    doc = json.loads((out / "bench.json").read_text())
+    (shape,) = doc["shapes"]
+    return proc, shape, {r["method"]: r for r in doc["rows"]}
+
+
+def test_torch_linear_cross_entropy_rows(rows_run):
+    """On torch >= 2.13 every F.linear_cross_entropy row runs on CPU; its loss comes back in bf16, so it matches
+    float64 to bf16's rounding (2**-8 relative), and its gradients as closely as torch eager's. Older torch: missing."""
+    _, shape, rows = rows_run
+    for name in TORCH_LCE_ROWS:
+        r = rows[name]
+        if not hasattr(F, "linear_cross_entropy"):
+            assert r["status"].startswith("missing:") and "linear_cross_entropy" in r["status"], r
+            continue
+        assert r["status"] == "ok" and r["label"].startswith("torch F.linear_cross_entropy"), r
+        assert abs(r["loss"] - shape["ref_loss"]) <= 2**-8 * abs(shape["ref_loss"]), (r["loss"], shape["ref_loss"])
+        assert r["dx_err"] < 2e-2 and r["dw_err"] < 2e-2, r
+        assert _finite(r["ms"]) and _finite(r["extra_gib"]) and r["floor_gemms"] == "logits+dX+dW", r
+
+
+def test_quack_rows_missing_on_cpu(rows_run):
+    _, _, rows = rows_run
+    for name in ("quack", "quack-base", "quack-frozen", "vpce-triton-frozen"):
+        assert rows[name]["status"] == "missing: needs a CUDA device (running on cpu)", rows[name]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("quack") is not None, reason="quack-kernels is installed")
+def test_quack_absent_is_unavailable():
+    from vpce.bench.harness import Env
+    from vpce.bench.peers import Unavailable, quack
+
+    env = Env(device=torch.device("cpu"), dtype=torch.bfloat16)
+    for scaled_exp in (True, False):
+        with pytest.raises(Unavailable, match="quack-kernels not importable"):
+            quack(env, scaled_exp=scaled_exp)
+
+
+def test_frozen_rows_use_the_two_gemm_floor(rows_run):
+    """A frozen row is divided by logits + dX (measured with the floor), a fwd+bwd row by all three GEMMs; the
+    frozen row has no dW error, and torch eager's dX is the same with the weight frozen or not."""
+    proc, shape, rows = rows_run
+    floor = shape["floor"]
+    assert floor["frozen_ms"] == pytest.approx(floor["logits_ms"] + floor["dx_ms"], rel=1e-12), floor
+    assert floor["frozen_ms"] < floor["total_ms"], floor
+    for name in ("torch-frozen", "vpce-torch-frozen"):
+        r = rows[name]
+        assert r["status"] == "ok" and r["mode"] == "frozen" and r["label"].endswith(" frozen W"), r
+        assert r["floor_gemms"] == "logits+dX" and r["floor_ms"] == floor["frozen_ms"], r
+        assert r["x_floor"] == pytest.approx(r["ms"] / floor["frozen_ms"], rel=1e-12), r
+        assert r["dw_err"] is None and r["dx_err"] < 2e-2 and r["loss_err"] < 1e-3, r
+    plain = rows["torch"]
+    assert plain["mode"] == "fwd+bwd" and plain["floor_gemms"] == "logits+dX+dW", plain
+    assert plain["floor_ms"] == floor["total_ms"] and plain["dw_err"] < 2e-2, plain
+    assert rows["torch-frozen"]["dx_err"] == pytest.approx(plain["dx_err"], rel=1e-9), (rows["torch-frozen"], plain)
+    table = proc.stdout.split("frozen lm_head")[1]
+    assert "| method" in table and "x 2 GEMMs" in table and "torch eager frozen W" in table, proc.stdout
+    assert "dW err" not in table.split("\n\n")[0], table
+
+
+def test_quack_rows_call_quack_and_its_failure_is_a_row(monkeypatch):
+    """With a stand-in ``quack.linear_cross_entropy`` (on CPU): the rows call ``chunked_linear_cross_entropy(x, w,
+    y, chunk_size=4096)`` and with ``use_scaled_exp=False``; the scaled-exp path's ValueError at chunk_size == D
+    is a ``failed`` row with its traceback, and the rows after it still run."""
+    from vpce.bench.harness import Env, Settings, Shape
+    from vpce.bench.methods import METHODS
+    from vpce.bench.report import Progress
+    from vpce.bench.runner import run_shape
+
+    calls = []
+
+    def chunked_linear_cross_entropy(x, w, y, *, chunk_size, use_scaled_exp=None):
+        calls.append((chunk_size, use_scaled_exp))
+        if use_scaled_exp is None and chunk_size == x.shape[1]:
+            raise ValueError("operand 'v': m == n makes row/col inference ambiguous")
+        return F.cross_entropy(F.linear(x, w).float(), y)
+
+    module = types.ModuleType("quack.linear_cross_entropy")
+    module.chunked_linear_cross_entropy = chunked_linear_cross_entropy
+    monkeypatch.setitem(sys.modules, "quack", types.ModuleType("quack"))
+    monkeypatch.setitem(sys.modules, "quack.linear_cross_entropy", module)
+    names = ["quack", "quack-base", "quack-base-frozen"]
+    for name in names:
+        monkeypatch.setitem(METHODS, name, dataclasses.replace(METHODS[name], needs_cuda=False))
+    env = Env(device=torch.device("cpu"), dtype=torch.bfloat16)
+    settings = Settings(warmup=1, min_reps=1, max_reps=1, rep_time_s=0.0)
+    record, rows = run_shape(Shape(name="d4096", n=16, d=4096, v=64), env, ["floor", *names], settings,
+                             Progress(enabled=False))
+    rows = {r["method"]: r for r in rows}
+    failed = rows["quack"]
+    assert failed["status"] == "failed: ValueError: operand 'v': m == n makes row/col inference ambiguous", failed
+    assert "ValueError" in failed["traceback"] and failed["ms"] is None, failed
+    assert calls[0] == (4096, None) and set(calls[1:]) == {(4096, False)}, calls
+    for name in ("quack-base", "quack-base-frozen"):
+        r = rows[name]
+        assert r["status"] == "ok" and r["loss_err"] < 1e-3 and r["dx_err"] < 2e-2, r
+    assert rows["quack-base"]["dw_err"] < 2e-2 and rows["quack-base-frozen"]["dw_err"] is None, rows
+    assert rows["quack-base-frozen"]["floor_ms"] == record["floor"]["frozen_ms"], (rows, record)
+
+
+def test_profile_on_cpu(tmp_path):
+    """``--profile`` on a CPU profiles CPU ops: a table per phase and per op for each row, the GEMMs where they
+    belong (torch eager: logits, dX and dW; frozen: no dW), a row that cannot run said as missing."""
+    proc = _bench("--device", "cpu", "--quick", "--shapes", "tiny", "--profile", "--methods",
+                  "floor,torch,torch-frozen,vpce-torch,vpce-triton", "--profile-steps", "2", "--reps", "1",
+                  "--rep-time", "0", "--out", str(tmp_path))
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    for label in ("torch eager", "torch eager frozen W", "vpce torch"):
+        section = proc.stdout.split(f"## profile: {label}, tiny")[1].split("## profile")[0]
+        assert "| phase" in section and "% of step" in section and "| op " in section, section
+        assert "GEMMs (cuBLAS / CUTLASS)" in section and "(in no op:" in section, section
+    assert "## profile: vpce triton, tiny" in proc.stdout and "missing: needs a CUDA device" in proc.stdout
+    doc = json.loads((tmp_path / "profile.json").read_text())
+    assert doc["schema"] == "vpce.bench.profile/1" and doc["steps"] == 2, doc.keys()
+    rows = {r["method"]: r for r in doc["profiles"]}
+    assert set(rows) == {"torch", "torch-frozen", "vpce-torch", "vpce-triton"}, sorted(rows)
+    assert rows["vpce-triton"]["status"].startswith("missing:"), rows["vpce-triton"]
+    for name in ("torch", "torch-frozen", "vpce-torch"):
+        r = rows[name]
+        assert r["status"] == "ok" and r["measured"] == "cpu ops (self time)", r["status"]
+        assert _finite(r["step_ms"]) and r["profiled_step_ms"] > 0 and r["kernels"], r
+        phase_ms = sum(p["ms"] for p in r["phases"])
+        assert phase_ms == pytest.approx(r["kernels_ms"], rel=1e-9), (phase_ms, r["kernels_ms"])
+        assert 0 < r["kernels_ms"] <= r["profiled_step_ms"] * 1.01, r  # self times: nested ops counted once
+    gemms = {name: {k["name"]: k["calls"] for k in rows[name]["kernels"] if k["phase"].startswith("GEMMs")}
+             for name in ("torch", "torch-frozen")}
+    assert gemms == {"torch": {"aten::mm": 3}, "torch-frozen": {"aten::mm": 2}}, gemms
+
+
+def test_profile_phases():
+    """The phase table names vpce's kernels, cuBLAS's and NCCL's by their profiler names, and every Triton kernel
+    of the package has a phase (a new kernel must be added to ``PHASES``)."""
+    import re
+
+    from vpce.bench.profile import OTHER, phase_of
+
+    expected = {
+        "_logits_tiles_kernel": "logits tiles (fused GEMM + softmax stats)",
+        "_probs_to_grad_kernel": "probs -> grad",
+        "_scale_cast_kernel": "casts / copies",
+        "Memcpy DtoD (Device -> Device)": "casts / copies",
+        "ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)": "collectives",
+        "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64_warpgroupsize2x1x1": "GEMMs (cuBLAS / CUTLASS)",
+        "nvjet_tst_256x128_64x4_1x2_h_bz_coopA_NTN": "GEMMs (cuBLAS / CUTLASS)",
+        "_reduce_tiles_kernel": "reductions / combine",
+        "_combine_rank_stats_kernel": "reductions / combine",
+        "void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float>>": "reductions / combine",
+        "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>": "elementwise / fills",
+        "aten::addmm_": "GEMMs (cuBLAS / CUTLASS)",
+        "aten::mm": "GEMMs (cuBLAS / CUTLASS)",
+        "aten::exp_": "elementwise / fills",
+        "aten::copy_": "casts / copies",
+        "cudaStreamSynchronize": OTHER,
+    }
+    got = {name: phase_of(name) for name in expected}
+    assert got == expected, {k: (got[k], v) for k, v in expected.items() if got[k] != v}
+    kernels = sorted({k for f in (REPO / "vpce").rglob("*.py")
+                      for k in re.findall(r"^def (\w+_kernel)\(", f.read_text(), re.MULTILINE)})
+    assert "_logits_tiles_kernel" in kernels and len(kernels) >= 5, kernels
+    assert all(phase_of(k) != OTHER for k in kernels), {k: phase_of(k) for k in kernels}
+
+
+def test_profile_defaults_to_vpce_on_the_device_backend(tmp_path, capsys):
+    from vpce.bench.cli import main
+
+    assert main(["--device", "cpu", "--quick", "--shapes", "tiny", "--profile", "--profile-steps", "1", "--reps", "1",
+                 "--rep-time", "0", "--quiet", "--out", str(tmp_path)]) == 0
+    doc = json.loads((tmp_path / "profile.json").read_text())
+    assert doc["methods"] == ["vpce-torch"] and doc["profiles"][0]["status"] == "ok", doc["profiles"]
+    assert "## profile: vpce torch, tiny" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, what", [(["--tp"], "--profile: expected without --tp"),
+                                        (["--methods", "floor"], "got only the floor"),
+                                        (["--profile-steps", "0"], "--profile-steps: expected a positive number")])
+def test_profile_argument_errors(argv, what, capsys):
+    from vpce.bench.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--device", "cpu", "--quick", "--profile", *argv])
+    assert e.value.code == 2 and what in capsys.readouterr().err

@@ -9,8 +9,9 @@ What is measured, per shape (``N`` tokens, hidden size ``D``, vocab ``V``) and p
   Cast to ``--dtype`` (bf16 by default). Every fwd+bwd row differentiates its own clones of ``x`` and ``w``.
 * **Floor.** The three GEMMs that exact loss + gradients cannot avoid, through cuBLAS in the run's dtype:
   logits ``X @ W.T``, ``dX = G @ W`` and ``dW = G.T @ X`` with a random ``G [N, V]``, each timed like the rows;
-  the floor is their sum, and "x floor" is a row's time over it. The no-grad forward rows are compared with the
-  logits GEMM alone ("x GEMM").
+  the floor is their sum, and "x floor" is a row's time over it. The frozen-weight rows are compared with the
+  logits and dX GEMMs ("x 2 GEMMs"), the no-grad forward rows with the logits GEMM alone ("x GEMM"); the JSON's
+  ``floor_gemms`` says which floor a row is divided by.
 * **Time.** One step is ``x.grad = w.grad = None; loss = f(x, w, y); loss.backward()``. The first call compiles
   or autotunes and is the one checked for accuracy; ``--warmup`` more synchronized calls estimate the step's
   cost; then enough steps to fill ``--rep-time`` seconds (at least ``--reps``, at most 200) run back to back, each
@@ -24,10 +25,15 @@ What is measured, per shape (``N`` tokens, hidden size ``D``, vocab ``V``) and p
   reference ``vpce.reference.chunked_reference``, computed on the device in token chunks (``[C, V]`` float64
   logits at a time, ``dW`` accumulated in float64), so it never needs ``[N, V]`` float64 at once.
 * **Rows.** ``floor``; ``torch`` (eager ``F.cross_entropy(F.linear(x, w).float(), y)``); ``compile`` (the same
-  under ``torch.compile``); ``liger``; ``cce`` and ``cce-exact`` (``filter_eps=None``); ``megatron`` and
-  ``megatron-fused`` (tp=1, on a process group of this one process); ``vpce-triton`` (default memory budget),
-  ``vpce-triton-lean``; ``vpce-torch``; vpce with loss options and ``linear_log_probs`` (on the device's backend:
-  Triton on CUDA, torch on a CPU); and no-grad forwards of ``torch``, ``vpce-triton``, ``vpce-torch``
+  under ``torch.compile``); torch's own ``F.linear_cross_entropy`` (torch >= 2.13: ``torch-lce``, its reference
+  path, and its chunked path with default options, ``-accurate``, ``-balanced`` and ``-ar1``); ``liger``; ``cce``
+  and ``cce-exact`` (``filter_eps=None``); ``quack`` (quack-kernels' ``chunked_linear_cross_entropy``,
+  ``chunk_size=4096``) and ``quack-base`` (``use_scaled_exp=False``); ``megatron`` and ``megatron-fused`` (tp=1,
+  on a process group of this one process); ``vpce-triton`` (default memory budget), ``vpce-triton-lean``;
+  ``vpce-torch``; vpce with loss options and ``linear_log_probs`` (on the device's backend: Triton on CUDA, torch
+  on a CPU); the frozen-lm_head rows ``torch-frozen``, ``compile-frozen``, ``quack-frozen``,
+  ``quack-base-frozen``, ``vpce-triton-frozen`` and ``vpce-torch-frozen`` (``w.requires_grad=False``, as LoRA:
+  loss and dX only, no dW to check); and no-grad forwards of ``torch``, ``vpce-triton``, ``vpce-torch``
   (``--methods all``, the default; the vocab-parallel-only rows below are left out of it). Peers are in
   ``vpce.bench.peers``, the registry and vpce's rows in ``vpce.bench.methods``. A row whose package is not
   installed or that needs CUDA on a CPU run is reported as ``missing: <reason>``; one that raises (out of memory
@@ -43,25 +49,34 @@ and extra memory of every row) and with ``--sweep`` ``--out/sweep-<N|D|V>.png``.
 JSON (``schema: "vpce.bench/1"``)::
 
     {schema, date, command, commit, device: {type, name, capability, memory_gib, ...}, versions: {torch,
-     triton, liger-kernel, cut-cross-entropy, megatron-core, numpy, matplotlib, vpce, cuda}, python, dtype, tp,
+     triton, liger-kernel, cut-cross-entropy, megatron-core, quack-kernels, nvidia-cutlass-dsl, numpy, matplotlib,
+     vpce, cuda}, python, dtype, tp,
      settings: {warmup, min_reps, max_reps, rep_time_s, logit_scale, seed, ref_chunk_gib, tf32, inputs},
      methods: [...],
      shapes: [{name, n, d, v, sweeps, flops_fwd_bwd, grads_gib, inputs_gib, ref_loss, ref_seconds,
-               floor: {logits_ms, dx_ms, dw_ms, total_ms} | null}],
-     rows: [{shape, n, d, v, tp, rank, method, label, mode: "floor" | "fwd+bwd" | "no-grad", status: "ok" |
-             "missing: ..." | "failed: ...", ms, ms_min, reps, floor_ms, x_floor, extra_gib, loss, loss_err,
-             dx_err, dw_err, [traceback]}]}
+               floor: {logits_ms, dx_ms, dw_ms, total_ms, frozen_ms} | null}],
+     rows: [{shape, n, d, v, tp, rank, method, label, mode: "floor" | "fwd+bwd" | "frozen" | "no-grad", status:
+             "ok" | "missing: ..." | "failed: ...", ms, ms_min, reps, floor_gemms: "logits+dX+dW" | "logits+dX" |
+             "logits", floor_ms, x_floor, extra_gib, loss, loss_err, dx_err, dw_err, [traceback]}]}
 
-Non-finite numbers are written as null. ``floor_ms`` of a no-grad row is the logits GEMM.
+Non-finite numbers are written as null. ``floor_ms`` is the floor that ``floor_gemms`` names: ``total_ms`` for
+fwd+bwd rows, ``frozen_ms`` (logits + dX) for frozen-weight rows, ``logits_ms`` for no-grad rows.
+
+Profile (``--profile``, ``vpce.bench.profile``): instead of the tables, where one step's time goes, per kernel
+and per phase (vpce's fused logits kernel, cuBLAS GEMMs, probs-to-grad, reductions, casts, collectives, ...;
+the patterns are ``vpce.bench.profile.PHASES``), under ``torch.profiler``: CUDA kernels on a GPU, CPU ops on a
+CPU; for ``vpce-triton`` (``vpce-torch`` on a CPU) or the ``--methods`` rows; ``--out/profile.json``.
 
 Examples::
 
     python -m vpce.bench                                   # llama3-8b and gemma2-2b heads, every row
     python -m vpce.bench --sweep N --methods floor,torch,compile,vpce-triton
+    python -m vpce.bench --methods floor,compile-frozen,quack-base-frozen,vpce-triton-frozen
+    python -m vpce.bench --profile --shapes llama3-8b      # vpce-triton's step, kernel by kernel
     python -m vpce.bench --device cpu --quick --methods torch,vpce-torch,floor
 
 Peers on the GPU machine: ``vpce/bench/wheels.sh`` downloads their wheels into ``.whl/`` and prints the install
-line.
+line; ``launch/quack_wheels.sh`` does the same for quack-kernels (``.whl-quack/``, two device calls).
 
 Tensor parallelism: ``torchrun --nproc-per-node K -m vpce.bench --tp [--sp]`` (or ``launch/bench_tp.py``) shards
 the vocab over the K processes and measures, on every rank, the rows with a vocab-parallel form (``Method.tp``):

@@ -1,5 +1,5 @@
 """Command line of ``python -m vpce.bench``: shapes, sweeps, method selection, and the run itself (one device
-here; ``--tp`` hands the run to ``vpce.bench.tp``)."""
+here; ``--tp`` hands the run to ``vpce.bench.tp``, ``--profile`` to ``vpce.bench.profile``)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,10 @@ import torch
 
 from .harness import Env, Settings, Shape
 from .meta import DTYPES, INPUTS, device_info, git_commit, now_utc, package_versions, timings_caveat
-from .methods import default_methods, method_names
+from .methods import FLOOR, default_methods, device_backend, method_names
 from .peers import shutdown_megatron
 from .plots import plot_shapes, plot_sweeps
+from .profile import run_profile
 from .report import Progress, format_shape, write_json
 from .runner import run_shape
 from .tp import main_tp
@@ -99,9 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sweep", type=_csv(list("NDV"), "sweep"), default=None,
                    help=f"sweep one or more of N,D,V around {SWEEP_CENTRE}: " +
                         "; ".join(f"{k} in {v}" for k, v in SWEEPS.items()) + " (replaces the default shapes)")
-    p.add_argument("--methods", type=_csv(method_names(), "methods", expand_all=False), default="all",
-                   help=f"rows to measure: {','.join(method_names())}; 'all': {','.join(default_methods(False))} "
-                        f"(with --tp: {','.join(default_methods(True))})")
+    p.add_argument("--methods", type=_csv(method_names(), "methods", expand_all=False), default=None,
+                   help=f"rows to measure: {','.join(method_names())}; 'all' (the default): "
+                        f"{','.join(default_methods(False))} (with --tp: {','.join(default_methods(True))}; with "
+                        f"--profile the default is vpce-triton on CUDA, vpce-torch on a CPU)")
     p.add_argument("--dtype", choices=list(DTYPES), default="bf16")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--quick", action="store_true", help="tiny shapes and few repetitions (a smoke run; works on CPU)")
@@ -115,6 +117,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rep-time", type=float, default=None,
                    help="seconds of timed calls per row, within --reps..200 calls (default 1.5, 0.05 with --quick)")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    p.add_argument("--profile", action="store_true",
+                   help="instead of the tables: where a step's time goes, per kernel and per phase (torch.profiler; "
+                        "CUDA kernels, or CPU ops on a CPU), for the --methods rows; writes --out/profile.json")
+    p.add_argument("--profile-steps", type=int, default=3, help="with --profile: steps run under the profiler")
     tp = p.add_argument_group("tensor parallel (under torchrun; see vpce.bench.tp)")
     tp.add_argument("--tp", action="store_true",
                     help="vocab-parallel rows, per rank, the vocab sharded over every process of the launch "
@@ -137,13 +143,22 @@ def _gpu_sized(shapes: list[Shape]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.methods in ("all", ["all"]):  # the string default is not passed through `type`
-        args.methods = default_methods(args.tp)
-    if not args.tp and (args.sp or args.inject_failure):
-        parser.error("--sp and --inject-failure: expected together with --tp, got them without it")
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error(f"--device: expected an available device, got {args.device!r} (no CUDA here)")
+    if args.profile and args.methods is None:
+        args.methods = [f"vpce-{device_backend(Env(device=device, dtype=DTYPES[args.dtype]))}"]
+    elif args.methods in (None, ["all"]):
+        args.methods = default_methods(args.tp)
+    if not args.tp and (args.sp or args.inject_failure):
+        parser.error("--sp and --inject-failure: expected together with --tp, got them without it")
+    if args.profile and args.tp:
+        parser.error("--profile: expected without --tp, got both (launch/profile_tp.py profiles a vocab-parallel "
+                     "step)")
+    if args.profile and args.profile_steps < 1:
+        parser.error(f"--profile-steps: expected a positive number, got {args.profile_steps}")
+    if args.profile and args.methods == [FLOOR]:
+        parser.error("--methods: expected rows with a loss to profile, got only the floor")
 
     shapes = [] if args.sweep else None
     if args.sweep:
@@ -187,6 +202,13 @@ def main(argv: list[str] | None = None) -> int:
             device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
     env = Env(device=device, dtype=DTYPES[args.dtype])
+    if args.profile:
+        if caveat:
+            print(caveat + "\n", flush=True)
+        names = [n for n in args.methods if n != FLOOR]
+        status = run_profile(args, shapes, env, settings, names, command, progress)
+        shutdown_megatron()
+        return status
     doc = dict(
         schema="vpce.bench/1",
         date=now_utc(),

@@ -25,7 +25,8 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 INPUTS = "x ~ N(0,1), w ~ N(0, logit_scale^2/D), targets uniform over the vocab, none ignored"
 
 #: Distributions whose versions the JSON records (None: not installed).
-PACKAGES = ("torch", "triton", "liger-kernel", "cut-cross-entropy", "megatron-core", "numpy", "matplotlib")
+PACKAGES = ("torch", "triton", "liger-kernel", "cut-cross-entropy", "megatron-core", "quack-kernels",
+            "nvidia-cutlass-dsl", "numpy", "matplotlib")
 
 
 def device_info(device: torch.device) -> dict:

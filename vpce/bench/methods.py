@@ -5,6 +5,10 @@ autograd differentiates into ``x.grad`` and ``w.grad``. A row that cannot run he
 CUDA, needs a process group) shows up with status ``missing: ...``; one that raises while building or running
 shows up as ``failed: ...``. None is silently dropped.
 
+A row with ``frozen=True`` (``<name>-frozen``, made by ``frozen`` from the rows named in ``FROZEN``) differentiates
+``x`` only: its weight has ``requires_grad=False``, as a LoRA fine-tune's lm_head. It is timed against the
+two-GEMM floor (logits + dX), and its ``dW`` is not checked (there is none).
+
 vpce's rows call ``vpce.linear_cross_entropy`` (or ``vpce.linear_log_probs``) as a user does: ``vpce-triton`` and
 ``vpce-triton-lean`` (``memory_budget="lean"``) name the Triton backend and need CUDA; ``vpce-torch`` names the
 torch backend; the loss-option rows (label smoothing, z-loss, soft cap, token weights) and the log-prob rows use
@@ -19,6 +23,7 @@ are ``missing`` otherwise.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Callable
@@ -29,7 +34,8 @@ from . import peers
 from .harness import Env
 from .peers import LossFn, Unavailable
 
-__all__ = ["Method", "METHODS", "FLOOR", "VARIANTS", "method_names", "default_methods", "device_backend"]
+__all__ = ["Method", "METHODS", "FLOOR", "FROZEN", "VARIANTS", "frozen", "method_names", "default_methods",
+           "device_backend"]
 
 #: Name of the three-GEMM floor in ``--methods`` (measured by the runner, not a loss).
 FLOOR = "floor"
@@ -61,6 +67,9 @@ class Method:
     """Computes the plain mean cross-entropy, so its errors are checked against the float64 reference; the loss
     variants (label smoothing, z-loss, ...) compute something else and report no errors (their exactness is the
     test suite's job)."""
+    frozen: bool = False
+    """The lm_head is frozen (``w.requires_grad=False``, as in LoRA fine-tuning): the step computes the loss and
+    ``dX`` only, and is timed against the two-GEMM floor (logits + dX); there is no ``dW`` to check."""
 
     def row_label(self, env: Env) -> str:
         """The table's text for this row on ``env``."""
@@ -144,14 +153,30 @@ VARIANTS = {  # name: (label, options)
     "dft": ("token_scaling (DFT)", dict(token_scaling=True)),
 }
 
-METHODS: dict[str, Method] = {m.name: m for m in [
+def frozen(method: Method) -> Method:
+    """``method`` with the lm_head frozen: the row ``<name>-frozen``, single-GPU, fwd+bwd only."""
+    return dataclasses.replace(method, name=f"{method.name}-frozen", label=f"{method.label} frozen W", frozen=True,
+                               no_grad=False, tp=False, tp_only=False, even_shards=False)
+
+
+#: The rows that also have a frozen-lm_head variant (``<name>-frozen``).
+FROZEN = ("torch", "compile", "quack", "quack-base", "vpce-triton", "vpce-torch")
+
+_ROWS = [
     Method(name="torch", label="torch eager", build=peers.torch_eager, package="torch", no_grad=True),
     Method(name="compile", label="torch.compile", build=peers.torch_compile, package="torch"),
+    *[Method(name="torch-lce" if opts is None else f"torch-lce-{key}", label=f"torch F.linear_cross_entropy{label}",
+             build=functools.partial(peers.torch_lce, options=opts), package="torch")
+      for key, (label, opts) in peers.TORCH_LCE.items()],
     Method(name="liger", label="liger-kernel FLCE", build=peers.liger, package="liger-kernel", needs_cuda=True),
     Method(name="cce", label="cut-cross-entropy", build=functools.partial(peers.cce, exact=False),
            package="cut-cross-entropy", needs_cuda=True),
     Method(name="cce-exact", label="cut-cross-entropy exact", build=functools.partial(peers.cce, exact=True),
            package="cut-cross-entropy", needs_cuda=True),
+    Method(name="quack", label="quack chunked LCE (auto: scaled exp)",
+           build=functools.partial(peers.quack, scaled_exp=True), package="quack-kernels", needs_cuda=True),
+    Method(name="quack-base", label="quack chunked LCE use_scaled_exp=False",
+           build=functools.partial(peers.quack, scaled_exp=False), package="quack-kernels", needs_cuda=True),
     Method(name="megatron", label="megatron vocab_parallel_ce", build=functools.partial(peers.megatron, fused=False),
            package="megatron-core", tp=True, even_shards=True),
     Method(name="megatron-fused", label="megatron fused_vp_ce", build=functools.partial(peers.megatron, fused=True),
@@ -182,7 +207,9 @@ METHODS: dict[str, Method] = {m.name: m for m in [
            package="vpce", build=functools.partial(_vpce_log_probs, entropy=True, top1=True), plain=False),
     Method(name="vpce-metrics", label="vpce {backend} + accuracy, entropy, z-loss metrics", package="vpce",
            build=_vpce_metrics, tp=True),
-]}
+]
+
+METHODS: dict[str, Method] = {m.name: m for m in [*_ROWS, *(frozen(m) for m in _ROWS if m.name in FROZEN)]}
 
 
 def method_names() -> list[str]:

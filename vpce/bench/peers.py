@@ -6,8 +6,16 @@ installed raises ``Unavailable`` (a ``missing: ...`` row). The peers are called 
 (versions in the JSON):
 
 * torch eager: ``F.cross_entropy(F.linear(x, w).float(), y)``; torch.compile of that same function.
+* torch's own ``F.linear_cross_entropy(x, w, y, options=...)`` (torch >= 2.13): ``options=None`` is its reference
+  path (``F.linear`` then ``F.cross_entropy`` on logits in the input dtype; the loss comes back in that dtype),
+  a ``torch.nn.LinearCrossEntropyOptions`` its chunked path over the tokens (``TORCH_LCE``: the rows' options).
 * liger-kernel: ``LigerFusedLinearCrossEntropyLoss()(w, x, y)``.
 * cut-cross-entropy: ``linear_cross_entropy(x, w, y)`` (default gradient filter) and ``filter_eps=None`` (exact).
+* quack-kernels 0.6.5 (Dao-AILab, CuTe DSL on ``nvidia-cutlass-dsl`` 4.7.1): ``chunked_linear_cross_entropy(x, w,
+  y, chunk_size=4096)`` (its automatic choice, the scaled-exp path) and with ``use_scaled_exp=False`` (the base
+  path). The scaled-exp path raises ``ValueError`` ("m == n makes row/col inference ambiguous") when
+  ``chunk_size`` equals ``D``, so on the Llama-3-8B head (D=4096) that row is ``failed``.
+  ``launch/quack_wheels.sh`` gets it onto a GPU machine without network.
 * megatron-core: ``vocab_parallel_cross_entropy`` / ``fused_vocab_parallel_cross_entropy`` on bf16 logits from
   ``F.linear``, ``.mean()`` of the per-token losses; they need Megatron's ``parallel_state``, initialized here on
   a process group of this one process (or, under torchrun, on the launched group).
@@ -51,7 +59,8 @@ from .harness import Env
 from .launch_env import free_port, set_collective_env
 from .meta import package_version
 
-__all__ = ["Unavailable", "LossFn", "torch_eager", "torch_compile", "liger", "cce", "megatron", "liger_tp",
+__all__ = ["Unavailable", "LossFn", "torch_eager", "torch_compile", "torch_lce", "TORCH_LCE", "liger", "cce", "quack",
+           "megatron", "liger_tp",
            "chunked_tp", "loss_parallel", "megatron_tp_group", "shutdown_megatron", "hidden_entry",
            "chunked_vocab_parallel_nll"]
 
@@ -98,7 +107,30 @@ def torch_compile(env: Env) -> LossFn:
     return torch.compile(_torch_loss, dynamic=False)
 
 
-# -- liger-kernel, cut-cross-entropy ------------------------------------------------------------------------------
+#: The ``torch.nn.LinearCrossEntropyOptions`` of the ``F.linear_cross_entropy`` rows (None: the reference path).
+#: With an explicit ``acc_policy``, ``acc_dtype=None`` means the input dtype; those rows name float32, which
+#: ``"auto"`` picks for bf16 on CUDA and on CPU.
+TORCH_LCE = {  # name: (label, options)
+    "ref": ("", None),
+    "chunked": (" chunked (default options)", dict()),
+    "accurate": (" chunked acc_policy=accurate fp32", dict(acc_policy="accurate", acc_dtype=torch.float32)),
+    "balanced": (" chunked acc_policy=balanced fp32", dict(acc_policy="balanced", acc_dtype=torch.float32)),
+    "ar1": (" chunked chunking_method=aspect_ratio", dict(chunking_method="aspect_ratio")),
+}
+
+
+def torch_lce(env: Env, *, options: dict | None) -> LossFn:
+    """torch's ``F.linear_cross_entropy``, with ``torch.nn.LinearCrossEntropyOptions(**options)`` unless None."""
+    lce = getattr(F, "linear_cross_entropy", None)
+    if lce is None:
+        raise Unavailable(f"torch {torch.__version__} has no F.linear_cross_entropy (added in torch 2.13)")
+    if options is None:
+        return lambda x, w, y: lce(x, w, y)
+    opts = torch.nn.LinearCrossEntropyOptions(**options)
+    return lambda x, w, y: lce(x, w, y, options=opts)
+
+
+# -- liger-kernel, cut-cross-entropy, quack -----------------------------------------------------------------------
 
 def liger(env: Env) -> LossFn:
     module = _import("liger_kernel.transformers.fused_linear_cross_entropy", "liger-kernel")
@@ -111,6 +143,13 @@ def cce(env: Env, *, exact: bool) -> LossFn:
     if exact:
         return lambda x, w, y: lce(x, w, y, filter_eps=None)
     return lambda x, w, y: lce(x, w, y)
+
+
+def quack(env: Env, *, scaled_exp: bool) -> LossFn:
+    lce = _import("quack.linear_cross_entropy", "quack-kernels").chunked_linear_cross_entropy
+    if scaled_exp:
+        return lambda x, w, y: lce(x, w, y, chunk_size=4096)
+    return lambda x, w, y: lce(x, w, y, chunk_size=4096, use_scaled_exp=False)
 
 
 # -- megatron-core ------------------------------------------------------------------------------------------------

@@ -57,13 +57,17 @@ def format_panels(panels, ticks: list, xlabel: str, titles: tuple[str, str, str]
     panels[0].legend(fontsize=8)
 
 
+_MODE_COLOR = {"frozen": "tab:orange", "no-grad": "tab:gray"}
+
+
 def _file_name(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", text)
 
 
 def plot_shapes(doc: dict, out: Path, stem: str = "bench") -> tuple[list[Path], str | None]:
     """One ``<stem>-<shape>.png`` per shape of ``doc`` that is not a sweep point: horizontal bars of every row
-    that ran, time (the floor, or for no-grad rows the logits GEMM, as a dashed line) and peak extra memory.
+    that ran, time (the floor; for frozen-weight rows the logits and dX GEMMs; for no-grad rows the logits GEMM; as
+    dashed lines) and peak extra memory.
     Returns (files written, note if skipped)."""
     shapes = [s for s in doc["shapes"] if not s["sweeps"]]
     if not shapes:
@@ -78,17 +82,20 @@ def plot_shapes(doc: dict, out: Path, stem: str = "bench") -> tuple[list[Path], 
             continue
         fig, (t_ax, m_ax) = plt.subplots(1, 2, figsize=(14, 0.45 * len(rows) + 1.8), sharey=True)
         ys = list(range(len(rows)))[::-1]
-        colors = ["tab:gray" if r["mode"] == "no-grad" else "tab:blue" for r in rows]
+        colors = [_MODE_COLOR.get(r["mode"], "tab:blue") for r in rows]
         t_ax.barh(ys, [r["ms"] for r in rows], color=colors)
         m_ax.barh(ys, [r["extra_gib"] or 0.0 for r in rows], color=colors)
         t_ax.set_yticks(ys, [r["label"] for r in rows])
         floor = shape.get("floor")
         if floor:
             t_ax.axvline(floor["total_ms"], color="black", linestyle="--", linewidth=1, label="floor: 3 GEMMs")
+            if any(r["mode"] == "frozen" for r in rows):
+                t_ax.axvline(floor["frozen_ms"], color="tab:orange", linestyle="-.", linewidth=1,
+                             label="logits + dX GEMMs")
             if any(r["mode"] == "no-grad" for r in rows):
                 t_ax.axvline(floor["logits_ms"], color="tab:gray", linestyle=":", linewidth=1, label="logits GEMM")
             t_ax.legend(fontsize=8)
-        t_ax.set_xlabel("median ms (fwd+bwd; gray: no-grad forward)")
+        t_ax.set_xlabel("median ms (fwd+bwd; orange: frozen weight; gray: no-grad forward)")
         m_ax.set_xlabel("peak extra GiB")
         for ax in (t_ax, m_ax):
             ax.grid(True, axis="x", alpha=0.3)
@@ -124,7 +131,8 @@ def plot_sweeps(doc: dict, out: Path) -> tuple[list[Path], str | None]:
             pts = sorted((r[key], r) for r in rows if r["method"] == method)
             plot_series(panels, [p for p, _ in pts], [r for _, r in pts], method, pts[0][1]["label"])
         format_panels(panels, sorted({r[key] for r in rows}), axis,
-                      ("fwd+bwd median (ms)", "multiple of the 3-GEMM floor", "peak extra memory (GiB)"))
+                      ("fwd+bwd median (ms)", "multiple of the floor (3 GEMMs; frozen W: 2)",
+                       "peak extra memory (GiB)"))
         fixed_text = ", ".join(f"{k}={v}" for k, v in fixed.items())
         fig.suptitle(f"sweep over {axis} ({fixed_text}), {doc['dtype']}, {doc['device']['name']}")
         fig.tight_layout()

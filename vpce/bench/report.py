@@ -10,12 +10,18 @@ from pathlib import Path
 
 __all__ = ["Progress", "format_shape", "format_tp_shape", "write_json", "format_number", "markdown_table"]
 
-#: (header, row key, number format or None for text) of the fwd+bwd table and of the no-grad table.
+#: (header, row key, number format or None for text) of the fwd+bwd, frozen-weight and no-grad tables.
 GRAD_COLUMNS = (("method", "label", None), ("ms", "ms", "ms"), ("x floor", "x_floor", ".2f"),
                 ("extra GiB", "extra_gib", "gib"), ("loss err", "loss_err", ".1e"), ("dX err", "dx_err", ".1e"),
                 ("dW err", "dw_err", ".1e"), ("status", "status", None))
+FROZEN_COLUMNS = (("method", "label", None), ("ms", "ms", "ms"), ("x 2 GEMMs", "x_floor", ".2f"),
+                  ("extra GiB", "extra_gib", "gib"), ("loss err", "loss_err", ".1e"), ("dX err", "dx_err", ".1e"),
+                  ("status", "status", None))
 NO_GRAD_COLUMNS = (("method", "label", None), ("ms", "ms", "ms"), ("x GEMM", "x_floor", ".2f"),
                    ("extra GiB", "extra_gib", "gib"), ("loss err", "loss_err", ".1e"), ("status", "status", None))
+
+
+_FLOOR_WORDS = {"floor": "floor", "fwd+bwd": "floor", "frozen": "2-GEMM floor", "no-grad": "logits GEMM"}
 
 
 class Progress:
@@ -53,7 +59,7 @@ class Progress:
         else:
             what = f"{row['ms']:.3f} ms"
             if row["x_floor"] is not None:
-                what += f" ({row['x_floor']:.2f}x {'floor' if row['mode'] != 'no-grad' else 'logits GEMM'})"
+                what += f" ({row['x_floor']:.2f}x {_FLOOR_WORDS[row['mode']]})"
             if row["extra_gib"] is not None:
                 what += f", +{format_number(row['extra_gib'], 'gib')} GiB"
         self._print(f"{self.shape_name} [{self.i}/{self.total}] {row['label']}: {what}")
@@ -92,7 +98,8 @@ def _floor_text(floor: dict, flops: float) -> str:
 
 
 def format_shape(record: dict, rows: list[dict], dtype: str, device: str) -> str:
-    """The shape's header line and its tables (fwd+bwd against the floor; no-grad against the logits GEMM)."""
+    """The shape's header line and its tables (fwd+bwd against the floor; frozen weight against the logits and dX
+    GEMMs; no-grad against the logits GEMM)."""
     lines = [f"## {record['name']}: N={record['n']} D={record['d']} V={record['v']}, {dtype}, {device}"]
     floor = record["floor"]
     if floor:
@@ -101,9 +108,15 @@ def format_shape(record: dict, rows: list[dict], dtype: str, device: str) -> str
     else:
         lines.append(f"floor not measured; dX+dW themselves {format_number(record['grads_gib'], 'gib')} GiB; "
                      f"float64 loss {record['ref_loss']:.6f}")
-    grad = [r for r in rows if r["mode"] != "no-grad"]
+    grad = [r for r in rows if r["mode"] in ("floor", "fwd+bwd")]
+    frozen = [r for r in rows if r["mode"] == "frozen"]
     nograd = [r for r in rows if r["mode"] == "no-grad"]
     lines += [""] + markdown_table(grad, GRAD_COLUMNS)
+    if frozen:
+        two = f" = {format_number(floor['frozen_ms'], 'ms')} ms" if floor else " (not measured)"
+        lines += ["", f"frozen lm_head (weight.requires_grad=False, as LoRA), against the 2-GEMM floor logits + dX"
+                      f"{two}:"]
+        lines += markdown_table(frozen, FROZEN_COLUMNS)
     if nograd:
         lines += ["", "no-grad forward, against the logits GEMM alone:"]
         lines += markdown_table(nograd, NO_GRAD_COLUMNS)

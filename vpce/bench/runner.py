@@ -1,4 +1,5 @@
-"""One shape, every selected row: the floor, each method's fwd+bwd, and the no-grad forwards.
+"""One shape, every selected row: the floor, each method's fwd+bwd (frozen-weight rows too), and the no-grad
+forwards.
 
 A row is a flat dict (the JSON schema is in ``vpce.bench``'s docstring), measured in phases: can it run here,
 build, the first step (checked against the float64 reference), the timed steps, the peak memory of one more step.
@@ -6,6 +7,10 @@ Each phase fills the row; the first one that raises ends it (``Unavailable``: ``
 ``failed: ...`` with its traceback). Under ``--tp`` (``vpce.bench.tp``) every rank runs the same phases and the
 status is agreed between ranks after each one. Each row is self-contained: it clones the inputs it
 differentiates, and everything it allocated is released before the next row starts.
+
+Each row is divided by the floor that fits its mode (``FLOOR_OF_MODE``, the JSON's ``floor_gemms``): a fwd+bwd row
+by the three GEMMs, a frozen-weight row (``Method.frozen``) by the logits and dX GEMMs, a no-grad forward by the
+logits GEMM alone. All three come from the one ``measure_floor`` of the shape.
 """
 
 from __future__ import annotations
@@ -26,9 +31,13 @@ from .peers import Unavailable
 from .report import Progress
 
 __all__ = ["run_shape", "measure_floor", "make_step", "new_row", "public", "reason", "run_phases", "floor_phase",
-           "fwd_bwd_phases"]
+           "fwd_bwd_phases", "FLOOR_OF_MODE"]
 
 Phase = Callable[[], None]
+
+#: mode of a row: (the GEMMs its floor is made of, the key of that floor in ``measure_floor``'s result).
+FLOOR_OF_MODE = {"floor": ("logits+dX+dW", "total_ms"), "fwd+bwd": ("logits+dX+dW", "total_ms"),
+                 "frozen": ("logits+dX", "frozen_ms"), "no-grad": ("logits", "logits_ms")}
 
 
 def reason(e: BaseException) -> str:
@@ -43,8 +52,9 @@ def reason(e: BaseException) -> str:
 def new_row(shape: Shape, env: Env, method: str, label: str, mode: str) -> dict:
     """A row with every JSON field, nothing measured yet."""
     return dict(shape=shape.name, n=shape.n, d=shape.d, v=shape.v, tp=env.tp, rank=env.rank, method=method,
-                label=label, mode=mode, status="ok", ms=None, ms_min=None, reps=0, floor_ms=None, x_floor=None,
-                extra_gib=None, loss=None, loss_err=None, dx_err=None, dw_err=None)
+                label=label, mode=mode, status="ok", ms=None, ms_min=None, reps=0,
+                floor_gemms=FLOOR_OF_MODE[mode][0], floor_ms=None, x_floor=None, extra_gib=None, loss=None,
+                loss_err=None, dx_err=None, dw_err=None)
 
 
 def public(row: dict) -> dict:
@@ -88,7 +98,8 @@ def _record_loss(row: dict, loss: torch.Tensor, ref: Result):
 
 
 def measure_floor(shape: Shape, prob: Problem, env: Env, settings: Settings, agree=None) -> dict[str, float]:
-    """The three GEMMs of exact fwd+bwd, in the run's dtype through cuBLAS: logits, dX and dW.
+    """The three GEMMs of exact fwd+bwd, in the run's dtype through cuBLAS: logits, dX and dW; their sum
+    ``total_ms``, and ``frozen_ms`` = logits + dX, the floor of a frozen weight (no dW).
 
     ``G`` stands in for the logits' gradient: random ``[N, V]`` in the run's dtype (GEMM speed depends on data).
     Under ``--tp`` ``prob.w`` is this rank's shard, so ``V`` is its rows; ``agree`` is passed on to ``measure``.
@@ -104,6 +115,7 @@ def measure_floor(shape: Shape, prob: Problem, env: Env, settings: Settings, agr
         fn()
         out[key] = measure(fn, env.device, settings, agree).median
     out["total_ms"] = out["logits_ms"] + out["dx_ms"] + out["dw_ms"]
+    out["frozen_ms"] = out["logits_ms"] + out["dx_ms"]
     return out
 
 
@@ -139,7 +151,8 @@ def fwd_bwd_phases(row: dict, method: Method, env: Env, settings: Settings, prob
 
     The first step (it compiles or autotunes) is the one checked: loss against ``ref.loss``, ``x.grad`` against
     ``ref_dx`` (default ``ref.dhidden``) and ``w.grad`` against ``ref.dweight``; ``row["_dx_sq"]`` and
-    ``row["_dw_sq"]`` keep the squared errors, which combine over ranks. ``x_in`` (default ``prob.x``) is the
+    ``row["_dw_sq"]`` keep the squared errors, which combine over ranks. A frozen row's weight does not require
+    grad: its ``w.grad`` must stay None, and there is no ``dW`` error. ``x_in`` (default ``prob.x``) is the
     hidden input (under ``--sp`` this rank's slice); ``agree_time`` is passed on to ``measure``.
     """
     x_in = prob.x if x_in is None else x_in
@@ -156,13 +169,16 @@ def fwd_bwd_phases(row: dict, method: Method, env: Env, settings: Settings, prob
 
     def first_step():
         live.x = x = x_in.detach().clone().requires_grad_()
-        live.w = w = prob.w.detach().clone().requires_grad_()
+        live.w = w = prob.w.detach().clone().requires_grad_(not method.frozen)
         live.step = make_step(live.fn, x, w, prob.y)
         loss = live.step()
         synchronize(env.device)
+        if method.frozen and w.grad is not None:
+            raise RuntimeError("the frozen weight got a gradient")
         if method.plain:
             _record_loss(row, loss, ref)
-            row["_dx_sq"], row["_dw_sq"] = sq_err(x.grad, ref_dx), sq_err(w.grad, ref.dweight)
+            row["_dx_sq"] = sq_err(x.grad, ref_dx)
+            row["_dw_sq"] = None if method.frozen else sq_err(w.grad, ref.dweight)
             row["dx_err"], row["dw_err"] = err_from_sq(row["_dx_sq"]), err_from_sq(row["_dw_sq"])
         else:
             row["loss"] = float(loss)
@@ -214,7 +230,8 @@ def run_shape(shape: Shape, env: Env, names: list[str], settings: Settings, prog
               *, no_grad: bool = True) -> tuple[dict, list[dict]]:
     """Measure every selected row on fresh inputs of ``shape``; returns (shape record, rows)."""
     methods = [METHODS[n] for n in names if n != FLOOR]
-    entries = ([(None, "floor")] if FLOOR in names else []) + [(m, "fwd+bwd") for m in methods] + \
+    entries = ([(None, "floor")] if FLOOR in names else []) + \
+        [(m, "frozen" if m.frozen else "fwd+bwd") for m in methods] + \
         [(m, "no-grad") for m in methods if no_grad and m.no_grad]
     progress.shape(shape, env, len(entries))
 
@@ -242,10 +259,11 @@ def run_shape(shape: Shape, env: Env, names: list[str], settings: Settings, prog
         else:
             row = new_row(shape, env, m.name, m.row_label(env) + (" no-grad" if mode == "no-grad" else ""), mode)
             progress.start(row)
-            if mode == "fwd+bwd":
-                run_phases(row, fwd_bwd_phases(row, m, env, settings, prob, ref, floor_ms=floor.get("total_ms")))
+            floor_ms = floor.get(FLOOR_OF_MODE[mode][1])
+            if mode == "no-grad":
+                run_phases(row, _no_grad_phases(row, m, env, settings, prob, ref, floor_ms))
             else:
-                run_phases(row, _no_grad_phases(row, m, env, settings, prob, ref, floor.get("logits_ms")))
+                run_phases(row, fwd_bwd_phases(row, m, env, settings, prob, ref, floor_ms=floor_ms))
         free_memory(env.device)
         rows.append(public(row))
         progress.finish(row)

@@ -57,11 +57,11 @@ JSON (``schema: "vpce.bench.tp/1"``)::
      0's), devices: [{rank, local_rank, host, type, name, ...} per rank], versions, python, dtype, settings,
      timing: "...", methods,
      shapes: [{name, n, d, v, sweeps, layout, rows_per_rank, tokens_per_rank, flops_fwd_bwd_per_rank, grads_gib,
-               ref_loss, ref_seconds, floor: {logits_ms, dx_ms, dw_ms, total_ms, rank} | null,
+               ref_loss, ref_seconds, floor: {logits_ms, dx_ms, dw_ms, total_ms, frozen_ms, rank} | null,
                floor_ranks: [...], comm: {what, ms, ms_ranks} | null, status}],
      rows: [{shape, n, d, v, tp, rank: int | "max", layout, method, label, mode: "floor" | "fwd+bwd", status,
-             ms, ms_min, reps, floor_ms, x_floor, extra_gib, loss, loss_err, dx_err, dw_err, v_local, n_local,
-             note, [loss_spread], [traceback]}]}
+             ms, ms_min, reps, floor_gemms: "logits+dX+dW", floor_ms, x_floor, extra_gib, loss, loss_err, dx_err,
+             dw_err, v_local, n_local, note, [loss_spread], [traceback]}]}
 
 ``rank: "max"`` rows aggregate the ranks as the table does; the others are each rank's own measurement.
 """
