@@ -63,8 +63,8 @@ the same statistics with bandwidth-bound kernels over cuBLAS-written logits and 
 from __future__ import annotations
 
 import math
-import sys
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import NamedTuple
 
 import torch
@@ -421,13 +421,17 @@ def distill_recompute_grads(hidden, weight, bias, t_hidden, t_weight, t_bias, tg
 # autograd
 
 
+_TORCH = SimpleNamespace(distill_forward=distill_forward, distill_recompute_grads=distill_recompute_grads,
+                         scale_cast=scale_cast)
+
+
 def _backend(call: Call):
-    """The module with the call's backend's ``distill_forward``, ``distill_recompute_grads`` and ``scale_cast``:
-    ``vpce.distill_triton``, or this one (the torch backend)."""
+    """The call's backend's ``distill_forward``, ``distill_recompute_grads`` and ``scale_cast``: the module
+    ``vpce.distill_triton``, or the torch backend's above."""
     if call.plan.backend == "triton":
         from . import distill_triton
         return distill_triton
-    return sys.modules[__name__]
+    return _TORCH
 
 
 class LinearDistillationFunction(torch.autograd.Function):

@@ -859,7 +859,7 @@ def _distill_blocks(x: torch.Tensor) -> tuple[int, int, int]:
     """``(BLOCK_M, BLOCK_N, num_warps)`` of the distillation's bandwidth kernels: probs_to_grad_'s shape on a GPU
     (16 x 256, 8 warps), a small one under the interpreter."""
     if INTERPRET or not x.is_cuda:
-        return 16, 32, 4
+        return 32, 32, 4
     return 16, 256, 8
 
 
@@ -916,12 +916,12 @@ def distill_mixture(z, y, m_z, log_s_z, m_y, log_s_y, *, beta: float, softcap, t
     n_tiles = triton.cdiv(v, bn)
     tiles = torch.empty(2, c, n_tiles, dtype=torch.float32, device=z.device)
     _distill_mixture_kernel[(triton.cdiv(c, bm), n_tiles)](
-        z, y, m_z, log_s_z, m_y, log_s_y, tiles, c, v, n_tiles, c * n_tiles, z.stride(0),
-        y.stride(0), **_distill_options(softcap, t_softcap, inv_t), log_beta=math.log(beta), log_1m_beta=math.log1p(-beta),
+        z, y, m_z, log_s_z, m_y, log_s_y, tiles, c, v, n_tiles, c * n_tiles, z.stride(0), y.stride(0),
+        **_distill_options(softcap, t_softcap, inv_t), log_beta=math.log(beta), log_1m_beta=math.log1p(-beta),
         BLOCK_M=bm, BLOCK_N=bn, num_warps=warps)
     block_c = 16 if INTERPRET or not z.is_cuda else 64
-    _distill_reduce_kernel[(triton.cdiv(c, block_c),)](tiles, out, c, n_tiles, c * n_tiles, SUMS=2, KL=0, CE=False, CE_AT=0,
-                                                        BLOCK_C=block_c, BLOCK_T=32, num_warps=4)
+    _distill_reduce_kernel[(triton.cdiv(c, block_c),)](tiles, out, c, n_tiles, c * n_tiles, SUMS=2, KL=0, CE=False,
+                                                        CE_AT=0, BLOCK_C=block_c, BLOCK_T=32, num_warps=4)
     return out
 
 
