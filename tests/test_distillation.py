@@ -335,8 +335,9 @@ CUDA = torch.cuda.is_available()
 @pytest.mark.parametrize("divergence,beta", DIVERGENCES[:3], ids=DIV_IDS[:3])
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 def test_cuda_auto_backend_bf16(divergence, beta, reduction):
-    """On CUDA ``backend="auto"`` runs the chunked torch backend: bf16 errors no worse than plain torch's on the
-    GPU, the logits never held beyond a chunk (peak extra memory well under one [N, V] fp32 logits tensor)."""
+    """On CUDA ``backend="auto"`` runs the Triton backend (``test_distillation_triton.py`` has more): bf16 errors no
+    worse than plain torch's on the GPU, the logits never held beyond a chunk (peak extra memory well under one
+    [N, V] fp32 logits tensor)."""
     from vpce.memory import PeakMemory
 
     x = make_pair(2048, 256, 384, 8000, dtype=torch.bfloat16, bias=True, scale=4.0, reduction=reduction, seed=14)
