@@ -649,6 +649,15 @@ def linear_distillation_loss(hidden, weight, teacher_hidden, teacher_weight, tar
     tw = teacher_weight.detach()
     tb = None if teacher_bias is None else teacher_bias.detach()
     tw1 = None if token_weight is None else token_weight.reshape(-1).to(accumulation_dtype(h2.dtype))
+    if torch.compiler.is_compiling():
+        if call.shard.sharded:
+            raise NotImplementedError("vpce.linear_distillation_loss under torch.compile supports one process; call "
+                                      "it outside the compiled region under a group")
+        from . import library
+        with torch.autocast(h2.device.type, enabled=False):
+            loss = library.linear_distillation_loss(h2, weight2, bias2, t2, tw, tb, target.reshape(-1), tw1,
+                                                    call.plan.backend, o, call.shard.vocab_size, call.needs_grad)
+        return loss.reshape(target.shape) if o.reduction == "none" else loss
     hidden_in = h2
     if call.plan.dx_reduce == "region":
         hidden_in = parallel.enter_vocab_parallel(h2, call.shard, call.plan.sequence_parallel)
