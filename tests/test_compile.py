@@ -1,5 +1,6 @@
-"""torch.compile(fullgraph=True) around vpce (through the torch.library ops) gives the eager result; a training
-step that uses vpce can be captured in a CUDA graph (GPU only)."""
+"""torch.compile(fullgraph=True) around vpce (through the torch.library ops: the cross-entropy's and the
+distillation's) gives the eager result; a training step that uses vpce can be captured in a CUDA graph (GPU
+only)."""
 
 import pytest
 import torch
@@ -94,6 +95,42 @@ def test_op_registration_passes_opcheck():
         args = (leaf(p.hidden), leaf(p.weight), leaf(p.bias), p.target, None, torch.rand(40), "torch", -100,
                 reduction, 0.1, 0.0, None, budget, 40, 1.5, [True, True, True])
         torch.library.opcheck(torch.ops.vpce.linear_cross_entropy.default, args,
+                              test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_distillation_fullgraph_equals_eager(backend, reduction):
+    """``linear_distillation_loss`` through its ops (fast route for ``mean``, lean with its backward op for
+    ``none``) gives the eager result bitwise."""
+    from test_distillation import make_pair
+
+    torch._dynamo.reset()
+    x = make_pair(17, 8, 12, 29, dtype=torch.float32, bias=True, reduction=reduction, seed=9)
+    opts = dict(divergence="jsd", ce_weight=0.2, softcap=3.0) if reduction == "mean" else \
+        dict(divergence="reverse_kl", temperature=2.0, token_weight=x.token_weight.float().to(DEV))
+
+    def loss_fn(h, w, b, th, tw, t):
+        return vpce.linear_distillation_loss(h, w, th, tw, t, b, reduction=reduction, backend=backend, **opts)
+    results = []
+    for fn in (loss_fn, torch.compile(loss_fn, fullgraph=True)):
+        h, w, b = (leaf(t.to(DEV)) for t in (x.hidden, x.weight, x.bias))
+        loss = fn(h, w, b, x.t_hidden.to(DEV), x.t_weight.to(DEV), x.target.to(DEV))
+        (loss * x.grad.to(DEV, loss.dtype)).sum().backward()
+        results.append((loss.detach(), h.grad, w.grad, b.grad))
+    for name, a, c in zip(("loss", "dX", "dW", "db"), *results):
+        assert torch.equal(a, c), f"{name}: compiled differs from eager by {rel_err(c, a):.2e}"
+
+
+def test_distillation_ops_pass_opcheck():
+    from test_distillation import make_pair
+    from vpce import library  # noqa: F401 - registers the ops
+
+    x = make_pair(13, 8, 6, 40, dtype=torch.float32, bias=True)
+    for budget, reduction in (("auto", "mean"), ("lean", "none")):
+        args = (leaf(x.hidden), leaf(x.weight), leaf(x.bias), x.t_hidden, x.t_weight, x.t_bias, x.target, None,
+                "torch", "jsd", 0.5, 0.5, 4.0, 0.1, -100, reduction, 3.0, None, budget, 40, [True, True, True])
+        torch.library.opcheck(torch.ops.vpce.linear_distillation_loss.default, args,
                               test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
 
 

@@ -282,7 +282,8 @@ ERRORS = [
     (dict(ce_weight=0.5, target=None), ValueError, ["target", "hard labels", "None"]),
     (dict(reduction="batchmean"), ValueError, ["reduction", "'mean'", "'batchmean'"]),
     (dict(teacher_softcap=-1.0), ValueError, ["teacher_softcap", "> 0.0", "-1.0"]),
-    (dict(backend="triton"), ValueError, ["backend", "'torch'", "'triton'"]),
+    (dict(backend="cuda"), ValueError, ["backend", "'triton'", "'cuda'"]),
+    (dict(backend="triton"), TypeError, ["hidden", "backend 'triton'", "torch.float64"]),
     (dict(memory_budget="small"), ValueError, ["memory_budget", "'lean'", "'small'"]),
     (dict(teacher_hidden="h"), TypeError, ["teacher_hidden", "torch.Tensor", "str"]),
     (dict(teacher_weight=torch.zeros(13, 5, dtype=torch.float64)), ValueError,
@@ -334,8 +335,9 @@ CUDA = torch.cuda.is_available()
 @pytest.mark.parametrize("divergence,beta", DIVERGENCES[:3], ids=DIV_IDS[:3])
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 def test_cuda_auto_backend_bf16(divergence, beta, reduction):
-    """On CUDA ``backend="auto"`` runs the chunked torch backend: bf16 errors no worse than plain torch's on the
-    GPU, the logits never held beyond a chunk (peak extra memory well under one [N, V] fp32 logits tensor)."""
+    """On CUDA ``backend="auto"`` runs the Triton backend (``test_distillation_triton.py`` has more): bf16 errors no
+    worse than plain torch's on the GPU, the logits never held beyond a chunk (peak extra memory well under one
+    [N, V] fp32 logits tensor)."""
     from vpce.memory import PeakMemory
 
     x = make_pair(2048, 256, 384, 8000, dtype=torch.bfloat16, bias=True, scale=4.0, reduction=reduction, seed=14)

@@ -4,7 +4,8 @@ whole vocab, and every rank fails together when the ranks disagree.
 Every rank builds the same full problem from a seed, keeps its rows of both heads (and, with sequence
 parallelism, its slice of both hidden states), and checks the loss, dX (or its slice) and its own dW/db rows.
 Layouts: even, uneven, padded with the last rank all padding, explicit ``vocab_start``, sequence parallel; every
-divergence, reduction, and route; several chunks per call (the JSD's two exchanges per chunk line up).
+divergence, reduction, and route; several chunks per call (the JSD's two exchanges per chunk line up). The torch
+backend in float64 on 3 ranks, the Triton backend in fp32 (the CPU interpreter) on 2.
 """
 
 import zlib
@@ -57,7 +58,7 @@ def _check_case(rank, world, group, case):
     vsize = case.get("vocab_size", rows)
     seq, batch = 4 * world, 3
     x = make_pair((seq, batch), 9, 13, rows, vocab_size=vsize, bias=case.get("bias", False), reduction=red,
-                  scale=2.0, seed=zlib.crc32(case["name"].encode()) % 1000)
+                  scale=2.0, seed=zlib.crc32(case["name"].encode()) % 1000, dtype=case.get("dtype", torch.float64))
     sp = case.get("sp", False)
     mine = slice(rank * 4, (rank + 1) * 4)
     h = leaf(x.hidden[mine] if sp else x.hidden)
@@ -71,7 +72,7 @@ def _check_case(rank, world, group, case):
     layout = dict(vocab_start=sum(sizes[:rank]), vocab_size=vsize) if case.get("explicit") else \
         dict(vocab_size=None if vsize == rows else vsize)
     loss = vpce.linear_distillation_loss(h, w, th, tw, target, b, tb, group=group, sequence_parallel=sp, **layout,
-                                         **opts)
+                                         backend=case.get("backend", "auto"), **opts)
     (loss * x.grad.to(loss.dtype)).sum().backward()
     opts.pop("memory_budget", None)
     ref = reference_distillation(x.hidden, x.weight, x.t_hidden, x.t_weight, target, x.bias, x.t_bias, grad=x.grad,
@@ -96,6 +97,39 @@ def test_sharded_equals_oracle():
     for rank, results in enumerate(run_ranks(_rank_main, 3, timeout=TIMEOUT)):
         for case, name, err in results:
             assert err < 1e-11, f"rank={rank} case={case}: {name} rel err {err:.3e}"
+
+
+def triton_cases(world: int) -> list[dict]:
+    """The Triton backend in fp32 (the CPU interpreter without CUDA): the fast route's dX summed in forward (hidden
+    replicated, and sequence parallel with its own gather), the lean route, the JSD's second exchange, an
+    all-padding last rank (fast and lean), several chunks (``memory_budget``: GiB of both logit buffers, 6 or 14
+    tokens here)."""
+    fp32 = dict(dtype=torch.float32, backend="triton")
+    even, uneven = [40] * world, [53, 30, 45][:world]
+    return [dict(fp32, **c) for c in [
+        dict(name="uneven-jsd-mean-ce-temperature", sizes=uneven, bias=True,
+             opts=dict(divergence="jsd", beta=0.3, ce_weight=0.4, temperature=1.5, softcap=3.0, memory_budget=2e-6)),
+        dict(name="padded-last-rank-jsd-mean-fast", sizes=even, vocab_size=sum(even[:-1]) - 2,
+             opts=dict(divergence="jsd", ce_weight=0.3, memory_budget=2e-6)),
+        dict(name="padded-last-rank-fkl-none", sizes=even, vocab_size=sum(even[:-1]) - 2, reduction="none",
+             bias=True, token_weight=True, opts=dict(divergence="forward_kl", ce_weight=0.2, memory_budget=2e-6)),
+        dict(name="sp-rkl-sum-fast", sizes=uneven, sp=True, reduction="sum",
+             opts=dict(divergence="reverse_kl", teacher_softcap=4.0, memory_budget=2e-6)),
+        dict(name="sp-jsd-none-lean", sizes=uneven, sp=True, reduction="none", bias=True,
+             opts=dict(divergence="jsd", beta=0.7, temperature=0.8)),
+    ]]
+
+
+def _triton_rank_main(rank, world):
+    return [r for case in triton_cases(world) for r in _check_case(rank, world, dist.group.WORLD, case)]
+
+
+def test_triton_sharded_equals_oracle():
+    """2 ranks, the Triton backend in fp32: within 1e-5 (loss) / 2e-5 (gradients) of float64."""
+    for rank, results in enumerate(run_ranks(_triton_rank_main, 2, timeout=TIMEOUT)):
+        for case, name, err in results:
+            tol = 1e-5 if name == "loss" else 2e-5
+            assert err <= tol, f"rank={rank} case={case}: {name} rel err {err:.3e}"
 
 
 DISAGREEMENTS = {

@@ -54,14 +54,17 @@ in forward (each head's max and ``log S``, ``E_p[z - y]`` or ``K_p``, the cross-
 backward needs no statistics exchange. ``dX`` is this shard's part, summed over the group by
 ``vpce.parallel.enter_vocab_parallel``.
 
-This is the torch backend (CPU, and CUDA with ``backend="auto"``): the live data is a few fp32 ``[C, V_local]``
-chunk tensors, never ``[N, V]``.
+This module is the torch backend (CPU, or ``backend="torch"``): the live data is a few fp32 ``[C, V_local]``
+chunk tensors, never ``[N, V]``. The Triton backend (``vpce.distill_triton``; ``backend="auto"`` on CUDA) computes
+the same statistics with bandwidth-bound kernels over cuBLAS-written logits and exchanges them through the same
+``exchange_chunk_stats``.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import NamedTuple
 
 import torch
@@ -71,7 +74,7 @@ from .api import autocast_operands, check_bool, check_int, check_memory_budget, 
     dtype_name, prepare_call
 from .autograd import accumulation_dtype
 from .grads import FastGrads, finish_fast_grads, pad_rows, weight_grad
-from .options import BACKENDS, DEFAULT_CHUNK_GIB, REDUCTIONS
+from .options import DEFAULT_CHUNK_GIB, REDUCTIONS
 from .routing import Call, plan_distillation
 from .targets import TokenTargets
 from .torch_backend import accumulate_grads, chunk_logits, scale_cast
@@ -275,17 +278,26 @@ def _mixture_sums(z1, y, st: DistillStats, o: DistillOptions) -> torch.Tensor:
     return torch.stack([_weighted(q, u - log_m), _weighted(p, s - log_m)])
 
 
-def _chunk_stats(z1, y, tg: TokenTargets, sl: slice, o: DistillOptions, call: Call, acc, device) -> DistillStats:
-    """The chunk's global statistics: one all-gather (KLs) or two (JSD) under a group, on every rank."""
-    c = sl.stop - sl.start
-    packed = _local_stats(z1, y, tg, sl, o, c, acc, device)
+def exchange_chunk_stats(packed: torch.Tensor, mixture_sums, o: DistillOptions, call: Call) -> DistillStats:
+    """The chunk's global statistics from this shard's ``packed [R, c]`` (``_rows_layout``): one all-gather
+    (KLs) or two (JSD: ``mixture_sums(stats)`` gives this shard's ``[K_q, K_p]`` partial sums ``[2, c]`` from the
+    first exchange's statistics) under a group, on every rank. Both backends go through here, so their
+    collectives are the same ones in the same order."""
     st = parallel.start_stats_exchange(packed, 0, call.shard, call.poison, combine=_combiner(o)).wait()
     if o.kind != "jsd":
         return st
-    sums = torch.zeros(2, c, dtype=acc, device=device) if z1 is None else \
-        _mixture_sums(z1, y, st, o)
-    k_q, k_p = parallel.start_stats_exchange(sums, 0, call.shard, combine=_sum_over_ranks).wait()
+    k_q, k_p = parallel.start_stats_exchange(mixture_sums(st), 0, call.shard, combine=_sum_over_ranks).wait()
     return st._replace(e=k_p, k_q=k_q)
+
+
+def _chunk_stats(z1, y, tg: TokenTargets, sl: slice, o: DistillOptions, call: Call, acc, device) -> DistillStats:
+    """The torch backend's chunk statistics (``z1 = None``: this shard's rows are all padding)."""
+    c = sl.stop - sl.start
+    packed = _local_stats(z1, y, tg, sl, o, c, acc, device)
+
+    def mixture_sums(st):
+        return torch.zeros(2, c, dtype=acc, device=device) if z1 is None else _mixture_sums(z1, y, st, o)
+    return exchange_chunk_stats(packed, mixture_sums, o, call)
 
 
 def _token_loss(st: DistillStats, o: DistillOptions) -> torch.Tensor:
@@ -409,6 +421,19 @@ def distill_recompute_grads(hidden, weight, bias, t_hidden, t_weight, t_bias, tg
 # autograd
 
 
+_TORCH = SimpleNamespace(distill_forward=distill_forward, distill_recompute_grads=distill_recompute_grads,
+                         scale_cast=scale_cast)
+
+
+def _backend(call: Call):
+    """The call's backend's ``distill_forward``, ``distill_recompute_grads`` and ``scale_cast``: the module
+    ``vpce.distill_triton``, or the torch backend's above."""
+    if call.plan.backend == "triton":
+        from . import distill_triton
+        return distill_triton
+    return _TORCH
+
+
 class LinearDistillationFunction(torch.autograd.Function):
     """Student ``hidden [N, D_s]``, ``weight``, ``bias``; teacher ``t_hidden [N, D_t]``, ``t_weight``, ``t_bias``
     (detached: no gradient); ``target [N]``; ``token_weight [N]`` or None. Returns the loss per ``o.reduction``."""
@@ -417,7 +442,8 @@ class LinearDistillationFunction(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, t_hidden, t_weight, t_bias, target, token_weight, o: DistillOptions,
                 call: Call):
         tg = TokenTargets(target, call.shard, o.ignore_index, token_weight)
-        loss_tok, rows, fast = distill_forward(hidden, weight, bias, t_hidden, t_weight, t_bias, tg, o, call)
+        forward = _backend(call).distill_forward
+        loss_tok, rows, fast = forward(hidden, weight, bias, t_hidden, t_weight, t_bias, tg, o, call)
         ctx.o, ctx.call, ctx.fast = o, call, fast  # fast: None after its one use
         ctx.denominator = tg.denominator(loss_tok.dtype)
         ctx.dtype, ctx.rows = hidden.dtype, weight.shape[0]
@@ -441,13 +467,14 @@ class LinearDistillationFunction(torch.autograd.Function):
             hidden, weight, bias, t_hidden, t_weight, t_bias, target, token_weight, *rows = ctx.saved_tensors
             tg = TokenTargets(target, call.shard, o.ignore_index, token_weight)
             scale = tg.row_scale(g.expand(hidden.shape[0]) if g.dim() == 0 else g.reshape(-1))
-            return (*distill_recompute_grads(hidden, weight, bias, t_hidden, t_weight, t_bias, tg,
-                                             DistillRows(*rows), scale, o, call), *none)
+            recompute = _backend(call).distill_recompute_grads
+            return (*recompute(hidden, weight, bias, t_hidden, t_weight, t_bias, tg, DistillRows(*rows), scale, o,
+                               call), *none)
         if ctx.fast is None:
             raise RuntimeError("vpce: this loss formed its gradients in forward and they were already used; for "
                                "a second backward pass use memory_budget='lean'")
         grads, ctx.fast = ctx.fast, None
-        return (*finish_fast_grads(grads, g, ctx.dtype, ctx.rows, None, scale_cast), *none)
+        return (*finish_fast_grads(grads, g, ctx.dtype, ctx.rows, None, _backend(call).scale_cast), *none)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -558,7 +585,8 @@ def linear_distillation_loss(hidden, weight, teacher_hidden, teacher_weight, tar
         group, vocab_start, vocab_size, sequence_parallel, validate: as in ``linear_cross_entropy``; both heads are
             sharded over ``group`` with the same rows. Under ``sequence_parallel`` both hidden states are this
             rank's slices.
-        backend: ``"auto"`` or ``"torch"`` (the chunked PyTorch backend, on CPU and CUDA).
+        backend: ``"auto"`` (Triton on CUDA, torch otherwise), ``"triton"`` or ``"torch"`` (the chunked PyTorch
+            backend; float64 too).
         memory_budget: ``"auto"``/``"fast"`` (gradients formed in forward), ``"lean"`` (recomputed in backward),
             or GiB of live chunk data.
 
@@ -583,9 +611,6 @@ def linear_distillation_loss(hidden, weight, teacher_hidden, teacher_weight, tar
             if _is_dtensor(x):
                 raise TypeError(f"{name}: expected a plain torch.Tensor (linear_distillation_loss takes this rank's "
                                 f"local shards with group=, vocab_start=), got a DTensor")
-        if backend not in BACKENDS or backend == "triton":
-            raise ValueError(f"backend: expected 'auto' or 'torch' for linear_distillation_loss (it has no Triton "
-                             f"route yet), got {backend!r}")
         box["o"] = make_distill_options(
             divergence=divergence, beta=beta, temperature=temperature, temperature_squared=temperature_squared,
             ce_weight=ce_weight, has_target=has_target, ignore_index=ignore_index, reduction=reduction,
@@ -614,7 +639,7 @@ def linear_distillation_loss(hidden, weight, teacher_hidden, teacher_weight, tar
 
     h2, weight2, bias2, target, call = prepare_call(
         "distill", hidden, weight, target, bias, group=group, vocab_start=vocab_start, vocab_size=vocab_size,
-        sequence_parallel=sequence_parallel, backend="torch",
+        sequence_parallel=sequence_parallel, backend=backend,
         validate=validate, ignore_index=(ignore_index if isinstance(ignore_index, int) else -100) if has_target
         else -1, local_checks=checks_with_student, plan=plan, fields=fields)
     o = box["o"]
@@ -624,6 +649,15 @@ def linear_distillation_loss(hidden, weight, teacher_hidden, teacher_weight, tar
     tw = teacher_weight.detach()
     tb = None if teacher_bias is None else teacher_bias.detach()
     tw1 = None if token_weight is None else token_weight.reshape(-1).to(accumulation_dtype(h2.dtype))
+    if torch.compiler.is_compiling():
+        if call.shard.sharded:
+            raise NotImplementedError("vpce.linear_distillation_loss under torch.compile supports one process; call "
+                                      "it outside the compiled region under a group")
+        from . import library
+        with torch.autocast(h2.device.type, enabled=False):
+            loss = library.linear_distillation_loss(h2, weight2, bias2, t2, tw, tb, target.reshape(-1), tw1,
+                                                    call.plan.backend, o, call.shard.vocab_size, call.needs_grad)
+        return loss.reshape(target.shape) if o.reduction == "none" else loss
     hidden_in = h2
     if call.plan.dx_reduce == "region":
         hidden_in = parallel.enter_vocab_parallel(h2, call.shard, call.plan.sequence_parallel)

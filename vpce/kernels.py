@@ -31,6 +31,7 @@ Everything is deterministic (plain stores, no atomics) and runs under ``TRITON_I
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -632,3 +633,372 @@ def scale_cast(src: torch.Tensor, g: torch.Tensor, dtype: torch.dtype) -> torch.
         block = 4096 if src.is_cuda and not INTERPRET else 1024
         _scale_cast_kernel[(triton.cdiv(n, block),)](src, out, g.reshape(1), n, BLOCK=block, num_warps=4)
     return out
+
+
+# ============================================================================================================
+# Distillation (``vpce.distill_triton``): bandwidth-bound passes over a token chunk's student and teacher logits
+# ============================================================================================================
+#
+# cuBLAS writes both heads' chunk logits ``[C, V]`` in the inputs' dtype (biases included). These kernels read
+# them once per pass, apply each head's soft cap and the temperature on load in fp32, and work on one
+# ``[BLOCK_M, BLOCK_N]`` tile per program (int64 offsets, no atomics):
+#
+# * ``_distill_stats_kernel``: per (row, tile) each head's tile max and sum of ``exp`` relative to it, the KL's
+#   softmax-weighted sum (``sum e^{y - m} (y - z)`` or ``sum e^{z - m} (z - y)``), and with the cross-entropy the
+#   untempered student's max and sum of ``exp`` but the target's; the target's logit is stored by the one tile
+#   that holds it;
+# * ``_distill_reduce_kernel``: per row over its tiles, the packed ``[R, C]`` statistics of ``vpce.distill``
+#   (each head rescaled to its row max; plain sums for the JSD's mixture partials);
+# * ``_distill_mixture_kernel``: the JSD's second pass, per tile ``sum q (u - log m)`` and ``sum p (s - log m)``
+#   from the global log-softmax statistics;
+# * ``_distill_grad_kernel``: the student's ``dL/dx`` (``vpce.distill``'s formulas, per-row weights folded in),
+#   written in the logits' dtype over the student's logits in place.
+
+__all__ += ["distill_stats", "distill_mixture", "distill_grad_", "distill_tile_n"]
+
+
+@triton.jit
+def _logaddexp(a, b):
+    """``log(e^a + e^b)``; ``-inf`` where both are."""
+    hi = tl.maximum(a, b)
+    lo = tl.minimum(a, b)
+    return tl.where(hi == float("-inf"), hi, hi + _log1p(tl.exp(lo - tl.where(hi == float("-inf"), 0.0, hi))))
+
+
+@triton.jit
+def _max_exp(z):
+    """Row max of a tile and ``exp(z - max)`` (a row of ``-inf`` gives 0, not NaN)."""
+    m = tl.max(z, axis=1)
+    return m, tl.exp(z - tl.where(m == float("-inf"), 0.0, m)[:, None])
+
+
+@triton.jit
+def _distill_load(Z, Y, rm, rn, mask, stride_zm, stride_ym, softcap, t_softcap, inv_t,
+                  SOFTCAP: tl.constexpr, T_SOFTCAP: tl.constexpr, TEMPERATURE: tl.constexpr):
+    """A tile of both heads in fp32: the student's capped logit ``z1``, its tempered ``z``, the cap's derivative,
+    and the teacher's capped, tempered ``y``."""
+    rn64 = rn.to(tl.int64)[None, :]
+    x = tl.load(Z + rm.to(tl.int64)[:, None] * stride_zm + rn64, mask=mask, other=0.0).to(tl.float32)
+    y = tl.load(Y + rm.to(tl.int64)[:, None] * stride_ym + rn64, mask=mask, other=0.0).to(tl.float32)
+    z1 = x
+    dcap = x
+    if SOFTCAP:
+        z1, dcap = _softcap(x, softcap)
+    if T_SOFTCAP:
+        y, _ = _softcap(y, t_softcap)
+    z = z1
+    if TEMPERATURE:
+        z = z1 * inv_t
+        y = y * inv_t
+    return z1, z, y, dcap
+
+
+@triton.heuristics({"EVEN_N": lambda a: a["V"] % a["BLOCK_N"] == 0})
+@triton.jit
+def _distill_stats_kernel(
+    # pointers
+    Z, Y, TL, TILES, ZT,
+    # shapes
+    C, V, n_tiles, plane,
+    # strides
+    stride_zm, stride_ym,
+    # options
+    softcap, t_softcap, inv_t,
+    # meta
+    SOFTCAP: tl.constexpr, T_SOFTCAP: tl.constexpr, TEMPERATURE: tl.constexpr, KL: tl.constexpr,
+    CE: tl.constexpr, CE_AT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr,
+):
+    """``TILES [K, C, n_tiles]`` planes: student max, sum; teacher max, sum; [KL weighted sum (KL = 1: forward,
+    2: reverse)]; [CE max, sum but the target's at ``CE_AT``]; ``ZT [C]``: the target's capped student logit."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rm < C
+    if EVEN_N:
+        mask = row_ok[:, None]
+    else:
+        mask = row_ok[:, None] & (rn < V)[None, :]
+    z1, z, y, _ = _distill_load(Z, Y, rm, rn, mask, stride_zm, stride_ym, softcap, t_softcap, inv_t,
+                                SOFTCAP, T_SOFTCAP, TEMPERATURE)
+    if not EVEN_N:  # padding columns: -inf in every head
+        pad = tl.where(rn < V, 0.0, float("-inf"))[None, :]
+        z1 = z1 + pad
+        z = z + pad
+        y = y + pad
+
+    # -- each head's tile max and sum of exp --
+    m_z, e_z = _max_exp(z)
+    m_y, e_y = _max_exp(y)
+    stat = rm.to(tl.int64) * n_tiles + pid_n
+    tl.store(TILES + stat, m_z, mask=row_ok)
+    tl.store(TILES + plane + stat, tl.sum(e_z, axis=1), mask=row_ok)
+    tl.store(TILES + 2 * plane + stat, m_y, mask=row_ok)
+    tl.store(TILES + 3 * plane + stat, tl.sum(e_y, axis=1), mask=row_ok)
+    # -- the KL's softmax-weighted sum (a term with exp 0 is 0, even where the difference is infinite) --
+    if KL == 1:
+        tl.store(TILES + 4 * plane + stat, tl.sum(tl.where(e_y == 0.0, 0.0, e_y * (y - z)), axis=1), mask=row_ok)
+    if KL == 2:
+        tl.store(TILES + 4 * plane + stat, tl.sum(tl.where(e_z == 0.0, 0.0, e_z * (z - y)), axis=1), mask=row_ok)
+    # -- the hard-label cross-entropy on the untempered student, the target's column kept apart --
+    if CE:
+        t = tl.load(TL + rm, mask=row_ok, other=-1)
+        hit = rn[None, :] == t[:, None]
+        m1 = m_z
+        e1 = e_z
+        if TEMPERATURE:
+            m1, e1 = _max_exp(z1)
+        tl.store(TILES + CE_AT * plane + stat, m1, mask=row_ok)
+        tl.store(TILES + (CE_AT + 1) * plane + stat, tl.sum(tl.where(hit, 0.0, e1), axis=1), mask=row_ok)
+        mine = row_ok & (t >= pid_n * BLOCK_N) & (t < pid_n * BLOCK_N + BLOCK_N)
+        tl.store(ZT + rm, tl.sum(tl.where(hit, z1, 0.0), axis=1), mask=mine)
+
+
+@triton.jit
+def _tiles_softmax(TM, TS, TW, base, ok, T, HAS_W: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr):
+    """One head's row statistics from its tiles: ``m = max m_t``, ``s = sum s_t e^{m_t - m}``, ``w = sum w_t
+    e^{m_t - m}``. (Accumulated elementwise and reduced after each loop, as ``_reduce_tiles_kernel``.)"""
+    m2 = tl.full([BLOCK_C, BLOCK_T], float("-inf"), tl.float32)
+    for t0 in range(0, T, BLOCK_T):
+        cols = t0 + tl.arange(0, BLOCK_T)
+        msk = ok[:, None] & (cols < T)[None, :]
+        m2 = tl.maximum(m2, tl.load(TM + base[:, None] + cols[None, :], mask=msk, other=float("-inf")))
+    m = tl.max(m2, 1)
+    safe = tl.where(m == float("-inf"), 0.0, m)  # every tile -inf: the sums stay 0
+    s2 = tl.zeros([BLOCK_C, BLOCK_T], tl.float32)
+    w2 = tl.zeros([BLOCK_C, BLOCK_T], tl.float32)
+    for t0 in range(0, T, BLOCK_T):
+        cols = t0 + tl.arange(0, BLOCK_T)
+        msk = ok[:, None] & (cols < T)[None, :]
+        offs = base[:, None] + cols[None, :]
+        r = tl.where(msk, tl.exp(tl.load(TM + offs, mask=msk, other=float("-inf")) - safe[:, None]), 0.0)
+        s2 += tl.load(TS + offs, mask=msk, other=0.0) * r  # NaN in m_t or s_t stays NaN
+        if HAS_W:
+            w2 += tl.load(TW + offs, mask=msk, other=0.0) * r
+    return m, tl.sum(s2, 1), tl.sum(w2, 1)
+
+
+@triton.jit
+def _tiles_sum(TS, base, ok, T, BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr):
+    s2 = tl.zeros([BLOCK_C, BLOCK_T], tl.float32)
+    for t0 in range(0, T, BLOCK_T):
+        cols = t0 + tl.arange(0, BLOCK_T)
+        msk = ok[:, None] & (cols < T)[None, :]
+        s2 += tl.load(TS + base[:, None] + cols[None, :], mask=msk, other=0.0)
+    return tl.sum(s2, 1)
+
+
+@triton.jit
+def _distill_reduce_kernel(TILES, OUT, C, T, plane, SUMS: tl.constexpr, KL: tl.constexpr, CE: tl.constexpr,
+                           CE_AT: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr):
+    """``TILES [K, C, T]`` -> ``OUT [R, C]``, plane ``k`` into row ``k``: with ``SUMS`` each plane summed in tile
+    order; else each head (student, teacher, CE) rescaled to its row max, the KL's sum with its head."""
+    rows = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    ok = rows < C
+    base = rows.to(tl.int64) * T
+    if SUMS:
+        for k in tl.static_range(SUMS):
+            tl.store(OUT + k * C + rows, _tiles_sum(TILES + k * plane, base, ok, T, BLOCK_C, BLOCK_T), mask=ok)
+    else:
+        m, s, w = _tiles_softmax(TILES, TILES + plane, TILES + 4 * plane, base, ok, T, KL == 2, BLOCK_C, BLOCK_T)
+        tl.store(OUT + rows, m, mask=ok)
+        tl.store(OUT + C + rows, s, mask=ok)
+        if KL == 2:
+            tl.store(OUT + 4 * C + rows, w, mask=ok)
+        m, s, w = _tiles_softmax(TILES + 2 * plane, TILES + 3 * plane, TILES + 4 * plane, base, ok, T, KL == 1,
+                                 BLOCK_C, BLOCK_T)
+        tl.store(OUT + 2 * C + rows, m, mask=ok)
+        tl.store(OUT + 3 * C + rows, s, mask=ok)
+        if KL == 1:
+            tl.store(OUT + 4 * C + rows, w, mask=ok)
+        if CE:
+            m, s, _ = _tiles_softmax(TILES + CE_AT * plane, TILES + (CE_AT + 1) * plane, TILES, base, ok, T, False,
+                                     BLOCK_C, BLOCK_T)
+            tl.store(OUT + CE_AT * C + rows, m, mask=ok)
+            tl.store(OUT + (CE_AT + 1) * C + rows, s, mask=ok)
+
+
+@triton.heuristics({"EVEN_N": lambda a: a["V"] % a["BLOCK_N"] == 0})
+@triton.jit
+def _distill_mixture_kernel(
+    # pointers
+    Z, Y, RM_Z, RLS_Z, RM_Y, RLS_Y, TILES,
+    # shapes
+    C, V, n_tiles, plane,
+    # strides
+    stride_zm, stride_ym,
+    # options
+    softcap, t_softcap, inv_t, log_beta, log_1m_beta,
+    # meta
+    SOFTCAP: tl.constexpr, T_SOFTCAP: tl.constexpr, TEMPERATURE: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr,
+):
+    """``TILES [2, C, n_tiles]``: per tile ``sum q (u - log m)`` and ``sum p (s - log m)`` with ``s = log p``,
+    ``u = log q`` from the global statistics and ``log m = logaddexp(log(1 - beta) + s, log beta + u)``."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rm < C
+    if EVEN_N:
+        mask = row_ok[:, None]
+    else:
+        mask = row_ok[:, None] & (rn < V)[None, :]
+    _, z, y, _ = _distill_load(Z, Y, rm, rn, mask, stride_zm, stride_ym, softcap, t_softcap, inv_t,
+                               SOFTCAP, T_SOFTCAP, TEMPERATURE)
+    s = (z - tl.load(RM_Z + rm, mask=row_ok, other=0.0)[:, None]) - tl.load(RLS_Z + rm, mask=row_ok, other=0.0)[:, None]
+    u = (y - tl.load(RM_Y + rm, mask=row_ok, other=0.0)[:, None]) - tl.load(RLS_Y + rm, mask=row_ok, other=0.0)[:, None]
+    if not EVEN_N:
+        pad = tl.where(rn < V, 0.0, float("-inf"))[None, :]
+        s = s + pad
+        u = u + pad
+    log_m = _logaddexp(s + log_1m_beta, u + log_beta)
+    p = tl.exp(s)
+    q = tl.exp(u)
+    stat = rm.to(tl.int64) * n_tiles + pid_n
+    tl.store(TILES + stat, tl.sum(tl.where(q == 0.0, 0.0, q * (u - log_m)), axis=1), mask=row_ok)
+    tl.store(TILES + plane + stat, tl.sum(tl.where(p == 0.0, 0.0, p * (s - log_m)), axis=1), mask=row_ok)
+
+
+@triton.jit
+def _distill_grad_kernel(
+    # pointers
+    Z, Y, G, TL, RM_Z, RLS_Z, RM_Y, RLS_Y, RE, RM1, RLS1, RQ1, KD, CEW,
+    # shapes
+    C, V,
+    # strides
+    stride_zm, stride_ym, stride_gm,
+    # options
+    softcap, t_softcap, inv_t, one_m_beta, log_beta, log_1m_beta,
+    # meta
+    SOFTCAP: tl.constexpr, T_SOFTCAP: tl.constexpr, TEMPERATURE: tl.constexpr, KIND: tl.constexpr,
+    CE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """``G = dL/dx`` (KIND 0: forward KL, 1: reverse KL, 2: JSD), ``G`` may alias ``Z``::
+
+        g = KD (p - q | p ((z - y) - E) | (1 - beta) p ((s - log m) - K_p)) + CEW (p1 - [j = t])
+        times the soft cap's derivative; the target's ``p1 - 1`` is ``-q1`` (exact for confident tokens)."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rm < C
+    mask = row_ok[:, None] & (rn < V)[None, :]  # padding columns are computed like the others, never stored
+    z1, z, y, dcap = _distill_load(Z, Y, rm, rn, mask, stride_zm, stride_ym, softcap, t_softcap, inv_t,
+                                   SOFTCAP, T_SOFTCAP, TEMPERATURE)
+    # -- the divergence's gradient with respect to the tempered logits (p = 0: no 0 * inf) --
+    s = (z - tl.load(RM_Z + rm, mask=row_ok, other=0.0)[:, None]) - tl.load(RLS_Z + rm, mask=row_ok, other=0.0)[:, None]
+    p = tl.exp(s)
+    if KIND != 1:
+        u = (y - tl.load(RM_Y + rm, mask=row_ok, other=0.0)[:, None]) - tl.load(RLS_Y + rm, mask=row_ok,
+                                                                                other=0.0)[:, None]
+    if KIND == 0:
+        g = p - tl.exp(u)
+    else:
+        e = tl.load(RE + rm, mask=row_ok, other=0.0)[:, None]
+        if KIND == 1:
+            g = tl.where(p == 0.0, 0.0, p * ((z - y) - e))
+        else:
+            log_m = _logaddexp(s + log_1m_beta, u + log_beta)
+            g = tl.where(p == 0.0, 0.0, one_m_beta * p * ((s - log_m) - e))
+    g = g * tl.load(KD + rm, mask=row_ok, other=0.0)[:, None]
+    # -- the cross-entropy's on the untempered logits --
+    if CE:
+        t = tl.load(TL + rm, mask=row_ok, other=-1)
+        p1 = tl.exp((z1 - tl.load(RM1 + rm, mask=row_ok, other=0.0)[:, None])
+                    - tl.load(RLS1 + rm, mask=row_ok, other=0.0)[:, None])
+        p1 = tl.where(rn[None, :] == t[:, None], -tl.load(RQ1 + rm, mask=row_ok, other=0.0)[:, None], p1)
+        g = g + tl.load(CEW + rm, mask=row_ok, other=0.0)[:, None] * p1
+    if SOFTCAP:
+        g = g * dcap
+    tl.store(G + rm.to(tl.int64)[:, None] * stride_gm + rn.to(tl.int64)[None, :], g.to(G.dtype.element_ty),
+             mask=mask)
+
+
+def _distill_blocks(x: torch.Tensor) -> tuple[int, int, int]:
+    """``(BLOCK_M, BLOCK_N, num_warps)`` of the distillation's bandwidth kernels: probs_to_grad_'s shape on a GPU
+    (16 x 256, 8 warps), a small one under the interpreter."""
+    if INTERPRET or not x.is_cuda:
+        return 32, 32, 4
+    return 16, 256, 8
+
+
+def distill_tile_n(x: torch.Tensor) -> int:
+    """Columns per statistics tile of the distillation kernels for logits like ``x``."""
+    return _distill_blocks(x)[1]
+
+
+def _distill_options(softcap, t_softcap, inv_t) -> dict:
+    return dict(softcap=float(softcap or 1.0), t_softcap=float(t_softcap or 1.0), inv_t=float(inv_t),
+                SOFTCAP=softcap is not None, T_SOFTCAP=t_softcap is not None, TEMPERATURE=inv_t != 1.0)
+
+
+def _check_pair(z: torch.Tensor, y: torch.Tensor):
+    if z.shape != y.shape or z.stride(1) != 1 or y.stride(1) != 1:
+        raise RuntimeError(f"vpce: distillation logits must be equal-shaped with unit column stride, got "
+                           f"{tuple(z.shape)}/{z.stride()} and {tuple(y.shape)}/{y.stride()}")
+
+
+def distill_stats(z, y, t_local, packed, *, kl: int, ce: bool, softcap, t_softcap, inv_t):
+    """This shard's packed statistics of a chunk into ``packed [R, C]`` (fp32, contiguous), rows as
+    ``vpce.distill`` packs them: student max, sum of exp; teacher max, sum of exp; [the KL's weighted sum, ``kl``
+    1: forward, 2: reverse]; [with ``ce``: the untempered student's max, sum of exp but the target's, target
+    logit (``t_local``: int32 local column, -1 where the target is not in this shard)]. ``z``, ``y``: the
+    student's and the teacher's logits ``[C, V]`` before the caps and the temperature."""
+    _check_pair(z, y)
+    c, v = z.shape
+    ce_at = 4 + (kl != 0)
+    if ce:
+        packed[ce_at + 2].fill_(float("-inf"))  # the target's row: stored only by the tile that holds it
+    if c == 0 or v == 0:
+        return
+    bm, bn, warps = _distill_blocks(z)
+    n_tiles = triton.cdiv(v, bn)
+    tiles = torch.empty(ce_at + 2 * ce, c, n_tiles, dtype=torch.float32, device=z.device)
+    _distill_stats_kernel[(triton.cdiv(c, bm), n_tiles)](
+        z, y, t_local, tiles, packed[ce_at + 2] if ce else packed, c, v, n_tiles, c * n_tiles, z.stride(0), y.stride(0),
+        **_distill_options(softcap, t_softcap, inv_t), KL=kl, CE=ce, CE_AT=ce_at, BLOCK_M=bm, BLOCK_N=bn,
+        num_warps=warps)
+    block_c = 16 if INTERPRET or not z.is_cuda else 64
+    _distill_reduce_kernel[(triton.cdiv(c, block_c),)](tiles, packed, c, n_tiles, c * n_tiles, SUMS=0, KL=kl, CE=ce,
+                                                        CE_AT=ce_at, BLOCK_C=block_c, BLOCK_T=32, num_warps=4)
+
+
+def distill_mixture(z, y, m_z, log_s_z, m_y, log_s_y, *, beta: float, softcap, t_softcap, inv_t) -> torch.Tensor:
+    """The JSD's second pass on this shard: ``[K_q, K_p]`` partial sums ``[2, C]`` fp32 from the chunk's logits
+    and the global per-row statistics (each head's max and ``log S``)."""
+    _check_pair(z, y)
+    c, v = z.shape
+    out = torch.zeros(2, c, dtype=torch.float32, device=z.device)
+    if c == 0 or v == 0:
+        return out
+    bm, bn, warps = _distill_blocks(z)
+    n_tiles = triton.cdiv(v, bn)
+    tiles = torch.empty(2, c, n_tiles, dtype=torch.float32, device=z.device)
+    _distill_mixture_kernel[(triton.cdiv(c, bm), n_tiles)](
+        z, y, m_z, log_s_z, m_y, log_s_y, tiles, c, v, n_tiles, c * n_tiles, z.stride(0), y.stride(0),
+        **_distill_options(softcap, t_softcap, inv_t), log_beta=math.log(beta), log_1m_beta=math.log1p(-beta),
+        BLOCK_M=bm, BLOCK_N=bn, num_warps=warps)
+    block_c = 16 if INTERPRET or not z.is_cuda else 64
+    _distill_reduce_kernel[(triton.cdiv(c, block_c),)](tiles, out, c, n_tiles, c * n_tiles, SUMS=2, KL=0, CE=False,
+                                                        CE_AT=0, BLOCK_C=block_c, BLOCK_T=32, num_warps=4)
+    return out
+
+
+def distill_grad_(z, y, g, t_local, rows, kd, ce, *, kind: int, beta: float, softcap, t_softcap, inv_t):
+    """The student's ``dL/dx`` of a chunk (or a vocab block: ``t_local`` relative to its first column) into ``g``
+    (may alias ``z``), in ``g``'s dtype. ``rows``: ``vpce.distill.DistillRows`` of the chunk's tokens (fp32);
+    ``kd`` the divergence's per-row weight (the ``1/T`` folded in), ``ce`` the cross-entropy's or None; ``kind``
+    0 forward KL, 1 reverse KL, 2 JSD."""
+    _check_pair(z, y)
+    c, v = z.shape
+    if c == 0 or v == 0:
+        return
+    bm, bn, warps = _distill_blocks(z)
+    pick = lambda t: kd if t is None else t  # noqa: E731
+    _distill_grad_kernel[(triton.cdiv(c, bm), triton.cdiv(v, bn))](
+        z, y, g, t_local, rows.m_z, rows.log_s_z, rows.m_y, rows.log_s_y, pick(rows.e), pick(rows.m1),
+        pick(rows.log_s1), pick(rows.q1), kd, pick(ce), c, v, z.stride(0), y.stride(0), g.stride(0),
+        **_distill_options(softcap, t_softcap, inv_t), one_m_beta=1.0 - beta,
+        log_beta=math.log(beta) if beta > 0 else float("-inf"), log_1m_beta=math.log1p(-beta) if beta < 1 else
+        float("-inf"), KIND=kind, CE=ce is not None, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps)
