@@ -55,7 +55,7 @@ backward needs no statistics exchange. ``dX`` is this shard's part, summed over 
 ``vpce.parallel.enter_vocab_parallel``.
 
 This module is the torch backend (CPU, or ``backend="torch"``): the live data is a few fp32 ``[C, V_local]``
-chunk tensors, never ``[N, V]``. The Triton backend (``vpce.distill_triton``; ``backend="auto"`` on CUDA) computes
+chunk tensors, never ``[N, V]``. The Triton backend (``vpce.distill_triton``; ``backend="triton"``) computes
 the same statistics with bandwidth-bound kernels over cuBLAS-written logits and exchanges them through the same
 ``exchange_chunk_stats``.
 """
@@ -200,15 +200,15 @@ def _weighted(e: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     return torch.where(e == 0, 0.0, e * d).sum(1)
 
 
-def _rows_layout(o: DistillOptions) -> tuple[int, int]:
+def rows_layout(o: DistillOptions) -> tuple[int, int]:
     """Packed rows: student max, sum; teacher max, sum; [the KL's weighted sum]; [CE max, sum, target logit]."""
     kl = 1 if o.kind in ("forward_kl", "reverse_kl") else 0
     return 4 + kl, 4 + kl + (3 if o.ce_weight > 0 else 0)
 
 
-def _local_stats(z1, y, tg: TokenTargets, sl: slice, o: DistillOptions, c: int, acc, device) -> torch.Tensor:
+def local_stats(z1, y, tg: TokenTargets, sl: slice, o: DistillOptions, c: int, acc, device) -> torch.Tensor:
     """This rank's packed ``[R, c]`` statistics of the chunk (``z1 = None``: its rows are all padding)."""
-    ce_at, _ = _rows_layout(o)
+    ce_at, _ = rows_layout(o)
     if z1 is None:
         full = lambda value: torch.full((c,), value, dtype=acc, device=device)  # noqa: E731
         rows = [full(-math.inf), full(0.0), full(-math.inf), full(0.0)] + [full(0.0)] * (ce_at - 4)
@@ -246,7 +246,7 @@ def _combine_head(m_all: torch.Tensor, x_all: torch.Tensor, w_all: torch.Tensor 
 
 
 def _combiner(o: DistillOptions):
-    ce_at, _ = _rows_layout(o)
+    ce_at, _ = rows_layout(o)
 
     def combine(every: torch.Tensor, _n_sums: int, poison) -> DistillStats:
         """Every rank's packed statistics ``[W, R, C]`` -> ``DistillStats`` (the JSD's sums still to come)."""
@@ -279,7 +279,7 @@ def _mixture_sums(z1, y, st: DistillStats, o: DistillOptions) -> torch.Tensor:
 
 
 def exchange_chunk_stats(packed: torch.Tensor, mixture_sums, o: DistillOptions, call: Call) -> DistillStats:
-    """The chunk's global statistics from this shard's ``packed [R, c]`` (``_rows_layout``): one all-gather
+    """The chunk's global statistics from this shard's ``packed [R, c]`` (``rows_layout``): one all-gather
     (KLs) or two (JSD: ``mixture_sums(stats)`` gives this shard's ``[K_q, K_p]`` partial sums ``[2, c]`` from the
     first exchange's statistics) under a group, on every rank. Both backends go through here, so their
     collectives are the same ones in the same order."""
@@ -293,14 +293,14 @@ def exchange_chunk_stats(packed: torch.Tensor, mixture_sums, o: DistillOptions, 
 def _chunk_stats(z1, y, tg: TokenTargets, sl: slice, o: DistillOptions, call: Call, acc, device) -> DistillStats:
     """The torch backend's chunk statistics (``z1 = None``: this shard's rows are all padding)."""
     c = sl.stop - sl.start
-    packed = _local_stats(z1, y, tg, sl, o, c, acc, device)
+    packed = local_stats(z1, y, tg, sl, o, c, acc, device)
 
     def mixture_sums(st):
         return torch.zeros(2, c, dtype=acc, device=device) if z1 is None else _mixture_sums(z1, y, st, o)
     return exchange_chunk_stats(packed, mixture_sums, o, call)
 
 
-def _token_loss(st: DistillStats, o: DistillOptions) -> torch.Tensor:
+def token_loss(st: DistillStats, o: DistillOptions) -> torch.Tensor:
     """Per-token loss from the chunk's statistics (the ``lse`` difference formed from the maxima first)."""
     if o.kind == "forward_kl":
         d = st.e - ((st.m_y - st.m_z) + (st.log_s_y - st.log_s_z))
@@ -344,12 +344,12 @@ def _logit_grad(z1, y, rows: DistillRows, kd: torch.Tensor, ce: torch.Tensor | N
     return g
 
 
-def _row_weights(scale: torch.Tensor, o: DistillOptions) -> tuple[torch.Tensor, torch.Tensor | None]:
+def row_weights(scale: torch.Tensor, o: DistillOptions) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-row gradient weights from the row scale (upstream gradient x token weight; 0 ignored, NaN bad)."""
     return scale * (o.kd_scale * o.inv_t), (scale * o.ce_weight) if o.ce_weight > 0 else None
 
 
-def _heads(weight, bias, t_weight, t_bias, v):
+def heads(weight, bias, t_weight, t_bias, v):
     cut = lambda x: None if x is None else x[:v]  # noqa: E731  (padding rows are never part of the softmax)
     return cut(weight), cut(bias), cut(t_weight), cut(t_bias)
 
@@ -361,7 +361,7 @@ def distill_forward(hidden, weight, bias, t_hidden, t_weight, t_bias, tg: TokenT
     n, d = hidden.shape
     acc = accumulation_dtype(hidden.dtype)
     v = call.shard.valid_rows
-    w, b, tw, tb = _heads(weight, bias, t_weight, t_bias, v)
+    w, b, tw, tb = heads(weight, bias, t_weight, t_bias, v)
     chunk = chunk_tokens(o.chunk_gib(), call.shard, hidden.dtype)
     fast = call.plan.route == "fast"
     keep = call.plan.route == "lean"
@@ -380,11 +380,11 @@ def distill_forward(hidden, weight, bias, t_hidden, t_weight, t_bias, tg: TokenT
             z1 = chunk_logits(hidden[sl], w, b, o.softcap, acc)
             y = chunk_logits(t_hidden[sl], tw, tb, o.teacher_softcap, acc, o.inv_t)
         st = _chunk_stats(z1, y, tg, sl, o, call, acc, hidden.device)
-        loss_tok[sl] = tg.token_loss(_token_loss(st, o), sl)
+        loss_tok[sl] = tg.token_loss(token_loss(st, o), sl)
         if keep:
             rows.store(sl, DistillRows.of(st, o))
         if fast and v > 0:
-            kd, ce = _row_weights(unit[sl], o)
+            kd, ce = row_weights(unit[sl], o)
             g = _logit_grad(z1, y, DistillRows.of(st, o), kd, ce, tg.idx[sl], tg.in_shard[sl], o)
             accumulate_grads(g, hidden[sl], w, sl, dx, dw, db)
             del g
@@ -397,13 +397,13 @@ def distill_recompute_grads(hidden, weight, bias, t_hidden, t_weight, t_bias, tg
     """dX, dW, db from both heads' logits recomputed chunk by chunk, for per-token row scales ``scale``."""
     n, d = hidden.shape
     acc, dtype, v = rows.m_z.dtype, hidden.dtype, call.shard.valid_rows
-    w, b, tw, tb = _heads(weight, bias, t_weight, t_bias, v)
+    w, b, tw, tb = heads(weight, bias, t_weight, t_bias, v)
     need_dx, need_dw, need_db = call.needs_grad
     chunk = chunk_tokens(o.chunk_gib(), call.shard, dtype)
     dx = torch.zeros(n, d, dtype=acc, device=hidden.device) if need_dx else None
     dw = torch.zeros(v, d, dtype=acc, device=hidden.device) if need_dw else None
     db = torch.zeros(v, dtype=acc, device=hidden.device) if need_db and bias is not None else None
-    kd, ce = _row_weights(scale, o)
+    kd, ce = row_weights(scale, o)
     if v > 0:
         for c0 in range(0, n, chunk):
             sl = slice(c0, min(n, c0 + chunk))
@@ -425,7 +425,7 @@ _TORCH = SimpleNamespace(distill_forward=distill_forward, distill_recompute_grad
                          scale_cast=scale_cast)
 
 
-def _backend(call: Call):
+def backend_of(call: Call):
     """The call's backend's ``distill_forward``, ``distill_recompute_grads`` and ``scale_cast``: the module
     ``vpce.distill_triton``, or the torch backend's above."""
     if call.plan.backend == "triton":
@@ -442,7 +442,7 @@ class LinearDistillationFunction(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, t_hidden, t_weight, t_bias, target, token_weight, o: DistillOptions,
                 call: Call):
         tg = TokenTargets(target, call.shard, o.ignore_index, token_weight)
-        forward = _backend(call).distill_forward
+        forward = backend_of(call).distill_forward
         loss_tok, rows, fast = forward(hidden, weight, bias, t_hidden, t_weight, t_bias, tg, o, call)
         ctx.o, ctx.call, ctx.fast = o, call, fast  # fast: None after its one use
         ctx.denominator = tg.denominator(loss_tok.dtype)
@@ -467,14 +467,14 @@ class LinearDistillationFunction(torch.autograd.Function):
             hidden, weight, bias, t_hidden, t_weight, t_bias, target, token_weight, *rows = ctx.saved_tensors
             tg = TokenTargets(target, call.shard, o.ignore_index, token_weight)
             scale = tg.row_scale(g.expand(hidden.shape[0]) if g.dim() == 0 else g.reshape(-1))
-            recompute = _backend(call).distill_recompute_grads
+            recompute = backend_of(call).distill_recompute_grads
             return (*recompute(hidden, weight, bias, t_hidden, t_weight, t_bias, tg, DistillRows(*rows), scale, o,
                                call), *none)
         if ctx.fast is None:
             raise RuntimeError("vpce: this loss formed its gradients in forward and they were already used; for "
                                "a second backward pass use memory_budget='lean'")
         grads, ctx.fast = ctx.fast, None
-        return (*finish_fast_grads(grads, g, ctx.dtype, ctx.rows, None, _backend(call).scale_cast), *none)
+        return (*finish_fast_grads(grads, g, ctx.dtype, ctx.rows, None, backend_of(call).scale_cast), *none)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -585,8 +585,9 @@ def linear_distillation_loss(hidden, weight, teacher_hidden, teacher_weight, tar
         group, vocab_start, vocab_size, sequence_parallel, validate: as in ``linear_cross_entropy``; both heads are
             sharded over ``group`` with the same rows. Under ``sequence_parallel`` both hidden states are this
             rank's slices.
-        backend: ``"auto"`` (Triton on CUDA, torch otherwise), ``"triton"`` or ``"torch"`` (the chunked PyTorch
-            backend; float64 too).
+        backend: ``"auto"`` (for now the torch backend everywhere: the Triton backend has run only through
+            Triton's CPU interpreter so far, never compiled for and timed on a GPU), ``"triton"`` or ``"torch"`` (the
+            chunked PyTorch backend; float64 too).
         memory_budget: ``"auto"``/``"fast"`` (gradients formed in forward), ``"lean"`` (recomputed in backward),
             or GiB of live chunk data.
 
@@ -639,7 +640,7 @@ def linear_distillation_loss(hidden, weight, teacher_hidden, teacher_weight, tar
 
     h2, weight2, bias2, target, call = prepare_call(
         "distill", hidden, weight, target, bias, group=group, vocab_start=vocab_start, vocab_size=vocab_size,
-        sequence_parallel=sequence_parallel, backend=backend,
+        sequence_parallel=sequence_parallel, backend="torch" if backend == "auto" else backend,
         validate=validate, ignore_index=(ignore_index if isinstance(ignore_index, int) else -100) if has_target
         else -1, local_checks=checks_with_student, plan=plan, fields=fields)
     o = box["o"]

@@ -37,10 +37,10 @@ from __future__ import annotations
 import torch
 
 from . import kernels
-from .distill import DistillOptions, DistillRows, _heads, _local_stats, _row_weights, _rows_layout, _token_loss, \
+from .distill import DistillOptions, DistillRows, heads, local_stats, row_weights, rows_layout, token_loss, \
     exchange_chunk_stats
 from .gemm import addmm_out_, mm_into, mm_out
-from .grads import FastGrads, pad_rows
+from .grads import FastGrads, add_block, pad_rows
 from .parallel import HiddenGradReduce, gather_sequence
 from .routing import Call
 from .targets import TokenTargets
@@ -105,9 +105,9 @@ def _chunk_stats(z, y, t_local, tg: TokenTargets, sl: slice, o: DistillOptions, 
     c = sl.stop - sl.start
     dev = tg.idx.device
     if z is None:
-        packed = _local_stats(None, None, tg, sl, o, c, torch.float32, dev)
+        packed = local_stats(None, None, tg, sl, o, c, torch.float32, dev)
     else:
-        packed = torch.empty(_rows_layout(o)[1], c, dtype=torch.float32, device=dev)
+        packed = torch.empty(rows_layout(o)[1], c, dtype=torch.float32, device=dev)
         kernels.distill_stats(z, y, t_local, packed, kl=_KL[o.kind], ce=o.ce_weight > 0, **_kernel_options(o))
 
     def mixture_sums(st):
@@ -135,7 +135,7 @@ def distill_forward(hidden, weight, bias, t_hidden, t_weight, t_bias, tg: TokenT
     n, d = hidden.shape
     dev, dtype = hidden.device, hidden.dtype
     v = shard.valid_rows
-    w, b, tw, tb = _heads(weight, bias, t_weight, t_bias, v)
+    w, b, tw, tb = heads(weight, bias, t_weight, t_bias, v)
     fast, keep = plan.route == "fast", plan.route == "lean"
     chunk = min(max(n, 1), _chunk(_budget(o, fast, shard.columns_per_rank, d), shard.columns_per_rank, dtype))
     zbuf, ybuf = (_buffer(chunk * v if n else 0, dtype, dev) for _ in range(2))
@@ -159,13 +159,13 @@ def distill_forward(hidden, weight, bias, t_hidden, t_weight, t_bias, tg: TokenT
             _logits_into(z, hidden[sl], w, b)
             _logits_into(y, t_hidden[sl], tw, tb)
         st = _chunk_stats(z, y, t_local[sl], tg, sl, o, call)
-        loss_tok[sl] = tg.token_loss(_token_loss(st, o), sl)
+        loss_tok[sl] = tg.token_loss(token_loss(st, o), sl)
         if keep:
             rows.store(sl, DistillRows.of(st, o))
         if not fast:
             continue
         if v > 0:
-            kd, ce = _row_weights(unit[sl], o)
+            kd, ce = row_weights(unit[sl], o)
             _grad_(z, y, t_local[sl], DistillRows.of(st, o), kd, ce, o)
             if dx is not None:
                 mm_into(dx[sl], z, w)
@@ -192,9 +192,9 @@ def distill_recompute_grads(hidden, weight, bias, t_hidden, t_weight, t_bias, tg
     n, d = hidden.shape
     dev, dtype = hidden.device, hidden.dtype
     v, n_rows = call.shard.valid_rows, weight.shape[0]
-    w, b, tw, tb = _heads(weight, bias, t_weight, t_bias, v)
+    w, b, tw, tb = heads(weight, bias, t_weight, t_bias, v)
     need_dx, need_dw, need_db = call.needs_grad
-    kd, ce = _row_weights(scale, o)
+    kd, ce = row_weights(scale, o)
     t_local = _local_targets(tg)
     token_major = 0 < v < n
     nb = max(1, min(n, LEAN_TOKEN_BLOCK) if token_major else n)
@@ -226,19 +226,8 @@ def distill_recompute_grads(hidden, weight, bias, t_hidden, t_weight, t_bias, tg
             _logits_into(z, h, w[v0:v1], None if b is None else b[v0:v1])
             _logits_into(y, t_hidden[tok], tw[v0:v1], None if tb is None else tb[v0:v1])
             _grad_(z, y, t_local[tok] - v0, block_rows, kd[tok], None if ce is None else ce[tok], o)
-            if dw is not None and token_major:
-                addmm_out_(dw[v0:v1], z.t(), h)  # fp32, summed over the token blocks
-            elif dw is not None:
-                torch.mm(z.t(), h, out=dw[v0:v1])  # the block's dW over all tokens: one GEMM, one rounding
-            if dx is not None and not token_major:
-                addmm_out_(dx, z, w[v0:v1])
-            elif dx is not None and dx_acc is None:
-                torch.mm(z, w[v0:v1], out=dx[tok])  # the whole vocab in one block: one GEMM, one rounding
-            elif dx is not None:
-                acc = dx_acc[: n1 - n0]
-                mm_into(acc, z, w[v0:v1]) if v0 == 0 else addmm_out_(acc, z, w[v0:v1])
-            if db is not None:
-                db[v0:v1] += z.sum(0, dtype=torch.float32)
+            add_block(z, h, w[v0:v1], slice(v0, v1), tok, dx=dx, dx_acc=dx_acc, dw=dw, db=db,
+                      token_major=token_major)
         if dx_acc is not None and dx is not None:
             dx[tok] = dx_acc[: n1 - n0]
     if dx is not None and dx.dtype != dtype:

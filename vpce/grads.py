@@ -13,7 +13,10 @@ from typing import Callable, NamedTuple
 
 import torch
 
-__all__ = ["FastGrads", "finish_fast_grads", "check_main_grad", "pad_rows", "weight_grad", "weight_grad_to_main"]
+from .gemm import addmm_out_, mm_into
+
+__all__ = ["FastGrads", "finish_fast_grads", "check_main_grad", "pad_rows", "weight_grad", "weight_grad_to_main",
+           "add_block"]
 
 
 class FastGrads(NamedTuple):
@@ -74,3 +77,27 @@ def finish_fast_grads(grads: FastGrads, g: torch.Tensor, dtype: torch.dtype, row
     if main_weight is not None:  # fp32 straight into main_grad, never rounded
         return dx, weight_grad_to_main(main_weight, None if dw is None else dw.mul_(g).float()), db
     return dx, None if dw is None else pad_rows(scale_cast(dw, g, dtype), rows, dtype), db
+
+
+def add_block(gz: torch.Tensor, h: torch.Tensor, w_block: torch.Tensor, vs: slice, tok: slice, *, dx, dx_acc, dw, db,
+              token_major: bool, main_grad=None):
+    """One recomputed gradient block ``gz = dL/dz [tok, vs]`` of a lean backward into its results, in the order
+    the caller walks (``vpce.triton_backend.recompute_grads`` says which accumulator each order keeps):
+    vocab-major: the block's dW in one GEMM over all tokens, dX summed in fp32; token-major: dW summed in fp32 (or
+    into ``main_grad``), dX in one GEMM when the vocab is one block (``dx_acc`` None), else summed in ``dx_acc``;
+    ``db`` summed in fp32."""
+    if main_grad is not None:
+        addmm_out_(main_grad[vs], gz.t(), h)  # fp32 accumulation into main_grad
+    elif dw is not None and token_major:
+        addmm_out_(dw[vs], gz.t(), h)  # fp32, summed over the token blocks
+    elif dw is not None:
+        torch.mm(gz.t(), h, out=dw[vs])  # the block's dW over all tokens: one GEMM, one rounding
+    if dx is not None and not token_major:
+        addmm_out_(dx, gz, w_block)
+    elif dx is not None and dx_acc is None:
+        torch.mm(gz, w_block, out=dx[tok])  # the whole vocab in one block: one GEMM, one rounding
+    elif dx is not None:
+        acc = dx_acc[: gz.shape[0]]
+        mm_into(acc, gz, w_block) if vs.start == 0 else addmm_out_(acc, gz, w_block)
+    if db is not None:
+        db[vs] += gz.sum(0, dtype=torch.float32)

@@ -115,16 +115,21 @@ def _setup_context(ctx, inputs, output):
         ctx.save_for_backward(hidden, weight, bias, target, token_weight, class_weight, m, log_s, q, denominator)
 
 
+def _scale_held(ctx, grad_loss):
+    """The fast route's held fp32 ``dX``, ``dW``, ``db`` times the upstream gradient (over the denominator for
+    ``mean``), in the inputs' dtype, ``dW``/``db`` padded to the weight's rows."""
+    denominator, dx, dw, db = ctx.saved_tensors
+    g = grad_loss / denominator if ctx.reduction == "mean" else grad_loss
+    pad = lambda t: F.pad(t, (0, 0) * (t.dim() - 1) + (0, ctx.rows - t.shape[0]))  # noqa: E731
+    return (dx * g).to(ctx.dtype), pad((dw * g).to(ctx.dtype)), pad((db * g).to(ctx.dtype))
+
+
 def _backward(ctx, grad_loss, *_unused):
     nones = (None,) * (len(ctx.args) + 3)  # target, token_weight, class_weight and the options
     if not ctx.fast:
         dx, dw, db = torch.ops.vpce.linear_cross_entropy_backward(*ctx.saved_tensors, grad_loss, *ctx.args)
     else:
-        denominator, dx, dw, db = ctx.saved_tensors
-        g = grad_loss / denominator if ctx.reduction == "mean" else grad_loss
-        pad = lambda t: F.pad(t, (0, 0) * (t.dim() - 1) + (0, ctx.rows - t.shape[0]))  # noqa: E731
-        dx = (dx * g).to(ctx.dtype)
-        dw, db = pad((dw * g).to(ctx.dtype)), pad((db * g).to(ctx.dtype))
+        dx, dw, db = _scale_held(ctx, grad_loss)
     needs = ctx.needs
     return (dx if needs[0] else None, dw if needs[1] else None, db if needs[2] else None) + nones
 
@@ -178,12 +183,12 @@ def _distill_forward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], t_h
                                                                   Tensor]:
     """(loss, the ``mean`` denominator, the lean route's eight ``DistillRows`` tensors, the fast route's
     ``dX``, ``dW``, ``db``); what a route does not produce is an empty tensor."""
-    from .distill import _backend
+    from .distill import backend_of
 
     o, call = _distill_call(backend, kind, beta, inv_t, kd_scale, ce_weight, ignore_index, reduction, softcap,
                             teacher_softcap, memory_budget, vocab_size, needs, weight)
     tg = TokenTargets(target, call.shard, o.ignore_index, token_weight)
-    loss_tok, rows, fast = _backend(call).distill_forward(hidden, weight, bias, t_hidden, t_weight, t_bias, tg, o,
+    loss_tok, rows, fast = backend_of(call).distill_forward(hidden, weight, bias, t_hidden, t_weight, t_bias, tg, o,
                                                           call)
     empty = lambda: hidden.new_empty(0, dtype=accumulation_dtype(hidden.dtype))  # noqa: E731 - fresh per output
     rows = tuple(empty() if r is None else r for r in rows) if rows is not None else tuple(empty() for _ in range(8))
@@ -215,7 +220,7 @@ def _distill_recompute(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], t
                        inv_t: float, kd_scale: float, ce_weight: float, ignore_index: int, reduction: str,
                        softcap: Optional[float], teacher_softcap: Optional[float], memory_budget: str,
                        vocab_size: int, needs: list[bool]) -> tuple[Tensor, Tensor, Tensor]:
-    from .distill import _backend
+    from .distill import backend_of
 
     o, call = _distill_call(backend, kind, beta, inv_t, kd_scale, ce_weight, ignore_index, reduction, softcap,
                             teacher_softcap, memory_budget, vocab_size, needs, weight)
@@ -225,7 +230,7 @@ def _distill_recompute(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], t
     tg = TokenTargets(target, call.shard, o.ignore_index, token_weight)
     scale = tg.row_scale(g.expand(hidden.shape[0]) if g.dim() == 0 else g.reshape(-1))
     rows = _distill_rows(o, (m_z, log_s_z, m_y, log_s_y, e, m1, log_s1, q1))
-    dx, dw, db = _backend(call).distill_recompute_grads(hidden, weight, bias, t_hidden, t_weight, t_bias, tg, rows,
+    dx, dw, db = backend_of(call).distill_recompute_grads(hidden, weight, bias, t_hidden, t_weight, t_bias, tg, rows,
                                                         scale, o, call)
     empty = lambda: hidden.new_empty(0)  # noqa: E731
     return (empty() if dx is None else dx, empty() if dw is None else dw, empty() if db is None else db)
@@ -262,11 +267,7 @@ def _distill_backward(ctx, grad_loss, *_unused):
     if not ctx.fast:
         dx, dw, db = torch.ops.vpce.linear_distillation_loss_backward(*ctx.saved_tensors, grad_loss, *ctx.args)
     else:
-        denominator, dx, dw, db = ctx.saved_tensors
-        g = grad_loss / denominator if ctx.reduction == "mean" else grad_loss
-        pad = lambda t: F.pad(t, (0, 0) * (t.dim() - 1) + (0, ctx.rows - t.shape[0]))  # noqa: E731
-        dx = (dx * g).to(ctx.dtype)
-        dw, db = pad((dw * g).to(ctx.dtype)), pad((db * g).to(ctx.dtype))
+        dx, dw, db = _scale_held(ctx, grad_loss)
     needs = ctx.needs
     return (dx if needs[0] else None, dw if needs[1] else None, db if needs[2] else None) + nones
 

@@ -44,7 +44,7 @@ import torch
 from . import kernels
 from .formulas import Coefficients, RowStats, ce_coefficients, ce_token_outputs
 from .gemm import addmm_out_, mm_into, mm_out
-from .grads import FastGrads, weight_grad
+from .grads import FastGrads, add_block, weight_grad
 from .options import LogProbOptions, LossOptions
 from .parallel import HiddenGradReduce, RankStats, gather_sequence, start_stats_exchange
 from .routing import Call
@@ -211,21 +211,8 @@ def recompute_grads(hidden, weight, bias, tg: TokenTargets, rows: RowStats, coef
             kernels.logits_tiles(h, weight[v0:v1], None if bias is None else bias[v0:v1], tl_local[tok] - v0,
                                  softcap=softcap, inv_t=inv_t, p=gz, rows=per_row, coef=coef.rows(tok),
                                  class_weight=None if cw is None else cw[v0:v1])
-            if into_main:
-                addmm_out_(main_weight.main_grad[v0:v1], gz.t(), h)  # fp32 accumulation into main_grad
-            elif dw is not None and token_major:
-                addmm_out_(dw[v0:v1], gz.t(), h)  # fp32, summed over the token blocks
-            elif dw is not None:
-                torch.mm(gz.t(), h, out=dw[v0:v1])  # the block's dW over all tokens: one GEMM, one rounding
-            if dx is not None and not token_major:
-                addmm_out_(dx, gz, weight[v0:v1])
-            elif dx is not None and dx_acc is None:
-                torch.mm(gz, weight[v0:v1], out=dx[tok])  # the whole vocab in one block: one GEMM, one rounding
-            elif dx is not None:
-                acc = dx_acc[: n1 - n0]
-                mm_into(acc, gz, weight[v0:v1]) if v0 == 0 else addmm_out_(acc, gz, weight[v0:v1])
-            if db is not None:
-                db[v0:v1] += gz.sum(0, dtype=torch.float32)
+            add_block(gz, h, weight[v0:v1], slice(v0, v1), tok, dx=dx, dx_acc=dx_acc, dw=dw, db=db,
+                      token_major=token_major, main_grad=main_weight.main_grad if into_main else None)
         if dx_acc is not None and dx is not None:
             dx[tok] = dx_acc[: n1 - n0]
     if dx is not None and dx.dtype != dtype:
