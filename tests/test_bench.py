@@ -309,7 +309,9 @@ def test_profile_phases():
 
     expected = {
         "_logits_tiles_kernel": "logits tiles (fused GEMM + softmax stats)",
-        "_probs_to_grad_kernel": "probs -> grad",
+        "_stored_logits_kernel": "stored logits -> stats / grad",
+        "_target_logits_kernel": "stored logits -> stats / grad",
+        "_distill_grad_kernel": "distillation passes",
         "_scale_cast_kernel": "casts / copies",
         "Memcpy DtoD (Device -> Device)": "casts / copies",
         "ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)": "collectives",

@@ -45,8 +45,8 @@ try:  # host-side TMA descriptors (Triton >= 3.3)
 except ImportError:  # pragma: no cover - older Triton: pointer loads only
     TensorDescriptor = None
 
-__all__ = ["logits_tiles", "stored_logits", "target_logits", "reduce_tiles", "combine_rank_stats", "scale_cast", "tile_n",
-           "INTERPRET"]
+__all__ = ["logits_tiles", "stored_logits", "target_logits", "reduce_tiles", "combine_rank_stats", "scale_cast",
+           "tile_n", "INTERPRET"]
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -496,10 +496,11 @@ def logits_tiles(x, w, b, t_local, *, softcap=None, inv_t=1.0, tile_m=None, tile
 
     Stats mode (``rows is None``) fills ``tile_m``, ``tile_s`` (the max over every column, the sum of exp over
     every column but the target's; ``tile_z``: sum of every logit, ``tile_ez``: sum of exp * logit but the
-    target's) ``[M, n_tiles]`` and ``zt [M]`` (callers fill it with ``-inf``). Metrics: ``tile_sq`` gets the sum of ``exp(2 (z - m_t))`` but the target's,
-    ``tile_mb`` the max over the columns below ``before`` (int32 ``[M]``: how many of this shard's columns have a
-    lower global id than the target). Grad mode (``rows``: the global ``(M, lse, 1 - p_t)`` per row, and ``coef =
-    (a, b, c, d)``, per-row fp32 vectors, ``b``/``d`` may be None) writes the gradient into ``p``.
+    target's) ``[M, n_tiles]`` and ``zt [M]`` (callers fill it with ``-inf``). Metrics: ``tile_sq`` gets the sum
+    of ``exp(2 (z - m_t))`` but the target's, ``tile_mb`` the max over the columns below ``before`` (int32 ``[M]``:
+    how many of this shard's columns have a lower global id than the target). Grad mode (``rows``: the global
+    ``(M, lse, 1 - p_t)`` per row, and ``coef = (a, b, c, d)``, per-row fp32 vectors, ``b``/``d`` may be None)
+    writes the gradient into ``p``.
     ``class_weight`` (fp32 ``[V]``, per column): ``tile_z`` becomes the weighted sum ``sum w_j z_j`` and grad
     mode's ``d`` term ``d w_j``. ``config`` overrides the block shapes (for ``launch/tune_kernels.py``).
     """
@@ -559,7 +560,7 @@ def stored_logits(logits, b, t_local, *, softcap=None, inv_t=1.0, tile_m=None, t
     gpu = logits.is_cuda and not INTERPRET
     # 16 rows x 256 columns per program, 4 warps: 2.6 TB/s (stats) and 3.8 TB/s (gradient, read + write) on an H200
     # (launch/tune_kernels.py, 2026-11-23); 8 warps or 8-64 rows were slower
-    block_m = block_m or (16 if gpu else 8)
+    block_m = block_m or (16 if gpu else 32)  # the interpreter: fewer, larger programs
     _stored_logits_kernel[(triton.cdiv(m, block_m), n_tiles)](
         logits, pick(b), t_local, pick(tile_m), pick(tile_s), pick(tile_z), pick(tile_ez), pick(zt),
         pick(rm), pick(rls), pick(rq), pick(ca), pick(cb), pick(cc), pick(cd), pick(class_weight), pick(tile_sq),
@@ -580,7 +581,7 @@ def target_logits(x, w, b, t_local, zt, *, softcap=None, inv_t=1.0):
     if m == 0:
         return
     gpu = x.is_cuda and not INTERPRET
-    block_m, block_k = (16, 256) if gpu else (8, 32)
+    block_m, block_k = (16, 256) if gpu else (32, 32)
     _target_logits_kernel[(triton.cdiv(m, block_m),)](
         x, w, x if b is None else b, t_local, zt, m, d, x.stride(0), x.stride(1), w.stride(0), w.stride(1),
         float(softcap or 1.0), float(inv_t), HAS_BIAS=b is not None, SOFTCAP=softcap is not None,
@@ -916,8 +917,8 @@ def _distill_grad_kernel(
 
 
 def _distill_blocks(x: torch.Tensor) -> tuple[int, int, int]:
-    """``(BLOCK_M, BLOCK_N, num_warps)`` of the distillation's bandwidth kernels: probs_to_grad_'s shape on a GPU
-    (16 x 256, 8 warps), a small one under the interpreter."""
+    """``(BLOCK_M, BLOCK_N, num_warps)`` of the distillation's bandwidth kernels: 16 x 256 with 8 warps on a GPU
+    (the shape the cross-entropy's old P -> gradient pass was tuned to), a small one under the interpreter."""
     if INTERPRET or not x.is_cuda:
         return 32, 32, 4
     return 16, 256, 8

@@ -14,8 +14,9 @@ The profiled steps are timed as a whole too (CUDA events around them on CUDA, ``
 
 * **Per kernel** (on a CPU, per op): name, phase, calls per step, ms per step, % of the step.
 * **Per phase**: the kernels grouped by name with ``PHASES`` (the first pattern that matches names the phase;
-  ``other`` when none does): vpce's fused logits kernel, the cuBLAS (or CUTLASS) GEMMs, vpce's probs-to-grad
-  kernel, reductions and the statistics combine, casts and copies, collectives, elementwise kernels and fills. A
+  ``other`` when none does): vpce's fused logits kernel, the cuBLAS (or CUTLASS) GEMMs, vpce's two bandwidth
+  passes over stored logits (and the fp32 target logits), the distillation's passes, reductions and the statistics
+  combine, casts and copies, collectives, elementwise kernels and fills. A
   last line is the part of the step in no kernel: launch gaps, host work, synchronization (negative where
   kernels overlap, on two streams).
 
@@ -46,7 +47,8 @@ __all__ = ["PHASES", "OTHER", "phase_of", "profile_method", "format_profile", "r
 #: specific pattern goes above a general one. New kernels are added here.
 PHASES = (
     ("logits tiles (fused GEMM + softmax stats)", r"_logits_tiles_kernel"),
-    ("probs -> grad", r"_probs_to_grad_kernel"),
+    ("stored logits -> stats / grad", r"_stored_logits_kernel|_target_logits_kernel"),
+    ("distillation passes", r"_distill_\w+_kernel"),
     ("casts / copies", r"_scale_cast_kernel|memcpy|^aten::(copy_|_to_copy)$"),
     ("collectives", r"nccl|c10d::|gloo"),
     ("GEMMs (cuBLAS / CUTLASS)", r"gemm|sm90|cutlass|nvjet|^aten::(mm|addmm_?|bmm|baddbmm)$"),
