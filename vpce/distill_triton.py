@@ -39,7 +39,7 @@ import torch
 from . import kernels
 from .distill import DistillOptions, DistillRows, heads, local_stats, row_weights, rows_layout, token_loss, \
     exchange_chunk_stats
-from .gemm import addmm_out_, mm_into, mm_out
+from .gemm import addmm_out_, logits_into, mm_into, mm_out
 from .grads import FastGrads, add_block, pad_rows
 from .parallel import HiddenGradReduce, gather_sequence
 from .routing import Call
@@ -81,18 +81,6 @@ def _buffer(numel: int, dtype, device) -> torch.Tensor | None:
 def _view(buf: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     """A contiguous ``[rows, cols]`` view of the front of a flat buffer."""
     return buf[: rows * cols].view(rows, cols)
-
-
-def _logits_into(out: torch.Tensor, h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None):
-    """``out = h @ w.T (+ b)`` by cuBLAS, in ``out``'s (the inputs') dtype."""
-    if b is None:
-        torch.mm(h, w.t(), out=out)
-    else:
-        torch.addmm(b, h, w.t(), out=out)
-
-
-def _local_targets(tg: TokenTargets) -> torch.Tensor:
-    return torch.where(tg.in_shard, tg.idx, -1).to(torch.int32)
 
 
 def _kernel_options(o: DistillOptions) -> dict:
@@ -139,7 +127,7 @@ def distill_forward(hidden, weight, bias, t_hidden, t_weight, t_bias, tg: TokenT
     fast, keep = plan.route == "fast", plan.route == "lean"
     chunk = min(max(n, 1), _chunk(_budget(o, fast, shard.columns_per_rank, d), shard.columns_per_rank, dtype))
     zbuf, ybuf = (_buffer(chunk * v if n else 0, dtype, dev) for _ in range(2))
-    t_local = _local_targets(tg)
+    t_local = tg.local_columns()
     loss_tok = torch.empty(n, dtype=torch.float32, device=dev)
     rows = DistillRows.empty(n, o, torch.float32, dev) if keep else None
     dx = dw = db = reduce_dx = None
@@ -156,8 +144,8 @@ def distill_forward(hidden, weight, bias, t_hidden, t_weight, t_bias, tg: TokenT
         z = y = None
         if v > 0:
             z, y = _view(zbuf, c, v), _view(ybuf, c, v)
-            _logits_into(z, hidden[sl], w, b)
-            _logits_into(y, t_hidden[sl], tw, tb)
+            logits_into(z, hidden[sl], w, b)
+            logits_into(y, t_hidden[sl], tw, tb)
         st = _chunk_stats(z, y, t_local[sl], tg, sl, o, call)
         loss_tok[sl] = tg.token_loss(token_loss(st, o), sl)
         if keep:
@@ -195,7 +183,7 @@ def distill_recompute_grads(hidden, weight, bias, t_hidden, t_weight, t_bias, tg
     w, b, tw, tb = heads(weight, bias, t_weight, t_bias, v)
     need_dx, need_dw, need_db = call.needs_grad
     kd, ce = row_weights(scale, o)
-    t_local = _local_targets(tg)
+    t_local = tg.local_columns()
     token_major = 0 < v < n
     nb = max(1, min(n, LEAN_TOKEN_BLOCK) if token_major else n)
     gib = o.memory_budget if isinstance(o.memory_budget, float) else LEAN_GIB
@@ -223,8 +211,8 @@ def distill_recompute_grads(hidden, weight, bias, t_hidden, t_weight, t_bias, tg
         for v0 in range(0, v, vb):
             v1 = min(v, v0 + vb)
             z, y = _view(zbuf, n1 - n0, v1 - v0), _view(ybuf, n1 - n0, v1 - v0)
-            _logits_into(z, h, w[v0:v1], None if b is None else b[v0:v1])
-            _logits_into(y, t_hidden[tok], tw[v0:v1], None if tb is None else tb[v0:v1])
+            logits_into(z, h, w[v0:v1], None if b is None else b[v0:v1])
+            logits_into(y, t_hidden[tok], tw[v0:v1], None if tb is None else tb[v0:v1])
             _grad_(z, y, t_local[tok] - v0, block_rows, kd[tok], None if ce is None else ce[tok], o)
             add_block(z, h, w[v0:v1], slice(v0, v1), tok, dx=dx, dx_acc=dx_acc, dw=dw, db=db,
                       token_major=token_major)

@@ -15,7 +15,7 @@ import functools
 
 import torch
 
-__all__ = ["mm_out", "mm_into", "addmm_out_", "has_mixed_gemm"]
+__all__ = ["mm_out", "mm_into", "addmm_out_", "logits_into", "has_mixed_gemm"]
 
 _UPCAST_ELEMS = 1 << 24  # elements of ``b`` upcast at a time on the fallback path
 
@@ -69,3 +69,11 @@ def addmm_out_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Ten
     for k0 in range(0, a.shape[1], step):
         acc.addmm_(a[:, k0:k0 + step].to(acc.dtype), b[k0:k0 + step].to(acc.dtype))
     return acc
+
+
+def logits_into(out: torch.Tensor, h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """``out = h @ w.T (+ b)`` in ``out``'s (the inputs') dtype, the bias added before the one rounding, as
+    ``F.linear`` does (cuBLAS's bias epilogue)."""
+    if b is None:
+        return torch.mm(h, w.t(), out=out)
+    return torch.addmm(b, h, w.t(), out=out)

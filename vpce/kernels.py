@@ -270,6 +270,20 @@ def _logits_tiles_kernel(
                  IEEE, TMA, HAS_CW, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, SUM_SQ, TOP1)
 
 
+@triton.jit
+def _program_tile(C, V, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr):
+    """This program's rows ``rm`` and columns ``rn`` of a ``[C, V]`` buffer (2-D grid), the row mask, and the tile's
+    load/store mask (no column mask where every tile is whole)."""
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rm < C
+    if EVEN_N:
+        mask = row_ok[:, None]
+    else:
+        mask = row_ok[:, None] & (rn < V)[None, :]
+    return rm, rn, row_ok, mask
+
+
 @triton.heuristics({"EVEN_N": lambda a: a["V"] % a["BLOCK_N"] == 0})
 @triton.jit
 def _stored_logits_kernel(
@@ -288,17 +302,11 @@ def _stored_logits_kernel(
 ):
     """The epilogue over logits a GEMM already wrote to ``L`` (one stats tile per program): stats mode reads the
     tile, grad mode overwrites it with the gradient."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm, rn, _, mask = _program_tile(M, V, BLOCK_M, BLOCK_N, EVEN_N)
     offs = rm.to(tl.int64)[:, None] * stride_lm + rn.to(tl.int64)[None, :] * stride_ln
-    if EVEN_N:
-        acc = tl.load(L + offs, mask=(rm < M)[:, None], other=0.0).to(tl.float32)
-    else:
-        acc = tl.load(L + offs, mask=(rm < M)[:, None] & (rn < V)[None, :], other=0.0).to(tl.float32)
-    _epilogue(acc, rm, rn, pid_n, BIAS, TL, TILE_M, TILE_S, TILE_Z, TILE_EZ, ZT, L, RM, RLSE, RQ, CA, CB, CC, CD, CW,
-              TILE_SQ, TILE_MB, TB, M, V, n_tiles, stride_lm, stride_ln, softcap, inv_t, HAS_BIAS, SOFTCAP,
+    acc = tl.load(L + offs, mask=mask, other=0.0).to(tl.float32)
+    _epilogue(acc, rm, rn, tl.program_id(1), BIAS, TL, TILE_M, TILE_S, TILE_Z, TILE_EZ, ZT, L, RM, RLSE, RQ, CA, CB,
+              CC, CD, CW, TILE_SQ, TILE_MB, TB, M, V, n_tiles, stride_lm, stride_ln, softcap, inv_t, HAS_BIAS, SOFTCAP,
               TEMPERATURE, GRAD, SUM_Z, SUM_EZ, HAS_CB, HAS_CD, HAS_CW, EVEN_N, SUM_SQ, TOP1, BLOCK_N, True)
 
 
@@ -674,6 +682,12 @@ def _max_exp(z):
 
 
 @triton.jit
+def _row_log_probs(x, RM, RLS, rm, row_ok):
+    """``x - M - log S`` with the rows' global max ``M`` and ``log S`` (the log-softmax of a tile)."""
+    return (x - tl.load(RM + rm, mask=row_ok, other=0.0)[:, None]) - tl.load(RLS + rm, mask=row_ok, other=0.0)[:, None]
+
+
+@triton.jit
 def _distill_load(Z, Y, rm, rn, mask, stride_zm, stride_ym, softcap, t_softcap, inv_t,
                   SOFTCAP: tl.constexpr, T_SOFTCAP: tl.constexpr, TEMPERATURE: tl.constexpr):
     """A tile of both heads in fp32: the student's capped logit ``z1``, its tempered ``z``, the cap's derivative,
@@ -711,15 +725,8 @@ def _distill_stats_kernel(
 ):
     """``TILES [K, C, n_tiles]`` planes: student max, sum; teacher max, sum; [KL weighted sum (KL = 1: forward,
     2: reverse)]; [CE max, sum but the target's at ``CE_AT``]; ``ZT [C]``: the target's capped student logit."""
-    pid_m = tl.program_id(0)
+    rm, rn, row_ok, mask = _program_tile(C, V, BLOCK_M, BLOCK_N, EVEN_N)
     pid_n = tl.program_id(1)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rm < C
-    if EVEN_N:
-        mask = row_ok[:, None]
-    else:
-        mask = row_ok[:, None] & (rn < V)[None, :]
     z1, z, y, _ = _distill_load(Z, Y, rm, rn, mask, stride_zm, stride_ym, softcap, t_softcap, inv_t,
                                 SOFTCAP, T_SOFTCAP, TEMPERATURE)
     if not EVEN_N:  # padding columns: -inf in every head
@@ -836,19 +843,12 @@ def _distill_mixture_kernel(
 ):
     """``TILES [2, C, n_tiles]``: per tile ``sum q (u - log m)`` and ``sum p (s - log m)`` with ``s = log p``,
     ``u = log q`` from the global statistics and ``log m = logaddexp(log(1 - beta) + s, log beta + u)``."""
-    pid_m = tl.program_id(0)
+    rm, rn, row_ok, mask = _program_tile(C, V, BLOCK_M, BLOCK_N, EVEN_N)
     pid_n = tl.program_id(1)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rm < C
-    if EVEN_N:
-        mask = row_ok[:, None]
-    else:
-        mask = row_ok[:, None] & (rn < V)[None, :]
     _, z, y, _ = _distill_load(Z, Y, rm, rn, mask, stride_zm, stride_ym, softcap, t_softcap, inv_t,
                                SOFTCAP, T_SOFTCAP, TEMPERATURE)
-    s = (z - tl.load(RM_Z + rm, mask=row_ok, other=0.0)[:, None]) - tl.load(RLS_Z + rm, mask=row_ok, other=0.0)[:, None]
-    u = (y - tl.load(RM_Y + rm, mask=row_ok, other=0.0)[:, None]) - tl.load(RLS_Y + rm, mask=row_ok, other=0.0)[:, None]
+    s = _row_log_probs(z, RM_Z, RLS_Z, rm, row_ok)
+    u = _row_log_probs(y, RM_Y, RLS_Y, rm, row_ok)
     if not EVEN_N:
         pad = tl.where(rn < V, 0.0, float("-inf"))[None, :]
         s = s + pad
@@ -879,20 +879,14 @@ def _distill_grad_kernel(
 
         g = KD (p - q | p ((z - y) - E) | (1 - beta) p ((s - log m) - K_p)) + CEW (p1 - [j = t])
         times the soft cap's derivative; the target's ``p1 - 1`` is ``-q1`` (exact for confident tokens)."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rm < C
-    mask = row_ok[:, None] & (rn < V)[None, :]  # padding columns are computed like the others, never stored
+    rm, rn, row_ok, mask = _program_tile(C, V, BLOCK_M, BLOCK_N, False)  # padding columns: computed, never stored
     z1, z, y, dcap = _distill_load(Z, Y, rm, rn, mask, stride_zm, stride_ym, softcap, t_softcap, inv_t,
                                    SOFTCAP, T_SOFTCAP, TEMPERATURE)
     # -- the divergence's gradient with respect to the tempered logits (p = 0: no 0 * inf) --
-    s = (z - tl.load(RM_Z + rm, mask=row_ok, other=0.0)[:, None]) - tl.load(RLS_Z + rm, mask=row_ok, other=0.0)[:, None]
+    s = _row_log_probs(z, RM_Z, RLS_Z, rm, row_ok)
     p = tl.exp(s)
     if KIND != 1:
-        u = (y - tl.load(RM_Y + rm, mask=row_ok, other=0.0)[:, None]) - tl.load(RLS_Y + rm, mask=row_ok,
-                                                                                other=0.0)[:, None]
+        u = _row_log_probs(y, RM_Y, RLS_Y, rm, row_ok)
     if KIND == 0:
         g = p - tl.exp(u)
     else:
@@ -906,8 +900,7 @@ def _distill_grad_kernel(
     # -- the cross-entropy's on the untempered logits --
     if CE:
         t = tl.load(TL + rm, mask=row_ok, other=-1)
-        p1 = tl.exp((z1 - tl.load(RM1 + rm, mask=row_ok, other=0.0)[:, None])
-                    - tl.load(RLS1 + rm, mask=row_ok, other=0.0)[:, None])
+        p1 = tl.exp(_row_log_probs(z1, RM1, RLS1, rm, row_ok))
         p1 = tl.where(rn[None, :] == t[:, None], -tl.load(RQ1 + rm, mask=row_ok, other=0.0)[:, None], p1)
         g = g + tl.load(CEW + rm, mask=row_ok, other=0.0)[:, None] * p1
     if SOFTCAP:

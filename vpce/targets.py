@@ -67,6 +67,11 @@ class TokenTargets:
         self.metrics: dict[str, torch.Tensor] = {}
         """Per-token metrics a backend's ``cross_entropy`` computed in the same pass (``LossOptions.metrics``)."""
 
+
+    def local_columns(self) -> torch.Tensor:
+        """int32 column of each token's target in this shard's rows, -1 where it is not here (another shard,
+        ignored, or out of range): what the Triton kernels take."""
+        return torch.where(self.in_shard, self.idx, -1).to(torch.int32)
     def class_rows(self, sl: slice) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(w_t of rows sl, sum_c w_c)`` for ``vpce.formulas``, or None without class weights."""
         cw = self.class_weight

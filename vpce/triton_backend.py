@@ -43,7 +43,7 @@ import torch
 
 from . import kernels
 from .formulas import Coefficients, RowStats, ce_coefficients, ce_token_outputs
-from .gemm import addmm_out_, mm_into, mm_out
+from .gemm import addmm_out_, logits_into, mm_into, mm_out
 from .grads import FastGrads, add_block, weight_grad
 from .options import LogProbOptions, LossOptions
 from .parallel import HiddenGradReduce, RankStats, gather_sequence, start_stats_exchange
@@ -93,10 +93,6 @@ def fast_route_bytes(tokens: int, d: int, rows: int, dtype: torch.dtype, needs: 
     return p + tiles + (tokens * d * 4 if needs[0] else 0) + (rows * d * 4 if needs[1] else 0)
 
 
-def _local_targets(tg: TokenTargets) -> torch.Tensor:
-    return torch.where(tg.in_shard, tg.idx, -1).to(torch.int32)
-
-
 class _ChunkStats:
     """Per-tile statistics buffers for a chunk of tokens, and the pass that turns them into global per-token
     statistics (one packed collective under a group).
@@ -125,17 +121,18 @@ class _ChunkStats:
         n_sums = 1 if self.z is not None else 0
         cut = lambda t: None if t is None else t[r]  # noqa: E731
         if call.shard.valid_rows > 0:
-            zt = self.zt[r].fill_(-math.inf)
+            zt = self.zt[r]
             stats = dict(softcap=softcap, inv_t=inv_t, tile_m=self.m[r], tile_s=self.s[r], tile_z=cut(self.z),
                          tile_ez=cut(self.ez), zt=zt, class_weight=self.class_weight, tile_sq=cut(self.sq),
                          tile_mb=cut(self.mb), before=None if self.before is None else self.before[sl])
             if p is not None:
                 # the fast route: cuBLAS writes the logits into P (the bias added before the one rounding, as
                 # F.linear does), one bandwidth pass takes their statistics, the target logit comes in fp32
-                torch.mm(h[sl], w.t(), out=p) if b is None else torch.addmm(b, h[sl], w.t(), out=p)
+                logits_into(p, h[sl], w, b)
                 kernels.stored_logits(p, None, tl_local[sl], **stats)
-                kernels.target_logits(h[sl], w, b, tl_local[sl], zt, softcap=softcap, inv_t=inv_t)
+                kernels.target_logits(h[sl], w, b, tl_local[sl], zt, softcap=softcap, inv_t=inv_t)  # every row
             else:
+                zt.fill_(-math.inf)  # stored by the tile that holds the target, if any
                 kernels.logits_tiles(h[sl], w, b, tl_local[sl], **stats)
             packed = kernels.reduce_tiles(self.m[r], self.s[r], cut(self.z), cut(self.ez), zt, cut(self.sq),
                                           cut(self.mb))
@@ -180,7 +177,7 @@ def recompute_grads(hidden, weight, bias, tg: TokenTargets, rows: RowStats, coef
     n, d = hidden.shape
     hidden = hidden.contiguous()
     v, n_rows, dtype = call.shard.valid_rows, weight.shape[0], hidden.dtype
-    tl_local = _local_targets(tg)
+    tl_local = tg.local_columns()
     need_dx, need_dw, need_db = call.needs_grad
     into_main = main_weight is not None and need_dw
     db = torch.zeros(n_rows, dtype=torch.float32, device=hidden.device) if need_db and bias is not None else None
@@ -237,7 +234,7 @@ def cross_entropy(hidden, weight, bias, tg: TokenTargets, opts: LossOptions, cal
     hidden = hidden.contiguous()
     w = weight[:v]
     b = None if bias is None else bias[:v]
-    tl_local = _local_targets(tg)
+    tl_local = tg.local_columns()
     smooth = opts.label_smoothing > 0
     cw = None if tg.class_weight is None else tg.class_weight.columns.float()
     loss_tok = torch.empty(n, dtype=torch.float32, device=dev)
@@ -306,7 +303,7 @@ def log_probs(hidden, weight, bias, tg: TokenTargets, lp: LogProbOptions, call: 
     v = call.shard.valid_rows
     w = weight[:v]
     b = None if bias is None else bias[:v]
-    tl_local = _local_targets(tg)
+    tl_local = tg.local_columns()
     stats = _ChunkStats(min(max(n, 1), STATS_TOKENS), v, hidden, lp.mean_logits, lp.entropy, sum_sq=lp.log_sum_sq,
                         before=tg.before.to(torch.int32) if lp.top1 else None)
     parts = []
