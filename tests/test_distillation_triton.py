@@ -60,7 +60,7 @@ def run(x, backend="triton", **opts):
 def options(x, variant: dict, **opts) -> dict:
     out = {k: v for k, v in variant.items() if k not in ("bias", "token_weight", "no_target")}
     if variant.get("token_weight"):
-        out["token_weight"] = x.token_weight
+        out["token_weight"] = x.token_weight.to(DEV)
     if variant.get("no_target"):
         out["target"] = None
     return {**out, **opts}

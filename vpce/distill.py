@@ -585,9 +585,8 @@ def linear_distillation_loss(hidden, weight, teacher_hidden, teacher_weight, tar
         group, vocab_start, vocab_size, sequence_parallel, validate: as in ``linear_cross_entropy``; both heads are
             sharded over ``group`` with the same rows. Under ``sequence_parallel`` both hidden states are this
             rank's slices.
-        backend: ``"auto"`` (for now the torch backend everywhere: the Triton backend has run only through
-            Triton's CPU interpreter so far, never compiled for and timed on a GPU), ``"triton"`` or ``"torch"`` (the
-            chunked PyTorch backend; float64 too).
+        backend: ``"auto"`` (Triton on CUDA, torch otherwise), ``"triton"`` or ``"torch"`` (the chunked PyTorch
+            backend; float64 too).
         memory_budget: ``"auto"``/``"fast"`` (gradients formed in forward), ``"lean"`` (recomputed in backward),
             or GiB of live chunk data.
 
@@ -640,7 +639,7 @@ def linear_distillation_loss(hidden, weight, teacher_hidden, teacher_weight, tar
 
     h2, weight2, bias2, target, call = prepare_call(
         "distill", hidden, weight, target, bias, group=group, vocab_start=vocab_start, vocab_size=vocab_size,
-        sequence_parallel=sequence_parallel, backend="torch" if backend == "auto" else backend,
+        sequence_parallel=sequence_parallel, backend=backend,
         validate=validate, ignore_index=(ignore_index if isinstance(ignore_index, int) else -100) if has_target
         else -1, local_checks=checks_with_student, plan=plan, fields=fields)
     o = box["o"]
