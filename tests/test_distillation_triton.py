@@ -51,6 +51,7 @@ def run(x, backend="triton", **opts):
     g = to_dev(x)
     h, w, b = leaf(g.hidden), leaf(g.weight), leaf(g.bias)
     target = opts.pop("target", g.target)
+    opts = {k: v.to(DEV) if isinstance(v, torch.Tensor) else v for k, v in opts.items()}
     loss = vpce.linear_distillation_loss(h, w, g.t_hidden, g.t_weight, target, b, g.t_bias, backend=backend,
                                          vocab_size=x.vocab_size, **opts)
     (loss * g.grad.to(loss.dtype)).sum().backward()
@@ -60,7 +61,7 @@ def run(x, backend="triton", **opts):
 def options(x, variant: dict, **opts) -> dict:
     out = {k: v for k, v in variant.items() if k not in ("bias", "token_weight", "no_target")}
     if variant.get("token_weight"):
-        out["token_weight"] = x.token_weight.to(DEV)
+        out["token_weight"] = x.token_weight
     if variant.get("no_target"):
         out["target"] = None
     return {**out, **opts}

@@ -187,7 +187,7 @@ def distill_recompute_grads(hidden, weight, bias, t_hidden, t_weight, t_bias, tg
     token_major = 0 < v < n
     nb = max(1, min(n, LEAN_TOKEN_BLOCK) if token_major else n)
     gib = o.memory_budget if isinstance(o.memory_budget, float) else LEAN_GIB
-    bn = kernels.distill_tile_n(hidden)
+    bn = kernels.distill_block_align(hidden)
     per_col = 2 * nb * hidden.element_size()
     vb = max(bn, int(gib * 2**30) // per_col // bn * bn)
     vb = min(vb, max(v, 1))

@@ -662,7 +662,7 @@ def scale_cast(src: torch.Tensor, g: torch.Tensor, dtype: torch.dtype) -> torch.
 # * ``_distill_grad_kernel``: the student's ``dL/dx`` (``vpce.distill``'s formulas, per-row weights folded in),
 #   written in the logits' dtype over the student's logits in place.
 
-__all__ += ["distill_stats", "distill_mixture", "distill_grad_", "distill_tile_n"]
+__all__ += ["distill_stats", "distill_mixture", "distill_grad_", "distill_block_align"]
 
 
 @triton.jit
@@ -919,9 +919,10 @@ def _distill_blocks(x: torch.Tensor) -> tuple[int, int, int]:
     return 1, 2048, 4
 
 
-def distill_tile_n(x: torch.Tensor) -> int:
-    """Columns per statistics tile of the distillation kernels for logits like ``x``."""
-    return _distill_blocks(x)[1]
+def distill_block_align(x: torch.Tensor) -> int:
+    """The column multiple of the lean backward's vocab blocks for inputs like ``x``: 256 on a GPU (whole GEMM
+    tiles; the gradient kernel masks any width), the interpreter's tile width there."""
+    return 32 if INTERPRET or not x.is_cuda else 256
 
 
 def _distill_options(softcap, t_softcap, inv_t) -> dict:
