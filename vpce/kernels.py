@@ -220,14 +220,22 @@ def _epilogue(
             if HAS_CW:
                 zw = acc * cw[None, :]
             tl.store(TILE_Z + stat, tl.sum(tl.where(rn[None, :] < V, zw, 0.0), axis=1), mask=row_ok)
+        off_t = e == 0.0  # with TARGET_APART e is 0 at the target (and at -inf logits: no 0 * inf below)
+        if not TARGET_APART:
+            off_t = off_t | hit
         if SUM_EZ:
-            tl.store(TILE_EZ + stat, tl.sum(tl.where(hit | (e == 0.0), 0.0, e * acc), axis=1), mask=row_ok)
+            tl.store(TILE_EZ + stat, tl.sum(tl.where(off_t, 0.0, e * acc), axis=1), mask=row_ok)
         if SUM_SQ:  # sum of exp(2 (z - m_t)) but the target's (log sum p^2)
-            tl.store(TILE_SQ + stat, tl.sum(tl.where(hit, 0.0, e * e), axis=1), mask=row_ok)
+            tl.store(TILE_SQ + stat, tl.sum(tl.where(off_t, 0.0, e * e), axis=1), mask=row_ok)
         if TOP1:  # max over the columns of a lower id than the target's (TB: how many of this shard's columns)
             before = tl.load(TB + rm, mask=row_ok, other=0)
-            tl.store(TILE_MB + stat, tl.max(tl.where(rn[None, :] < before[:, None], acc, float("-inf")), axis=1),
-                     mask=row_ok)
+            start = pid_n * BLOCK_N
+            # a tile wholly before the target's column holds neither the target nor padding: its max is m_t
+            mb = tl.where(before >= start + BLOCK_N, m_t, float("-inf"))
+            cut = (before > start) & (before < start + BLOCK_N)
+            if tl.max(cut.to(tl.int32), axis=0) > 0:  # only a tile the target's column splits needs the masked max
+                mb = tl.where(cut, tl.max(tl.where(rn[None, :] < before[:, None], acc, float("-inf")), axis=1), mb)
+            tl.store(TILE_MB + stat, mb, mask=row_ok)
         if not TARGET_APART:
             zt = tl.sum(tl.where(hit, acc, 0.0), axis=1)
             mine = row_ok & (t >= pid_n * BLOCK_N) & (t < pid_n * BLOCK_N + BLOCK_N)
