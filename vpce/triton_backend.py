@@ -116,8 +116,9 @@ class _ChunkStats:
         self.mb = torch.empty(rows, n_tiles, **f32) if before is not None else None
         self.before = before
 
-    def _launch(self, h, w, b, tl_local, sl: slice, r: slice, call: Call, softcap, inv_t, p):
-        """Kernel and local reduction for tokens ``sl`` into buffer rows ``r``; starts the exchange."""
+    def _launch(self, h, w, b, tl_local, sl: slice, r: slice, call: Call, softcap, inv_t, p, ready=False):
+        """Kernel and local reduction for tokens ``sl`` into buffer rows ``r``; starts the exchange. ``ready``:
+        the logits of ``p`` are already written (``first_logits``)."""
         n_sums = 1 if self.z is not None else 0
         cut = lambda t: None if t is None else t[r]  # noqa: E731
         if call.shard.valid_rows > 0:
@@ -128,7 +129,8 @@ class _ChunkStats:
             if p is not None:
                 # the fast route: cuBLAS writes the logits into P (the bias added before the one rounding, as
                 # F.linear does), one bandwidth pass takes their statistics, the target logit comes in fp32
-                logits_into(p, h[sl], w, b)
+                if not ready:
+                    logits_into(p, h[sl], w, b)
                 kernels.stored_logits(p, None, tl_local[sl], **stats)
                 kernels.target_logits(h[sl], w, b, tl_local[sl], zt, softcap=softcap, inv_t=inv_t)  # every row
             else:
@@ -145,18 +147,29 @@ class _ChunkStats:
         return start_stats_exchange(packed, n_sums, call.shard, call.poison, combine=kernels.combine_rank_stats,
                                     sum_sq=self.sq is not None, max_before=self.mb is not None)
 
-    def parts(self, h, w, b, tl_local, sl: slice, call: Call, softcap, inv_t=1.0, p=None):
-        """Yield ``(part, rows, RankStats)`` for the sub-chunks of tokens ``sl`` (global statistics); ``rows``:
-        the part's rows in the chunk buffers (and in ``p``, the fast route's P)."""
-        c = sl.stop - sl.start
-        cuts = [0, c]
+    @staticmethod
+    def _cuts(c: int, call: Call) -> list[int]:
         if call.shard.sharded and c >= 4 * ROW_ALIGN:
-            cuts = [0, _round_to(c // 2, ROW_ALIGN), c]  # the first half's exchange hides behind the second's GEMM
+            return [0, _round_to(c // 2, ROW_ALIGN), c]  # the first half's exchange hides behind the second's GEMM
+        return [0, c]
+
+    @staticmethod
+    def first_logits(p, h, w, b, chunk: int, call: Call):
+        """The fast route's first GEMM (the first sub-chunk's logits into ``p``), launched before the rest of the
+        forward's set-up so that the GPU starts at once; ``parts(..., ready=True)`` then skips it."""
+        first = _ChunkStats._cuts(min(chunk, h.shape[0]), call)[1]
+        logits_into(p[:first], h[:first], w, b)
+
+    def parts(self, h, w, b, tl_local, sl: slice, call: Call, softcap, inv_t=1.0, p=None, ready=False):
+        """Yield ``(part, rows, RankStats)`` for the sub-chunks of tokens ``sl`` (global statistics); ``rows``:
+        the part's rows in the chunk buffers (and in ``p``, the fast route's P). ``ready``: ``first_logits``
+        wrote the first sub-chunk's logits."""
+        cuts = self._cuts(sl.stop - sl.start, call)
         pending = []
         for lo, hi in zip(cuts[:-1], cuts[1:]):
             part, r = slice(sl.start + lo, sl.start + hi), slice(lo, hi)
             pending.append((part, r, self._launch(h, w, b, tl_local, part, r, call, softcap, inv_t,
-                                                  None if p is None else p[r])))
+                                                  None if p is None else p[r], ready=ready and lo == 0)))
         for part, r, pend in pending:
             yield part, r, pend.wait()
 
@@ -234,6 +247,13 @@ def cross_entropy(hidden, weight, bias, tg: TokenTargets, opts: LossOptions, cal
     hidden = hidden.contiguous()
     w = weight[:v]
     b = None if bias is None else bias[:v]
+    p = chunk = None
+    if plan.route == "fast":
+        chunk = min(max(n, 1), _fast_chunk(opts, shard.columns_per_rank, hidden.dtype, d))
+        if v > 0:
+            p = torch.empty(chunk, v, dtype=hidden.dtype, device=dev)
+            if n > 0:
+                _ChunkStats.first_logits(p, hidden, w, b, chunk, call)
     tl_local = tg.local_columns()
     smooth = opts.label_smoothing > 0
     cw = None if tg.class_weight is None else tg.class_weight.columns.float()
@@ -257,9 +277,7 @@ def cross_entropy(hidden, weight, bias, tg: TokenTargets, opts: LossOptions, cal
                     rows.store(part, st)
         return loss_tok, rows, None
 
-    chunk = min(max(n, 1), _fast_chunk(opts, shard.columns_per_rank, hidden.dtype, d))
     stats = _ChunkStats(chunk, v, hidden, smooth, entropy, cw, before=before)
-    p = torch.empty(chunk, v, dtype=hidden.dtype, device=dev) if v > 0 else None
     unit = tg.row_scale(torch.ones((), device=dev).expand(n))
     dx = None
     if needs[0]:  # fp32; an all-padding shard contributes zeros (and still joins the collectives)
@@ -271,7 +289,7 @@ def cross_entropy(hidden, weight, bias, tg: TokenTargets, opts: LossOptions, cal
     for c0 in range(0, n, chunk):
         sl = slice(c0, min(n, c0 + chunk))
         pc = None if p is None else p[: sl.stop - sl.start]
-        for part, r, st in stats.parts(hidden, w, b, tl_local, sl, call, *opts.folded_cap(), p=pc):
+        for part, r, st in stats.parts(hidden, w, b, tl_local, sl, call, *opts.folded_cap(), p=pc, ready=c0 == 0):
             ce_token_outputs(st, opts, shard.vocab_size, tg, part, loss_tok, metrics)
             if v > 0:
                 scale = unit[part] if tg.scaling is None else unit[part] * tg.scaling[part]
