@@ -114,7 +114,7 @@ def test_quick_writes_a_plot_per_shape(quick_run, quick_out):
         assert head == PNG and path.stat().st_size > 10_000, (path, head, path.stat().st_size)
 
 
-@pytest.mark.parametrize("extra", [(), ("--sweep", "N"), ("--tp",)])
+@pytest.mark.parametrize("extra", [(), ("--sweep", "N"), ("--tp",), ("--distill",)])
 def test_cpu_refuses_gpu_sized_defaults(tmp_path, extra):
     """Without --quick and without --shapes, a CPU run stops at once with a one-line hint, and measures nothing."""
     proc = _bench("--device", "cpu", "--out", str(tmp_path), *extra, timeout=60)
@@ -354,3 +354,191 @@ def test_profile_argument_errors(argv, what, capsys):
     with pytest.raises(SystemExit) as e:
         main(["--device", "cpu", "--quick", "--profile", *argv])
     assert e.value.code == 2 and what in capsys.readouterr().err
+
+
+# -- --distill: vpce.linear_distillation_loss against plain torch and liger-kernel ---------------------------------
+
+DISTILL_ROWS = ["floor", "torch-fkl", "liger-fkl", "vpce-fkl", "vpce-fkl-lean", "torch-jsd", "liger-jsd", "vpce-jsd",
+                "vpce-jsd-lean", "torch-rkl", "liger-rkl", "vpce-rkl"]
+DIVERGENCE_OF = {"fkl": ("forward_kl", None, "forward KL"), "jsd": ("jsd", 0.5, "JSD beta=0.5"),
+                 "rkl": ("reverse_kl", None, "reverse KL")}
+
+
+@pytest.mark.parametrize("divergence,beta", [("forward_kl", None), ("reverse_kl", None), ("jsd", 0.5), ("jsd", 0.2)])
+def test_chunked_distillation_reference_is_the_dense_one(divergence, beta):
+    """The benchmark's float64 reference (``vpce.reference.chunked_reference_distillation``, chunks of 5 tokens
+    here) equals the dense oracle ``reference_distillation``: loss, dX and dW (stored in fp32)."""
+    from vpce.reference import chunked_reference_distillation, reference_distillation, rel_err
+
+    gen = torch.Generator().manual_seed(1)
+    n, d, dt, v = 23, 11, 17, 61
+    x, w = torch.randn(n, d, generator=gen).double(), (torch.randn(v, d, generator=gen) * 2 / d**0.5).double()
+    xt, wt = torch.randn(n, dt, generator=gen).double(), (torch.randn(v, dt, generator=gen) * 2 / dt**0.5).double()
+    got = chunked_reference_distillation(x, w, xt, wt, divergence=divergence, beta=beta, chunk_gib=5 * 8 * v / 2**30)
+    want = reference_distillation(x, w, xt, wt, divergence=divergence, beta=beta)
+    assert got.loss.dtype == torch.float64 and rel_err(got.loss, want.loss) < 1e-14, (got.loss, want.loss)
+    assert rel_err(got.dhidden, want.dhidden) < 1e-7 and rel_err(got.dweight, want.dweight) < 1e-7
+
+
+@pytest.fixture(scope="module")
+def distill_run(tmp_path_factory):
+    """``--quick --distill`` on CPU, every distillation row (the default), one odd shape (V=2003, teacher D_T=96)."""
+    out = tmp_path_factory.mktemp("distill")
+    proc = _bench("--device", "cpu", "--quick", "--distill", "--shapes", "tiny-odd", "--reps", "1", "--rep-time", "0",
+                  "--out", str(out))
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    doc = json.loads((out / "bench-distill.json").read_text())
+    (shape,) = doc["shapes"]
+    return proc, doc, shape, {r["method"]: r for r in doc["rows"]}
+
+
+def test_distill_header_floor_and_reference(distill_run):
+    """The JSON says it is a distillation run and what its rows compute; the floor is the teacher's logits GEMM plus
+    the student's three, measured in the run; each divergence's float64 loss is the dense oracle's
+    (``vpce.reference.reference_distillation``) on the same inputs."""
+    from vpce.bench.harness import Env, Settings, Shape, make_problem
+    from vpce.reference import reference_distillation
+
+    proc, doc, shape, _ = distill_run
+    assert doc["schema"] == "vpce.bench.distill/1" and doc["task"] == "distillation", doc.keys()
+    assert doc["methods"] == DISTILL_ROWS and doc["distill"]["teacher_dim"] == 96, doc["distill"]
+    assert shape["d_teacher"] == 96 and (shape["n"], shape["d"], shape["v"]) == (200, 72, 2003), shape
+    floor = shape["floor"]
+    parts = ("teacher_logits_ms", "logits_ms", "dx_ms", "dw_ms")
+    assert all(_finite(floor[k]) and floor[k] > 0 for k in parts), floor
+    assert floor["total_ms"] == pytest.approx(sum(floor[k] for k in parts), rel=1e-12) and "frozen_ms" not in floor
+    assert shape["flops_fwd_bwd"] == 2 * 200 * 2003 * (96 + 3 * 72), shape
+    env = Env(device=torch.device("cpu"), dtype=torch.bfloat16)
+    prob = make_problem(Shape(name="tiny-odd", n=200, d=72, v=2003, d_teacher=96), env, Settings())
+    assert list(shape["ref_losses"]) == [label for _, _, label in DIVERGENCE_OF.values()], shape["ref_losses"]
+    for divergence, beta, label in DIVERGENCE_OF.values():
+        want = float(reference_distillation(prob.x, prob.w, prob.xt, prob.wt, divergence=divergence, beta=beta).loss)
+        assert shape["ref_losses"][label] == pytest.approx(want, rel=1e-12), (label, shape["ref_losses"], want)
+    assert "## tiny-odd distillation: N=200 D=72 teacher D_T=96 V=2003" in proc.stdout, proc.stdout
+    assert "= teacher logits " in proc.stdout and "float64 losses: forward KL " in proc.stdout, proc.stdout
+    assert CPU_NOTE in proc.stdout.split("| method")[0], proc.stdout
+
+
+def test_distill_rows(distill_run):
+    """Nothing dropped; every row is divided by the distillation floor; vpce's rows (torch backend on a CPU) and
+    plain torch's are checked against the float64 reference of their own divergence, vpce's loss within 1e-5 and
+    its gradients no worse than plain torch's; liger-kernel's rows are ``missing`` on a CPU."""
+    proc, _, shape, rows = distill_run
+    assert list(rows) == DISTILL_ROWS, list(rows)
+    total = shape["floor"]["total_ms"]
+    assert rows["floor"]["status"] == "ok" and rows["floor"]["label"] == "floor: teacher logits + 3 GEMMs"
+    for name, r in rows.items():
+        assert r["floor_gemms"] == "teacher logits+logits+dX+dW" and r["d_teacher"] == 96, r
+        if name == "floor":
+            continue
+        divergence, beta, label = DIVERGENCE_OF[name.split("-")[1]]
+        assert (r["divergence"], r["beta"]) == (divergence, beta) and label in r["label"], r
+        if name.startswith("liger-"):
+            assert r["status"] == "missing: needs a CUDA device (running on cpu)" and r["ms"] is None, r
+            continue
+        assert r["status"] == "ok", r
+        for k in ("ms", "x_floor", "extra_gib", "loss", "loss_err", "dx_err", "dw_err"):
+            assert _finite(r[k]), f"{name} {k}={r[k]!r}"
+        assert r["floor_ms"] == total and r["x_floor"] == pytest.approx(r["ms"] / total, rel=1e-12), r
+        assert r["ref_loss"] == shape["ref_losses"][label] and r["extra_gib"] > 0, r
+        # bf16 inputs: plain torch's errors are ~1e-3 (its logits rounded to bf16); near 1 would be a broken row
+        assert r["loss_err"] < 1e-3 and r["dx_err"] < 2e-2 and r["dw_err"] < 2e-2, r
+    for name in ("vpce-fkl", "vpce-fkl-lean", "vpce-jsd", "vpce-jsd-lean", "vpce-rkl"):
+        r, plain = rows[name], rows[f"torch-{name.split('-')[1]}"]
+        assert r["label"].startswith("vpce torch "), r
+        assert r["loss_err"] < 1e-5, r
+        for k in ("dx_err", "dw_err"):
+            assert r[k] <= 1.5 * plain[k], (name, k, r[k], plain[k])
+    assert "| vpce torch JSD beta=0.5 lean " in proc.stdout and "| torch eager reverse KL" in proc.stdout
+
+
+def test_distill_rows_missing_package_and_liger_convention(monkeypatch):
+    """liger-kernel not installed: its rows are ``missing: liger-kernel not importable``. With a stand-in
+    ``LigerFusedLinearJSD`` written from liger-kernel's documented definition (``X = log Q`` the student, ``Y = log P``
+    the teacher, ``M = beta P + (1 - beta) Q``, ``beta P Y + (1 - beta) Q X - M log M``; ``jsd_beta`` 0 and 1 its
+    forward and reverse KL; the sum over the labelled tokens' over their count), the rows call it with keywords and
+    the mapped ``jsd_beta``, and match the float64 reference of vpce's divergence."""
+    from vpce.bench.harness import Env, Settings, Shape
+    from vpce.bench.methods import METHODS
+    from vpce.bench.report import Progress
+    from vpce.bench.runner import run_shape
+
+    names = ["liger-fkl", "liger-jsd", "liger-rkl"]
+    for name in names:
+        monkeypatch.setitem(METHODS, name, dataclasses.replace(METHODS[name], needs_cuda=False))
+    env = Env(device=torch.device("cpu"), dtype=torch.float32)
+    settings = Settings(warmup=1, min_reps=1, max_reps=1, rep_time_s=0.0)
+    shape = Shape(name="small", n=48, d=16, v=131, d_teacher=24)
+    if importlib.util.find_spec("liger_kernel") is None:
+        _, rows = run_shape(shape, env, ["floor", *names], settings, Progress(enabled=False))
+        for r in rows[1:]:
+            assert r["status"].startswith("missing: liger-kernel not importable"), r
+
+    calls = []
+
+    class LigerFusedLinearJSD(torch.nn.Module):
+        def __init__(self, jsd_beta=0.5, ignore_index=-100, temperature=1.0):
+            super().__init__()
+            self.beta, self.ignore_index, self.temperature = jsd_beta, ignore_index, temperature
+
+        def forward(self, student_input, student_weight, teacher_input, teacher_weight, shift_labels):
+            calls.append((self.beta, self.temperature))
+            X = torch.log_softmax((student_input @ student_weight.t()).float() / self.temperature, -1)
+            Y = torch.log_softmax((teacher_input @ teacher_weight.t()).float().detach() / self.temperature, -1)
+            Q, P = X.exp(), Y.exp()
+            if self.beta == 0:
+                loss = P * (Y - X)
+            elif self.beta == 1:
+                loss = Q * (X - Y)
+            else:
+                M = self.beta * P + (1 - self.beta) * Q
+                loss = self.beta * P * Y + (1 - self.beta) * Q * X - M * M.log()
+            keep = shift_labels != self.ignore_index
+            return (loss.sum(-1) * keep).sum() / keep.sum()
+
+    module = types.ModuleType("liger_kernel.transformers.fused_linear_jsd")
+    module.LigerFusedLinearJSD = LigerFusedLinearJSD
+    for parent in ("liger_kernel", "liger_kernel.transformers"):
+        monkeypatch.setitem(sys.modules, parent, types.ModuleType(parent))
+    monkeypatch.setitem(sys.modules, "liger_kernel.transformers.fused_linear_jsd", module)
+    record, rows = run_shape(shape, env, ["floor", *names], settings, Progress(enabled=False))
+    assert sorted(set(calls)) == [(0.0, 1.0), (0.5, 1.0), (1.0, 1.0)], calls
+    for r in rows[1:]:
+        assert r["status"] == "ok", r
+        assert r["loss_err"] < 1e-5 and r["dx_err"] < 1e-4 and r["dw_err"] < 1e-4, r
+    assert [r["ref_loss"] for r in rows[1:]] == list(record["ref_losses"].values()), (rows, record)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("liger_kernel") is not None, reason="liger-kernel is installed")
+def test_liger_jsd_absent_is_unavailable():
+    from vpce.bench.harness import Env
+    from vpce.bench.peers import Unavailable, liger_jsd
+
+    with pytest.raises(Unavailable, match="liger-kernel not importable"):
+        liger_jsd(Env(device=torch.device("cpu"), dtype=torch.bfloat16), jsd_beta=0.5)
+
+
+@pytest.mark.parametrize("argv, what", [
+    (["--teacher-dim", "64"], "--teacher-dim: expected together with --distill"),
+    (["--methods", "vpce-fkl"], "--methods: vpce-fkl: distillation rows, expected with --distill"),
+    (["--distill", "--methods", "floor,vpce-torch"], "--methods: with --distill expected distillation rows"),
+    (["--distill", "--sweep", "N"], "--sweep: expected without --distill"),
+    (["--distill", "--teacher-dim", "0"], "--teacher-dim: expected a positive number")])
+def test_distill_argument_errors(argv, what, capsys):
+    from vpce.bench.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--device", "cpu", "--quick", *argv])
+    assert e.value.code == 2 and what in capsys.readouterr().err
+
+
+def test_distill_profile_on_cpu(tmp_path, capsys):
+    """``--profile --distill`` profiles vpce's forward KL and JSD steps on the distillation's inputs."""
+    from vpce.bench.cli import main
+
+    assert main(["--device", "cpu", "--quick", "--distill", "--shapes", "tiny", "--profile", "--profile-steps", "1",
+                 "--reps", "1", "--rep-time", "0", "--quiet", "--out", str(tmp_path)]) == 0
+    doc = json.loads((tmp_path / "profile.json").read_text())
+    assert doc["methods"] == ["vpce-fkl", "vpce-jsd"], doc["methods"]
+    assert all(p["status"] == "ok" and p["d_teacher"] == 96 and p["kernels"] for p in doc["profiles"]), doc["profiles"]
+    assert "## profile: vpce torch JSD beta=0.5, tiny (N=256 D=64 D_T=96 V=1024)" in capsys.readouterr().out

@@ -229,3 +229,56 @@ def test_chunked_tp_is_liger_fallback():
     from distributed import run_ranks
     for rank, same in enumerate(run_ranks(_same_as_liger_fallback, 2, timeout=60)):
         assert same == (True, True, True), f"rank {rank}: (loss, dX, dW) bitwise equal to liger's fallback: {same}"
+
+
+DISTILL_METHODS = ["floor", "torch-fkl", "vpce-fkl", "vpce-jsd"]
+
+
+@pytest.fixture(scope="module")
+def distill_run(tmp_path_factory):
+    """``--tp --sp --distill`` on 2 gloo ranks, one shape with uneven vocab shards (V=2003)."""
+    out = tmp_path_factory.mktemp("bench-tp-distill")
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "vpce.bench",
+           "--tp", "--sp", "--distill", "--device", "cpu", "--quick", "--shapes", "tiny-odd", "--methods",
+           ",".join(DISTILL_METHODS), "--reps", "1", "--rep-time", "0", "--out", str(out), "--timeout", "60"]
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the --tp --distill run did not finish within {TIMEOUT} s (hung collective?)")
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-6000:]}"
+    return proc.stdout, json.loads((out / "bench-distill-tp2-sp.json").read_text())
+
+
+def test_distill_vocab_parallel(distill_run):
+    """vpce's distillation rows run vocab-parallel (sequence parallel: each rank's hidden and teacher-hidden slices),
+    every rank's row comes back, the sharded float64 references are the single-process ones, the errors are
+    small; plain torch has no vocab-parallel form and is ``missing``; the floor adds the teacher's GEMM."""
+    from vpce.reference import reference_distillation
+
+    stdout, doc = distill_run
+    assert doc["schema"] == "vpce.bench.tp.distill/1" and doc["task"] == "distillation" and doc["tp"] == 2, doc.keys()
+    (s,) = doc["shapes"]
+    assert s["d_teacher"] == 96 and s["rows_per_rank"] == [1002, 1001] and s["tokens_per_rank"] == 100, s
+    assert "teacher hidden all-gather" in s["comm"]["what"] and "teacher_logits_ms" in s["floor"], s
+    prob = make_problem(Shape(name="tiny-odd", n=200, d=72, v=2003, d_teacher=96),
+                        Env(device=torch.device("cpu"), dtype=torch.bfloat16), Settings())
+    for (divergence, beta), label in ((("forward_kl", None), "forward KL"), (("jsd", 0.5), "JSD beta=0.5")):
+        want = float(reference_distillation(prob.x, prob.w, prob.xt, prob.wt, divergence=divergence, beta=beta).loss)
+        assert s["ref_losses"][label] == pytest.approx(want, rel=1e-12), (label, s["ref_losses"], want)
+    got = sorted((r["method"], str(r["rank"])) for r in doc["rows"])
+    assert got == sorted((m, str(k)) for m in DISTILL_METHODS for k in (0, 1, "max")), got
+    floor, _ = _rows(doc, "tiny-odd", "floor")
+    assert floor["status"] == "ok" and floor["floor_gemms"] == "teacher logits+logits+dX+dW", floor
+    agg, per_rank = _rows(doc, "tiny-odd", "torch-fkl")
+    assert all(r["status"] == "missing: no vocab-parallel form (a single-GPU row)" for r in per_rank + [agg]), agg
+    for m in ("vpce-fkl", "vpce-jsd"):
+        agg, per_rank = _rows(doc, "tiny-odd", m)
+        for r in per_rank + [agg]:
+            assert r["status"] == "ok", (m, r)
+            for k in ("ms", "x_floor", "extra_gib", "loss", "loss_err", "dx_err", "dw_err"):
+                assert _finite(r[k]), f"{m} rank {r['rank']}: {k}={r[k]!r}"
+        assert agg["loss_err"] < 1e-5 and agg["dx_err"] < 1e-2 and agg["dw_err"] < 1e-2, (m, agg)
+        assert agg["loss_spread"] <= 1e-6 * abs(agg["loss"]), f"{m}: ranks returned different losses"
+    assert "## tiny-odd distillation: N=200 D=72 teacher D_T=96 V=2003, bf16, tp=2" in stdout, stdout

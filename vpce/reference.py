@@ -306,3 +306,70 @@ def reference_distillation(hidden, weight, teacher_hidden, teacher_weight, targe
     dh, dw, *db = torch.autograd.grad(loss, [h, w] + ([b] if b is not None else []), g, allow_unused=True)
     zero = lambda x, like: torch.zeros_like(like) if x is None else x  # noqa: E731
     return Result(loss.detach(), zero(dh, h), zero(dw, w), zero(db[0], b) if b is not None else None)
+
+
+def chunked_reference_distillation(hidden, weight, teacher_hidden, teacher_weight, *, divergence="forward_kl",
+                                   beta=None, chunk_gib: float = 1.0, group=None,
+                                   shard_rows: list[int] | None = None) -> Result:
+    """Mean distillation loss of the student head ``hidden @ weight.T`` against the teacher head ``teacher_hidden
+    @ teacher_weight.T`` over the whole vocab and the student's gradients, in float64, in token chunks: for
+    problems too large for ``reference_distillation`` (the benchmark's ``--distill`` shapes). The divergence is
+    ``distillation_per_token``'s (TRL's generalized JSD; beta the teacher's weight in the mixture), temperature 1,
+    no bias, none ignored, the mean over all ``N`` tokens; ``hidden`` ``[N, D]``, ``teacher_hidden`` ``[N, D_T]``.
+
+    Per chunk of ``C`` tokens (``C`` chosen so that one ``[C, V]`` float64 tensor takes ``chunk_gib``; about a
+    dozen are live at once, autograd's for the JSD included): both heads' float64 logits, the per-token divergence
+    by its definition, and its gradient with respect to the student's logits by autograd (so the hand-written
+    gradients of vpce's backends are checked, not reused); then ``dX = G @ W`` and ``dW += G.T @ X`` in float64.
+
+    Under a ``group`` (``torch.distributed``) ``weight`` and ``teacher_weight`` are this rank's contiguous rows of
+    the vocab and ``shard_rows`` the rows of every rank's shard, in rank order: per chunk both heads' logits are
+    all-gathered (padded to the largest shard) so that every rank forms the divergence over the whole vocab, and
+    each rank keeps its own columns of the gradient; its part of ``dX`` is all-reduced (SUM, float64). Returns the
+    float64 loss, the complete ``dX`` and this shard's ``dW``, both stored in fp32; ``dbias`` is None.
+    """
+    import torch.distributed as dist
+
+    n, d = hidden.shape
+    rows = weight.shape[0]
+    if group is not None:
+        rank = dist.get_rank(group)
+        if shard_rows is None or len(shard_rows) != dist.get_world_size(group) or shard_rows[rank] != rows:
+            raise ValueError(f"shard_rows: expected every rank's rows (this rank's {rows} at index {rank}), got "
+                             f"{shard_rows}")
+    v = rows if group is None else sum(shard_rows)
+    start = 0 if group is None else sum(shard_rows[:rank])
+    chunk = max(1, int(chunk_gib * 2**30) // (8 * v))
+    wd, wtd = weight.double(), teacher_weight.double()
+    dw = torch.zeros_like(wd)
+    dx = torch.empty(n, d, dtype=torch.float32, device=hidden.device)
+    loss = torch.zeros((), dtype=torch.float64, device=hidden.device)
+
+    def whole_vocab(local: torch.Tensor) -> torch.Tensor:
+        """``[C, V]`` from every rank's ``[C, rows_r]`` columns (rank order)."""
+        if group is None:
+            return local
+        most = max(shard_rows)
+        padded = local.new_zeros(local.shape[0], most)
+        padded[:, :rows] = local
+        every = [torch.empty_like(padded) for _ in shard_rows]
+        dist.all_gather(every, padded, group=group)
+        return torch.cat([part[:, :r] for part, r in zip(every, shard_rows)], dim=1)
+
+    for c0 in range(0, n, chunk):
+        sl = slice(c0, min(n, c0 + chunk))
+        xd = hidden[sl].double()
+        z = whole_vocab(xd @ wd.t()).requires_grad_()
+        y = whole_vocab(teacher_hidden[sl].double() @ wtd.t())
+        s, u = torch.log_softmax(z, -1), torch.log_softmax(y, -1)
+        part = distillation_per_token(s, u, divergence, beta).sum()
+        (g,) = torch.autograd.grad(part / n, z)
+        loss += part.detach()
+        g = g[:, start:start + rows]
+        dxc = g @ wd
+        if group is not None:
+            dist.all_reduce(dxc, group=group)
+        dx[sl] = dxc.float()
+        dw.addmm_(g.t(), xd)
+        del z, y, s, u, part, g, xd, dxc
+    return Result(loss / n, dx, dw.float(), None)

@@ -42,6 +42,39 @@ What is measured, per shape (``N`` tokens, hidden size ``D``, vocab ``V``) and p
   shapes are refused with a hint (``--quick`` runs tiny ones); a GPU-sized shape named with ``--shapes`` runs,
   after a warning.
 
+Distillation (``--distill``, issue #17): every shape becomes a distillation problem: the student head above and a
+teacher head of ``--teacher-dim`` ``D_T`` (default 8192, so the default shape ``llama3-8b`` is the issue's case:
+N=16384, D=4096, D_T=8192, V=128256), and the rows are those of ``vpce.linear_distillation_loss`` and its peers,
+each the mean over the tokens of one divergence between the teacher's softmax ``q`` and the student's ``p``
+(temperature 1, none ignored, the teacher detached, gradients into ``x`` and ``w``): forward KL ``KL(q || p)``,
+the generalized JSD with beta 0.5 (``beta KL(q || m) + (1 - beta) KL(p || m)``, ``m = beta q + (1 - beta) p``;
+beta the teacher's weight, as TRL's ``generalized_jsd_loss``) and reverse KL ``KL(p || q)``.
+
+* **Inputs.** The student's ``x``, ``w``, ``y`` are the cross-entropy problem's; the teacher's ``xt ~ N(0, 1)``
+  ``[N, D_T]`` and ``wt ~ N(0, s**2 / D_T)`` ``[V, D_T]`` come from their own seed ``(seed, N, D_T, V, 1)``.
+* **Time, memory.** As above; a step is ``loss = f(x, w, y, xt, wt); loss.backward()``, and the peak extra memory
+  is all that the step creates above the inputs (the teacher's logits included, and the gradients).
+* **Floor.** The teacher's logits GEMM ``[N, D_T] @ [D_T, V]`` plus the student's logits, dX and dW GEMMs (cuBLAS,
+  the run's dtype), measured in the same run (``floor.teacher_logits_ms`` in the JSON, ``floor_gemms: "teacher
+  logits+logits+dX+dW"``); "x floor" is a row's time over their sum.
+* **Accuracy.** Each row against the float64 reference of its own divergence,
+  ``vpce.reference.chunked_reference_distillation`` (both heads' float64 logits in token chunks, the divergence
+  by its definition, its gradient by autograd, ``dW`` accumulated in float64), computed before the first row of
+  that divergence; the header shows each divergence's float64 loss.
+* **Rows** (``vpce.bench.methods.DISTILL``), for ``fkl`` (forward KL), ``jsd`` (beta 0.5) and ``rkl`` (reverse
+  KL): ``torch-<key>`` (plain eager: both heads' logits ``F.linear`` in the run's dtype, fp32 ``log_softmax``,
+  the teacher's under ``no_grad``, the divergence written from its definition); ``liger-<key>`` (liger-kernel's
+  ``LigerFusedLinearJSD``, CUDA; ``jsd_beta`` 0, 0.5 and 1: its beta is vpce's, ``vpce.bench.peers`` says why);
+  ``vpce-<key>`` (``linear_distillation_loss`` on the device's backend: Triton on CUDA, torch on a CPU) and, for
+  ``fkl`` and ``jsd``, ``vpce-<key>-lean`` (``memory_budget="lean"``). Under ``--tp`` vpce's rows run
+  vocab-parallel (both heads sharded, with ``--sp`` both hidden states sliced) and the others are ``missing``.
+* **Output.** ``--out/bench-distill.json`` (``schema: "vpce.bench.distill/1"``; under ``--tp``
+  ``bench-distill-tp<K>[-sp].json``, ``"vpce.bench.tp.distill/1"``): the schema below plus ``task:
+  "distillation"``, ``distill: {teacher_dim, temperature, teacher_inputs, loss, divergences, floor}``; shapes have
+  ``d_teacher`` and ``ref_losses: {divergence: float64 loss}`` instead of ``ref_loss``; rows have ``d_teacher``,
+  ``divergence``, ``beta`` and ``ref_loss``. ``--sweep`` is refused; ``--profile`` profiles ``vpce-fkl`` and
+  ``vpce-jsd`` by default.
+
 Output: progress lines on stderr, one Markdown table per shape on stdout, ``--out/bench.json`` (rewritten after
 every shape), and (matplotlib; skipped with a note if missing) ``--out/bench-<shape>.png`` per named shape (time
 and extra memory of every row) and with ``--sweep`` ``--out/sweep-<N|D|V>.png``.
@@ -74,6 +107,8 @@ Examples::
     python -m vpce.bench --methods floor,compile-frozen,quack-base-frozen,vpce-triton-frozen
     python -m vpce.bench --profile --shapes llama3-8b      # vpce-triton's step, kernel by kernel
     python -m vpce.bench --device cpu --quick --methods torch,vpce-torch,floor
+    python -m vpce.bench --distill                         # Llama-3-8B student, teacher D_T=8192: every row
+    python -m vpce.bench --device cpu --quick --distill    # the same rows on tiny shapes (smoke run)
 
 Peers on the GPU machine: ``vpce/bench/wheels.sh`` downloads their wheels into ``.whl/`` and prints the install
 line; ``launch/quack_wheels.sh`` does the same for quack-kernels (``.whl-quack/``, two device calls).

@@ -1,5 +1,6 @@
 """Command line of ``python -m vpce.bench``: shapes, sweeps, method selection, and the run itself (one device
-here; ``--tp`` hands the run to ``vpce.bench.tp``, ``--profile`` to ``vpce.bench.profile``)."""
+here; ``--tp`` hands the run to ``vpce.bench.tp``, ``--profile`` to ``vpce.bench.profile``). ``--distill`` makes
+every shape a distillation problem (a teacher head of ``--teacher-dim``) and measures the distillation rows."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ from pathlib import Path
 import torch
 
 from .harness import Env, Settings, Shape
-from .meta import DTYPES, INPUTS, device_info, git_commit, now_utc, package_versions, timings_caveat
-from .methods import FLOOR, default_methods, device_backend, method_names
+from .meta import DTYPES, INPUTS, device_info, distill_settings, git_commit, now_utc, package_versions, timings_caveat
+from .methods import FLOOR, METHODS, default_methods, device_backend, method_names
 from .peers import shutdown_megatron
 from .plots import plot_shapes, plot_sweeps
 from .profile import run_profile
@@ -39,6 +40,11 @@ SHAPES = {
 DEFAULT_SHAPES = "llama3-8b,gemma2-2b"
 TP_DEFAULT_SHAPES = "llama3-8b"  # --tp: the head of the multi-GPU bars (llama3-70b: the anchors' D=8192 class)
 QUICK_SHAPES = "tiny,tiny-odd"
+#: --distill (with --tp too): the Llama-3-8B student head against a teacher of --teacher-dim (default 8192, a
+#: Llama-3-70B-sized head): N=16384, D=4096, D_T=8192, V=128256, the case of issue #17's distillation bar.
+DISTILL_DEFAULT_SHAPES = "llama3-8b"
+DISTILL_TEACHER_DIM = 8192
+QUICK_TEACHER_DIM = 96  # --distill --quick: the tiny shapes' teacher
 
 #: Sweeps: the axis varies over these values, the other two stay at the centre shape's.
 SWEEPS = {"N": (2048, 4096, 8192, 16384, 32768, 65536, 131072, 262144), "D": (1024, 2048, 4096, 8192), "V": (32000, 64000, 128256, 256000)}
@@ -100,10 +106,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sweep", type=_csv(list("NDV"), "sweep"), default=None,
                    help=f"sweep one or more of N,D,V around {SWEEP_CENTRE}: " +
                         "; ".join(f"{k} in {v}" for k, v in SWEEPS.items()) + " (replaces the default shapes)")
+    ce_names = [n for n in method_names() if n == FLOOR or METHODS[n].distill is None]
     p.add_argument("--methods", type=_csv(method_names(), "methods", expand_all=False), default=None,
-                   help=f"rows to measure: {','.join(method_names())}; 'all' (the default): "
+                   help=f"rows to measure: {','.join(ce_names)}; 'all' (the default): "
                         f"{','.join(default_methods(False))} (with --tp: {','.join(default_methods(True))}; with "
-                        f"--profile the default is vpce-triton on CUDA, vpce-torch on a CPU)")
+                        f"--profile the default is vpce-triton on CUDA, vpce-torch on a CPU); with --distill the "
+                        f"distillation rows instead: {','.join(default_methods(False, True))} (the default; with "
+                        f"--tp: {','.join(default_methods(True, True))}; with --profile: vpce-fkl,vpce-jsd)")
     p.add_argument("--dtype", choices=list(DTYPES), default="bf16")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--quick", action="store_true", help="tiny shapes and few repetitions (a smoke run; works on CPU)")
@@ -121,6 +130,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="instead of the tables: where a step's time goes, per kernel and per phase (torch.profiler; "
                         "CUDA kernels, or CPU ops on a CPU), for the --methods rows; writes --out/profile.json")
     p.add_argument("--profile-steps", type=int, default=3, help="with --profile: steps run under the profiler")
+    kd = p.add_argument_group("distillation (issue #17; see vpce.bench)")
+    kd.add_argument("--distill", action="store_true",
+                    help="measure vpce.linear_distillation_loss (forward KL, JSD beta=0.5, reverse KL; and lean) "
+                         "against plain torch (both heads' logits materialized) and liger-kernel's "
+                         "LigerFusedLinearJSD, each against the float64 reference of its divergence, timed against "
+                         "the floor teacher logits GEMM + the student's 3 GEMMs; every shape gets a teacher head "
+                         f"[V, --teacher-dim]; default shape {DISTILL_DEFAULT_SHAPES} (with the default teacher dim: "
+                         "the issue's case); writes --out/bench-distill.json")
+    kd.add_argument("--teacher-dim", type=int, default=None, metavar="D_T",
+                    help=f"with --distill: the teacher's hidden size (default {DISTILL_TEACHER_DIM}; "
+                         f"{QUICK_TEACHER_DIM} with --quick)")
     tp = p.add_argument_group("tensor parallel (under torchrun; see vpce.bench.tp)")
     tp.add_argument("--tp", action="store_true",
                     help="vocab-parallel rows, per rank, the vocab sharded over every process of the launch "
@@ -137,7 +157,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _gpu_sized(shapes: list[Shape]) -> list[str]:
-    return [s.name for s in shapes if 2 * s.n * s.d * s.v > GPU_SIZED_FLOP]
+    return [s.name for s in shapes if 2 * s.n * max(s.d, s.d_teacher or 0) * s.v > GPU_SIZED_FLOP]
+
+
+def _check_methods(args, parser):
+    """``--methods`` of the run's kind: distillation rows with ``--distill``, cross-entropy rows without."""
+    wrong = [n for n in args.methods if n != FLOOR and (METHODS[n].distill is not None) != args.distill]
+    if wrong and args.distill:
+        parser.error(f"--methods: with --distill expected distillation rows ({','.join(default_methods(False, True))}"
+                     f"), got {','.join(wrong)}")
+    if wrong:
+        parser.error(f"--methods: {','.join(wrong)}: distillation rows, expected with --distill")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -147,9 +177,21 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error(f"--device: expected an available device, got {args.device!r} (no CUDA here)")
     if args.profile and args.methods is None:
-        args.methods = [f"vpce-{device_backend(Env(device=device, dtype=DTYPES[args.dtype]))}"]
+        args.methods = ["vpce-fkl", "vpce-jsd"] if args.distill else \
+            [f"vpce-{device_backend(Env(device=device, dtype=DTYPES[args.dtype]))}"]
     elif args.methods in (None, ["all"]):
-        args.methods = default_methods(args.tp)
+        args.methods = default_methods(args.tp, args.distill)
+    _check_methods(args, parser)
+    if args.teacher_dim is not None and not args.distill:
+        parser.error(f"--teacher-dim: expected together with --distill, got --teacher-dim {args.teacher_dim} "
+                     f"without it")
+    if args.distill:
+        if args.teacher_dim is None:
+            args.teacher_dim = QUICK_TEACHER_DIM if args.quick else DISTILL_TEACHER_DIM
+        if args.teacher_dim < 1:
+            parser.error(f"--teacher-dim: expected a positive number, got {args.teacher_dim}")
+        if args.sweep:
+            parser.error("--sweep: expected without --distill (name the distillation shapes with --shapes)")
     if not args.tp and (args.sp or args.inject_failure):
         parser.error("--sp and --inject-failure: expected together with --tp, got them without it")
     if args.profile and args.tp:
@@ -165,11 +207,14 @@ def main(argv: list[str] | None = None) -> int:
         shapes = _sweep_shapes(args.sweep, args.quick)
     if args.shapes is not None or shapes is None:
         try:
-            default = QUICK_SHAPES if args.quick else TP_DEFAULT_SHAPES if args.tp else DEFAULT_SHAPES
+            default = QUICK_SHAPES if args.quick else DISTILL_DEFAULT_SHAPES if args.distill else \
+                TP_DEFAULT_SHAPES if args.tp else DEFAULT_SHAPES
             named = [_parse_shape(t) for t in (args.shapes or default).split(",") if t]
         except argparse.ArgumentTypeError as e:
             parser.error(str(e))
         shapes = (shapes or []) + named
+    if args.distill:
+        shapes = [dataclasses.replace(s, d_teacher=args.teacher_dim) for s in shapes]
 
     warnings = []  # printed on stderr even with --quiet
     big = _gpu_sized(shapes) if device.type != "cuda" else []
@@ -210,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
         shutdown_megatron()
         return status
     doc = dict(
-        schema="vpce.bench/1",
+        schema="vpce.bench.distill/1" if args.distill else "vpce.bench/1",
         date=now_utc(),
         command=command,
         commit=git_commit(),
@@ -220,11 +265,13 @@ def main(argv: list[str] | None = None) -> int:
         dtype=args.dtype,
         tp=env.tp,
         settings=dict(dataclasses.asdict(settings), tf32=torch.backends.cuda.matmul.allow_tf32, inputs=INPUTS),
+        **distill_settings(args),
         methods=args.methods,
         shapes=[],
         rows=[],
     )
-    out_json = args.out / "bench.json"
+    stem = "bench-distill" if args.distill else "bench"
+    out_json = args.out / f"{stem}.json"
     if caveat:
         print(caveat + "\n", flush=True)  # with the tables too, so that a copied table keeps it
     for shape in shapes:
@@ -236,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     shutdown_megatron()
 
     notes = set()
-    for files, note in (plot_shapes(doc, args.out), plot_sweeps(doc, args.out)):
+    for files, note in (plot_shapes(doc, args.out, stem), plot_sweeps(doc, args.out)):
         for f in files:
             progress.note(f"wrote {f}")
         if note and note not in notes:

@@ -1,5 +1,5 @@
-"""Measurement primitives: inputs, timing, peak memory and relative error (the float64 reference itself is
-``vpce.reference.chunked_reference``).
+"""Measurement primitives: inputs, timing, peak memory and relative error (the float64 references themselves are
+``vpce.reference.chunked_reference`` and, under ``--distill``, ``chunked_reference_distillation``).
 
 Nothing here knows about any particular loss implementation; ``vpce.bench.runner`` combines these into rows.
 """
@@ -16,7 +16,7 @@ from typing import Any, Callable
 import torch
 
 from ..memory import PeakMemory
-from ..reference import Result, chunked_reference
+from ..reference import Result, chunked_reference, chunked_reference_distillation
 
 __all__ = ["GiB", "Env", "Shape", "Settings", "Problem", "Timing", "make_problem", "reference_of", "sq_err",
            "err_from_sq", "measure", "peak_extra_bytes", "free_memory", "synchronize"]
@@ -59,7 +59,8 @@ class Env:
 
 @dataclass(frozen=True, kw_only=True)
 class Shape:
-    """One problem size: ``N`` tokens, hidden size ``D``, vocab ``V``."""
+    """One problem size: ``N`` tokens, hidden size ``D``, vocab ``V`` (and, for distillation, the teacher's hidden
+    size ``D_T``)."""
 
     name: str
     n: int
@@ -67,9 +68,17 @@ class Shape:
     v: int
     sweeps: tuple[str, ...] = ()
     """Sweep axes ("N", "D", "V") this point belongs to; empty for a named shape."""
+    d_teacher: int | None = None
+    """The teacher head's hidden size under ``--distill`` (its weight is ``[V, D_T]``); None: the cross-entropy
+    problem, one head."""
+
+    @property
+    def distill(self) -> bool:
+        return self.d_teacher is not None
 
     def describe(self) -> str:
-        return f"{self.name} (N={self.n} D={self.d} V={self.v})"
+        teacher = f" D_T={self.d_teacher}" if self.distill else ""
+        return f"{self.name} (N={self.n} D={self.d}{teacher} V={self.v})"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -102,6 +111,16 @@ class Problem:
     """lm_head weight ``[V, D]``."""
     y: torch.Tensor
     """Targets ``[N]`` int64, uniform over the vocab, none ignored."""
+    xt: torch.Tensor | None = None
+    """Distillation: the teacher's hidden states ``[N, D_T]`` (None for the cross-entropy)."""
+    wt: torch.Tensor | None = None
+    """Distillation: the teacher's lm_head weight ``[V, D_T]`` (None for the cross-entropy)."""
+
+    @property
+    def extra(self) -> tuple[torch.Tensor, ...]:
+        """The loss function's arguments after ``(x, w, y)``: ``(xt, wt)`` for distillation, none for the
+        cross-entropy."""
+        return () if self.xt is None else (self.xt, self.wt)
 
 
 @dataclass
@@ -138,6 +157,10 @@ def make_problem(shape: Shape, env: Env, settings: Settings) -> Problem:
     ``s = settings.logit_scale`` (default 1, the distribution of the project's anchor measurements of the peers,
     quoted in docs/benchmarks.md). Not zeros: GEMM
     speed depends on the data, and flat or constant logits would hide softmax numerics.
+
+    A distillation shape (``shape.d_teacher``) also gets a teacher head drawn the same way from its own generator,
+    ``(seed, N, D_T, V, 1)``: ``xt ~ N(0, 1)`` ``[N, D_T]`` and ``wt ~ N(0, s**2 / D_T)`` ``[V, D_T]``, independent
+    of the student's. The student's ``x``, ``w`` and ``y`` are those of the cross-entropy problem of ``(N, D, V)``.
     """
     seed = hash((settings.seed, shape.n, shape.d, shape.v)) % 2**63  # int tuples hash the same in every process
     gen = torch.Generator(device=env.device).manual_seed(seed)
@@ -145,16 +168,31 @@ def make_problem(shape: Shape, env: Env, settings: Settings) -> Problem:
     w = torch.randn(shape.v, shape.d, device=env.device, generator=gen)
     w = w.mul_(settings.logit_scale / math.sqrt(shape.d)).to(env.dtype)
     y = torch.randint(0, shape.v, (shape.n,), device=env.device, generator=gen)
-    return Problem(x=x, w=w, y=y)
+    if not shape.distill:
+        return Problem(x=x, w=w, y=y)
+    seed = hash((settings.seed, shape.n, shape.d_teacher, shape.v, 1)) % 2**63
+    gen = torch.Generator(device=env.device).manual_seed(seed)
+    xt = torch.randn(shape.n, shape.d_teacher, device=env.device, generator=gen).to(env.dtype)
+    wt = torch.randn(shape.v, shape.d_teacher, device=env.device, generator=gen)
+    wt = wt.mul_(settings.logit_scale / math.sqrt(shape.d_teacher)).to(env.dtype)
+    return Problem(x=x, w=w, y=y, xt=xt, wt=wt)
 
 
 def reference_of(prob: Problem, settings: Settings, *, group=None, vocab_start: int = 0,
-                 max_rows: int | None = None) -> tuple[Result, float]:
-    """``vpce.reference.chunked_reference`` of ``prob`` (under ``group``, of this rank's shard ``prob.w``) and the
-    seconds it took."""
+                 max_rows: int | None = None, shard_rows: list[int] | None = None,
+                 distill: tuple[str, float | None] | None = None) -> tuple[Result, float]:
+    """The float64 reference of ``prob`` (under ``group``, of this rank's shard ``prob.w``) and the seconds it took:
+    ``vpce.reference.chunked_reference`` of the cross-entropy, or with ``distill = (divergence, beta)``
+    ``vpce.reference.chunked_reference_distillation`` of that divergence between the student ``(x, w)`` and the
+    teacher ``(xt, wt)`` (under ``group`` it needs ``shard_rows``, every rank's rows)."""
     t0 = time.perf_counter()
-    ref = chunked_reference(prob.x, prob.w, prob.y, chunk_gib=settings.ref_chunk_gib, group=group,
-                            vocab_start=vocab_start, max_rows=max_rows)
+    if distill is None:
+        ref = chunked_reference(prob.x, prob.w, prob.y, chunk_gib=settings.ref_chunk_gib, group=group,
+                                vocab_start=vocab_start, max_rows=max_rows)
+    else:
+        ref = chunked_reference_distillation(prob.x, prob.w, prob.xt, prob.wt, divergence=distill[0],
+                                             beta=distill[1], chunk_gib=settings.ref_chunk_gib, group=group,
+                                             shard_rows=shard_rows)
     synchronize(prob.x.device)
     return ref, time.perf_counter() - t0
 

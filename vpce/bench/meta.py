@@ -15,14 +15,33 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["DTYPES", "INPUTS", "device_info", "git_commit", "package_version", "package_versions", "now_utc",
-           "timings_caveat"]
+__all__ = ["DTYPES", "INPUTS", "TEACHER_INPUTS", "distill_settings", "device_info", "git_commit", "package_version",
+           "package_versions", "now_utc", "timings_caveat"]
 
 #: ``--dtype`` names.
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 #: How the inputs are drawn (``harness.make_problem``), as the JSON's ``settings.inputs`` says it.
 INPUTS = "x ~ N(0,1), w ~ N(0, logit_scale^2/D), targets uniform over the vocab, none ignored"
+
+#: How a distillation shape's teacher is drawn (``harness.make_problem``), as the JSON's ``distill`` says it.
+TEACHER_INPUTS = ("xt ~ N(0,1) [N, D_T], wt ~ N(0, logit_scale^2/D_T) [V, D_T], from their own seed, independent of "
+                  "the student's x, w (those of the cross-entropy problem of N, D, V)")
+
+
+def distill_settings(args) -> dict:
+    """The JSON's ``task`` and ``distill`` fields of a ``--distill`` run (nothing otherwise): the teacher, and what
+    every distillation row computes."""
+    if not getattr(args, "distill", False):
+        return {}
+    return dict(task="distillation", distill=dict(
+        teacher_dim=args.teacher_dim, temperature=1.0, teacher_inputs=TEACHER_INPUTS,
+        loss="mean over the tokens (none ignored) of a divergence between the teacher's softmax q and the "
+             "student's p; the teacher detached, gradients into the student's x and w",
+        divergences={"forward KL": "KL(q || p)", "reverse KL": "KL(p || q)",
+                     "JSD beta=0.5": "beta KL(q || m) + (1 - beta) KL(p || m), m = beta q + (1 - beta) p"},
+        floor="teacher logits GEMM [N, D_T] @ [D_T, V] + the student's logits, dX and dW GEMMs (cuBLAS, run's dtype)"))
+
 
 #: Distributions whose versions the JSON records (None: not installed).
 PACKAGES = ("torch", "triton", "liger-kernel", "cut-cross-entropy", "megatron-core", "quack-kernels",

@@ -14,6 +14,14 @@ vpce's rows call ``vpce.linear_cross_entropy`` (or ``vpce.linear_log_probs``) as
 torch backend; the loss-option rows (label smoothing, z-loss, soft cap, token weights) and the log-prob rows use
 the backend that fits the device (Triton on CUDA, torch elsewhere; their labels say which).
 
+Distillation (``--distill``): a row with ``distill=(divergence, beta)`` builds ``loss(x, w, y, xt, wt)`` (the
+teacher's hidden states and weight after the targets; ``vpce.bench.peers.DistillFn``) and is measured only in a
+``--distill`` run, which measures only such rows; its errors are checked against the float64 reference of that
+divergence. ``DISTILL`` names the divergences: for each, ``torch-<key>`` (plain eager, both heads' logits
+materialized), ``liger-<key>`` (liger-kernel's ``LigerFusedLinearJSD``, CUDA) and ``vpce-<key>``
+(``vpce.linear_distillation_loss`` on the device's backend, vocab-parallel under ``--tp``), and for forward KL and
+JSD ``vpce-<key>-lean`` (``memory_budget="lean"``).
+
 Tensor parallelism (``--tp``, ``vpce.bench.tp``): a method with ``tp=True`` takes, on each rank of ``env.group``,
 this rank's hidden input, its vocab shard of ``w`` and the full targets (``vpce.bench.peers`` says how); vpce
 does the collectives itself. Rows marked ``tp_only`` need a process group and are measured only under ``--tp``;
@@ -34,8 +42,8 @@ from . import peers
 from .harness import Env
 from .peers import LossFn, Unavailable
 
-__all__ = ["Method", "METHODS", "FLOOR", "FROZEN", "VARIANTS", "frozen", "method_names", "default_methods",
-           "device_backend"]
+__all__ = ["Method", "METHODS", "FLOOR", "FROZEN", "VARIANTS", "DISTILL", "frozen", "method_names",
+           "default_methods", "device_backend", "divergence_label"]
 
 #: Name of the three-GEMM floor in ``--methods`` (measured by the runner, not a loss).
 FLOOR = "floor"
@@ -50,7 +58,8 @@ class Method:
     label: str
     """Text in the table; ``{backend}`` stands for ``device_backend(env)``."""
     build: Callable[[Env], LossFn]
-    """Returns the loss function for this environment; raises ``Unavailable`` when it cannot run here."""
+    """Returns the loss function for this environment; raises ``Unavailable`` when it cannot run here. A
+    distillation row's function also takes the teacher's ``xt`` and ``wt`` after ``y``."""
     package: str | None = None
     """Distribution whose version the JSON records."""
     needs_cuda: bool = False
@@ -70,6 +79,10 @@ class Method:
     frozen: bool = False
     """The lm_head is frozen (``w.requires_grad=False``, as in LoRA fine-tuning): the step computes the loss and
     ``dX`` only, and is timed against the two-GEMM floor (logits + dX); there is no ``dW`` to check."""
+    distill: tuple[str, float | None] | None = None
+    """A distillation row (``--distill``): the ``(divergence, beta)`` it computes, as ``linear_distillation_loss``
+    names them; its errors are checked against the float64 reference of that divergence. None: a cross-entropy
+    row."""
 
     def row_label(self, env: Env) -> str:
         """The table's text for this row on ``env``."""
@@ -153,6 +166,52 @@ VARIANTS = {  # name: (label, options)
     "dft": ("token_scaling (DFT)", dict(token_scaling=True)),
 }
 
+def _vpce_distill(env: Env, *, divergence: str, beta: float | None, memory_budget: str = "auto"):
+    """``vpce.linear_distillation_loss`` on the device's backend, the targets passed (none is ignored)."""
+    from .. import linear_distillation_loss
+    backend = device_backend(env)
+    layout = env.vpce_layout()
+
+    def fn(x, w, y, xt, wt):
+        return linear_distillation_loss(x, w, xt, wt, y, divergence=divergence, beta=beta, backend=backend,
+                                        memory_budget=memory_budget, **layout)
+    return fn
+
+
+#: The divergences of ``--distill``: key: (label, divergence, beta, liger-kernel's jsd_beta for it, a lean row).
+DISTILL = {
+    "fkl": ("forward KL", "forward_kl", None, 0.0, True),
+    "jsd": ("JSD beta=0.5", "jsd", 0.5, 0.5, True),
+    "rkl": ("reverse KL", "reverse_kl", None, 1.0, False),
+}
+
+
+def divergence_label(distill: tuple[str, float | None]) -> str:
+    """``(divergence, beta)`` as the tables and the JSON name it: "forward KL", "JSD beta=0.5", "reverse KL"."""
+    divergence, beta = distill
+    return {"forward_kl": "forward KL", "reverse_kl": "reverse KL"}.get(divergence, f"JSD beta={beta}")
+
+
+def _distill_rows() -> list[Method]:
+    rows = []
+    for key, (label, divergence, beta, jsd_beta, lean) in DISTILL.items():
+        which = (divergence, beta)
+        rows += [
+            Method(name=f"torch-{key}", label=f"torch eager {label} (both logits)", package="torch", distill=which,
+                   build=functools.partial(peers.torch_distill, divergence=divergence, beta=beta)),
+            Method(name=f"liger-{key}", label=f"liger-kernel FusedLinearJSD {label} (jsd_beta={jsd_beta:g})",
+                   package="liger-kernel", needs_cuda=True, distill=which,
+                   build=functools.partial(peers.liger_jsd, jsd_beta=jsd_beta)),
+            Method(name=f"vpce-{key}", label=f"vpce {{backend}} {label}", package="vpce", tp=True, distill=which,
+                   build=functools.partial(_vpce_distill, divergence=divergence, beta=beta)),
+        ]
+        if lean:
+            rows.append(Method(name=f"vpce-{key}-lean", label=f"vpce {{backend}} {label} lean", package="vpce",
+                               tp=True, distill=which, build=functools.partial(
+                                   _vpce_distill, divergence=divergence, beta=beta, memory_budget="lean")))
+    return rows
+
+
 def frozen(method: Method) -> Method:
     """``method`` with the lm_head frozen: the row ``<name>-frozen``, single-GPU, fwd+bwd only."""
     return dataclasses.replace(method, name=f"{method.name}-frozen", label=f"{method.label} frozen W", frozen=True,
@@ -207,6 +266,7 @@ _ROWS = [
            package="vpce", build=functools.partial(_vpce_log_probs, entropy=True, top1=True), plain=False),
     Method(name="vpce-metrics", label="vpce {backend} + accuracy, entropy, z-loss metrics", package="vpce",
            build=_vpce_metrics, tp=True),
+    *_distill_rows(),
 ]
 
 METHODS: dict[str, Method] = {m.name: m for m in [*_ROWS, *(frozen(m) for m in _ROWS if m.name in FROZEN)]}
@@ -217,7 +277,8 @@ def method_names() -> list[str]:
     return [FLOOR, *METHODS]
 
 
-def default_methods(tp: bool) -> list[str]:
+def default_methods(tp: bool, distill: bool = False) -> list[str]:
     """What ``--methods all`` (the default) means: every single-GPU row, or under ``--tp`` every row with a
-    vocab-parallel form."""
-    return [FLOOR, *(m.name for m in METHODS.values() if (m.tp if tp else not m.tp_only))]
+    vocab-parallel form; of the cross-entropy rows, or with ``distill`` of the distillation rows."""
+    return [FLOOR, *(m.name for m in METHODS.values()
+                     if (m.distill is not None) == distill and (m.tp if tp else not m.tp_only))]

@@ -41,11 +41,32 @@ and in ``w.grad`` its shard's gradient. The peers get their hidden states the wa
 
 A loss function may carry ``note`` (a string for the JSON: which path or region it uses) and ``context`` (a
 context-manager factory that must hold over its forward and backward: torch's ``loss_parallel``).
+
+Distillation (``--distill``, ``DistillFn``): ``loss(x [N, D], w [V, D], y [N], xt [N, D_T], wt [V, D_T])`` is the
+mean over the tokens whose target is not -100 of a divergence between the teacher's softmax ``q`` (of ``xt @
+wt.T``) and the student's ``p`` (of ``x @ w.T``), temperature 1, differentiated into ``x.grad`` and ``w.grad``
+only (the teacher is used detached). The divergences are ``vpce.linear_distillation_loss``'s: forward KL
+``KL(q || p)``, reverse KL ``KL(p || q)``, and the generalized JSD ``beta KL(q || m) + (1 - beta) KL(p || m)``
+with ``m = beta q + (1 - beta) p`` (beta: the teacher's weight in the mixture, as TRL's ``generalized_jsd_loss``).
+
+* torch eager (``torch_distill``): both heads' logits materialized with ``F.linear`` in the inputs' dtype, fp32
+  ``log_softmax``, the teacher's under ``torch.no_grad()``, the divergence written from its definition.
+* liger-kernel (``liger_jsd``): ``LigerFusedLinearJSD(jsd_beta=b, temperature=1.0)(student_input=x,
+  student_weight=w, teacher_input=xt, teacher_weight=wt, shift_labels=y)`` (keywords, so that a version whose
+  signature differs fails loudly instead of being mis-called). Its convention is vpce's: in liger-kernel's
+  ``_jsd_kernel`` ``X = log Q`` is the student, ``Y = log P`` the teacher, ``M = beta P + (1 - beta) Q`` and the
+  loss ``beta KL(P || M) + (1 - beta) KL(Q || M)``; ``jsd_beta=0`` is its forward KL ``KL(P || Q)`` and
+  ``jsd_beta=1`` its reverse KL ``KL(Q || P)`` (those two branches since liger-kernel 0.4.2; an older version
+  computes 0 there, which the row's loss error shows). So vpce's ``beta`` is passed as ``jsd_beta`` unchanged,
+  forward KL is ``jsd_beta=0`` and reverse KL ``jsd_beta=1``. Its ``batchmean`` divides by the tokens whose label
+  is not ``ignore_index`` (-100), vpce's ``mean``; it applies no ``T**2``. Its logits are ``F.linear``'s in the
+  inputs' dtype, then fp32, as torch eager's; it accumulates ``dW`` in the weight's dtype.
 """
 
 from __future__ import annotations
 
 import importlib
+import math
 import sys
 import warnings
 from typing import Callable
@@ -59,12 +80,12 @@ from .harness import Env
 from .launch_env import free_port, set_collective_env
 from .meta import package_version
 
-__all__ = ["Unavailable", "LossFn", "torch_eager", "torch_compile", "torch_lce", "TORCH_LCE", "liger", "cce", "quack",
-           "megatron", "liger_tp",
-           "chunked_tp", "loss_parallel", "megatron_tp_group", "shutdown_megatron", "hidden_entry",
-           "chunked_vocab_parallel_nll"]
+__all__ = ["Unavailable", "LossFn", "DistillFn", "torch_eager", "torch_compile", "torch_lce", "TORCH_LCE", "liger",
+           "cce", "quack", "megatron", "liger_tp", "chunked_tp", "loss_parallel", "megatron_tp_group", "shutdown_megatron", "hidden_entry",
+           "chunked_vocab_parallel_nll", "torch_distill", "liger_jsd", "divergence_per_token"]
 
 LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+DistillFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class Unavailable(Exception):
@@ -359,3 +380,36 @@ def loss_parallel(env: Env, *, fp32: bool) -> LossFn:
         return F.cross_entropy(logits, target).to_local()
     fn.context = context
     return _with_note(fn, "logits fp32" if fp32 else "logits bf16 (as the anchors)", enter)
+
+
+# -- distillation (--distill) -------------------------------------------------------------------------------------
+
+def divergence_per_token(s: torch.Tensor, u: torch.Tensor, divergence: str, beta: float | None) -> torch.Tensor:
+    """The per-token divergence from the student's and the teacher's log-probabilities ``s``, ``u`` ``[N, V]``,
+    written from its definition (``q = exp(u)``, ``p = exp(s)``)."""
+    if divergence == "forward_kl":
+        return (u.exp() * (u - s)).sum(-1)
+    if divergence == "reverse_kl":
+        return (s.exp() * (s - u)).sum(-1)
+    log_m = torch.logsumexp(torch.stack([s + math.log1p(-beta), u + math.log(beta)]), dim=0)
+    return beta * (u.exp() * (u - log_m)).sum(-1) + (1 - beta) * (s.exp() * (s - log_m)).sum(-1)
+
+
+def torch_distill(env: Env, *, divergence: str, beta: float | None) -> DistillFn:
+    """What a user writes today: both heads' logits materialized, fp32 log-softmax, the divergence by its
+    definition, the mean over the labelled tokens; autograd into the student only."""
+    def fn(x, w, y, xt, wt):
+        s = F.log_softmax(F.linear(x, w).float(), dim=-1)
+        with torch.no_grad():
+            u = F.log_softmax(F.linear(xt, wt).float(), dim=-1)
+        keep = y != -100
+        return (divergence_per_token(s, u, divergence, beta) * keep).sum() / keep.sum()
+    return fn
+
+
+def liger_jsd(env: Env, *, jsd_beta: float) -> DistillFn:
+    """liger-kernel's ``LigerFusedLinearJSD`` with ``jsd_beta`` (vpce's beta; 0: forward KL, 1: reverse KL)."""
+    module = _import("liger_kernel.transformers.fused_linear_jsd", "liger-kernel")
+    loss = module.LigerFusedLinearJSD(jsd_beta=jsd_beta, temperature=1.0)
+    return lambda x, w, y, xt, wt: loss(student_input=x, student_weight=w, teacher_input=xt, teacher_weight=wt,
+                                        shift_labels=y)

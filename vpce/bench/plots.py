@@ -88,7 +88,8 @@ def plot_shapes(doc: dict, out: Path, stem: str = "bench") -> tuple[list[Path], 
         t_ax.set_yticks(ys, [r["label"] for r in rows])
         floor = shape.get("floor")
         if floor:
-            t_ax.axvline(floor["total_ms"], color="black", linestyle="--", linewidth=1, label="floor: 3 GEMMs")
+            what = "teacher logits + 3 GEMMs" if "teacher_logits_ms" in floor else "3 GEMMs"
+            t_ax.axvline(floor["total_ms"], color="black", linestyle="--", linewidth=1, label=f"floor: {what}")
             if any(r["mode"] == "frozen" for r in rows):
                 t_ax.axvline(floor["frozen_ms"], color="tab:orange", linestyle="-.", linewidth=1,
                              label="logits + dX GEMMs")
@@ -100,7 +101,9 @@ def plot_shapes(doc: dict, out: Path, stem: str = "bench") -> tuple[list[Path], 
         for ax in (t_ax, m_ax):
             ax.grid(True, axis="x", alpha=0.3)
         where = doc["device"]["name"] + (f", tp={doc['tp']} (max over ranks)" if doc.get("tp", 1) > 1 else "")
-        fig.suptitle(f"{shape['name']} (N={shape['n']}, D={shape['d']}, V={shape['v']}), {doc['dtype']}, {where}")
+        teacher = f", teacher D_T={shape['d_teacher']}" if "d_teacher" in shape else ""
+        fig.suptitle(f"{shape['name']} (N={shape['n']}, D={shape['d']}{teacher}, V={shape['v']}), {doc['dtype']}, "
+                     f"{where}")
         fig.tight_layout()
         path = out / f"{stem}-{_file_name(shape['name'])}.png"
         path.parent.mkdir(parents=True, exist_ok=True)

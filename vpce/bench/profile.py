@@ -1,9 +1,10 @@
 """``python -m vpce.bench --profile``: where one step's time goes, kernel by kernel and phase by phase.
 
 For each shape and each row of ``--methods`` (default: vpce on the device's backend, ``vpce-triton`` on CUDA and
-``vpce-torch`` on a CPU), the row's fwd+bwd step (``runner.make_step``; a frozen row's weight does not require
-grad) runs once (compile, autotune), is timed as the benchmark times it (``harness.measure``: ``--warmup`` calls,
-then the median of the timed ones), and then runs ``--profile-steps`` more times under ``torch.profiler``:
+``vpce-torch`` on a CPU; with ``--distill`` ``vpce-fkl`` and ``vpce-jsd`` on the distillation's inputs), the row's
+fwd+bwd step (``runner.make_step``; a frozen row's weight does not require grad) runs once (compile, autotune), is
+timed as the benchmark times it (``harness.measure``: ``--warmup`` calls, then the median of the timed ones), and
+then runs ``--profile-steps`` more times under ``torch.profiler``:
 
 * on CUDA, with CPU and CUDA activities: every device event (kernels, memcpy, memset) and its GPU time;
 * on a CPU, CPU activities only: every operator and its self time (the op minus the ops it calls), so that nested
@@ -132,6 +133,8 @@ def profile_method(shape: Shape, env: Env, name: str, settings: Settings, steps:
                mode="frozen" if method.frozen else "fwd+bwd", status="ok", step_ms=None, steps=steps,
                profiled_step_ms=None, kernels_ms=None, outside_ms=None,
                measured="cuda kernels" if env.cuda else "cpu ops (self time)", phases=[], kernels=[])
+    if shape.distill:
+        row["d_teacher"] = shape.d_teacher
     live = SimpleNamespace(step=None)
 
     def can_run():
@@ -141,7 +144,7 @@ def profile_method(shape: Shape, env: Env, name: str, settings: Settings, steps:
         fn = method.build(env)
         x = prob.x.detach().clone().requires_grad_()
         w = prob.w.detach().clone().requires_grad_(not method.frozen)
-        live.step = make_step(fn, x, w, prob.y)
+        live.step = make_step(fn, x, w, prob.y, *prob.extra)
         live.step()
         synchronize(env.device)
 
@@ -175,8 +178,9 @@ def _columns(columns, kind: str):
 def format_profile(row: dict, dtype: str, device: str) -> str:
     """A row's profile as text: the header, the per-phase table and the heaviest ``TOP`` kernels."""
     what = "CUDA kernels" if row["measured"] == "cuda kernels" else "CPU ops (self time)"
-    lines = [f"## profile: {row['label']}, {row['shape']} (N={row['n']} D={row['d']} V={row['v']}), {dtype}, "
-             f"{device}"]
+    teacher = f" D_T={row['d_teacher']}" if row.get("d_teacher") else ""
+    lines = [f"## profile: {row['label']}, {row['shape']} (N={row['n']} D={row['d']}{teacher} V={row['v']}), "
+             f"{dtype}, {device}"]
     if row["status"] != "ok":
         return "\n".join(lines + [row["status"]]) + "\n"
     step = row["profiled_step_ms"]

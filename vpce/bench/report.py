@@ -93,21 +93,39 @@ def markdown_table(rows: list[dict], columns) -> list[str]:
 
 def _floor_text(floor: dict, flops: float) -> str:
     tflops = flops / (floor["total_ms"] * 1e-3) / 1e12
-    return (f"{floor['total_ms']:.2f} ms = logits {floor['logits_ms']:.2f} + dX {floor['dx_ms']:.2f} + dW "
+    teacher = f"teacher logits {floor['teacher_logits_ms']:.2f} + " if "teacher_logits_ms" in floor else ""
+    return (f"{floor['total_ms']:.2f} ms = {teacher}logits {floor['logits_ms']:.2f} + dX {floor['dx_ms']:.2f} + dW "
             f"{floor['dw_ms']:.2f} ms ({tflops:.3g} TFLOP/s)")
+
+
+def _shape_title(record: dict) -> str:
+    """``name: N= D= V=``, or for a distillation shape ``name distillation: N= D= D_T= V=``."""
+    if "d_teacher" in record:
+        return (f"{record['name']} distillation: N={record['n']} D={record['d']} teacher D_T={record['d_teacher']} "
+                f"V={record['v']}")
+    return f"{record['name']}: N={record['n']} D={record['d']} V={record['v']}"
+
+
+def _ref_text(record: dict) -> str:
+    """The float64 loss of the shape, or of each divergence measured (distillation)."""
+    if "ref_losses" not in record:
+        return "-" if record["ref_loss"] is None else f"{record['ref_loss']:.6f}"
+    return ", ".join(f"{k} {v:.6f}" for k, v in record["ref_losses"].items()) or "none computed"
 
 
 def format_shape(record: dict, rows: list[dict], dtype: str, device: str) -> str:
     """The shape's header line and its tables (fwd+bwd against the floor; frozen weight against the logits and dX
-    GEMMs; no-grad against the logits GEMM)."""
-    lines = [f"## {record['name']}: N={record['n']} D={record['d']} V={record['v']}, {dtype}, {device}"]
+    GEMMs; no-grad against the logits GEMM). A distillation shape has the fwd+bwd table only, against the floor
+    teacher logits + the student's three GEMMs, and the float64 loss of each divergence."""
+    lines = [f"## {_shape_title(record)}, {dtype}, {device}"]
     floor = record["floor"]
+    losses = "float64 losses: " if "ref_losses" in record else "float64 loss "
     if floor:
         lines.append(f"floor {_floor_text(floor, record['flops_fwd_bwd'])}; dX+dW themselves "
-                     f"{format_number(record['grads_gib'], 'gib')} GiB; float64 loss {record['ref_loss']:.6f}")
+                     f"{format_number(record['grads_gib'], 'gib')} GiB; {losses}{_ref_text(record)}")
     else:
         lines.append(f"floor not measured; dX+dW themselves {format_number(record['grads_gib'], 'gib')} GiB; "
-                     f"float64 loss {record['ref_loss']:.6f}")
+                     f"{losses}{_ref_text(record)}")
     grad = [r for r in rows if r["mode"] in ("floor", "fwd+bwd")]
     frozen = [r for r in rows if r["mode"] == "frozen"]
     nograd = [r for r in rows if r["mode"] == "no-grad"]
@@ -126,8 +144,7 @@ def format_shape(record: dict, rows: list[dict], dtype: str, device: str) -> str
 def format_tp_shape(record: dict, aggs: list[dict], per_rank: list[dict], doc: dict, where: str) -> str:
     """Under ``--tp``: the shape's header, the table of maxima over ranks, the per-rank table, and the notes."""
     tp = doc["tp"]
-    lines = [f"## {record['name']}: N={record['n']} D={record['d']} V={record['v']}, {doc['dtype']}, tp={tp}, "
-             f"hidden {record['layout']}, {where}"]
+    lines = [f"## {_shape_title(record)}, {doc['dtype']}, tp={tp}, hidden {record['layout']}, {where}"]
     rows = record["rows_per_rank"]
     rows_text = str(rows[0]) if len(set(rows)) == 1 else f"{min(rows)}..{max(rows)}"
     lines.append(f"vocab rows per rank {rows_text}; hidden tokens per rank {record['tokens_per_rank']}; "
@@ -136,12 +153,12 @@ def format_tp_shape(record: dict, aggs: list[dict], per_rank: list[dict], doc: d
         lines.append(f"not measured: {record['status']}")
     else:
         floor = record["floor"]
+        losses = "float64 losses: " if "ref_losses" in record else "float64 loss "
         if floor:
             lines.append(f"per-rank floor (slowest rank, {floor['rank']}) "
-                         f"{_floor_text(floor, record['flops_fwd_bwd_per_rank'])}; float64 loss "
-                         f"{record['ref_loss']:.6f}")
+                         f"{_floor_text(floor, record['flops_fwd_bwd_per_rank'])}; {losses}{_ref_text(record)}")
         else:
-            lines.append(f"per-rank floor not measured; float64 loss {record['ref_loss']:.6f}")
+            lines.append(f"per-rank floor not measured; {losses}{_ref_text(record)}")
         comm = record["comm"]
         if comm:
             ms = "-" if comm["ms"] is None else f"{format_number(comm['ms'], 'ms')} ms (slowest rank)"

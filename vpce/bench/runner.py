@@ -11,6 +11,10 @@ differentiates, and everything it allocated is released before the next row star
 Each row is divided by the floor that fits its mode (``FLOOR_OF_MODE``, the JSON's ``floor_gemms``): a fwd+bwd row
 by the three GEMMs, a frozen-weight row (``Method.frozen``) by the logits and dX GEMMs, a no-grad forward by the
 logits GEMM alone. All three come from the one ``measure_floor`` of the shape.
+
+A distillation shape (``--distill``, ``Shape.d_teacher``) has a floor row and fwd+bwd rows only; the floor adds the
+teacher's logits GEMM to the student's three (``DISTILL_FLOOR_GEMMS``), and each row is checked against the
+float64 reference of its own divergence (``References``), computed in the row's first phase after ``can_run``.
 """
 
 from __future__ import annotations
@@ -26,18 +30,20 @@ import torch
 from ..reference import Result
 from .harness import (GiB, Env, Problem, Settings, Shape, Timing, err_from_sq, free_memory, make_problem, measure,
                       peak_extra_bytes, reference_of, sq_err, synchronize)
-from .methods import FLOOR, METHODS, Method
+from .methods import FLOOR, METHODS, Method, divergence_label
 from .peers import Unavailable
 from .report import Progress
 
 __all__ = ["run_shape", "measure_floor", "make_step", "new_row", "public", "reason", "run_phases", "floor_phase",
-           "fwd_bwd_phases", "FLOOR_OF_MODE"]
+           "fwd_bwd_phases", "FLOOR_OF_MODE", "DISTILL_FLOOR_GEMMS", "References", "floor_label", "shape_record"]
 
 Phase = Callable[[], None]
 
 #: mode of a row: (the GEMMs its floor is made of, the key of that floor in ``measure_floor``'s result).
 FLOOR_OF_MODE = {"floor": ("logits+dX+dW", "total_ms"), "fwd+bwd": ("logits+dX+dW", "total_ms"),
                  "frozen": ("logits+dX", "frozen_ms"), "no-grad": ("logits", "logits_ms")}
+#: ``floor_gemms`` of the floor and the rows of a distillation shape (the floor's ``total_ms``).
+DISTILL_FLOOR_GEMMS = "teacher logits+logits+dX+dW"
 
 
 def reason(e: BaseException) -> str:
@@ -50,11 +56,22 @@ def reason(e: BaseException) -> str:
 
 
 def new_row(shape: Shape, env: Env, method: str, label: str, mode: str) -> dict:
-    """A row with every JSON field, nothing measured yet."""
-    return dict(shape=shape.name, n=shape.n, d=shape.d, v=shape.v, tp=env.tp, rank=env.rank, method=method,
-                label=label, mode=mode, status="ok", ms=None, ms_min=None, reps=0,
-                floor_gemms=FLOOR_OF_MODE[mode][0], floor_ms=None, x_floor=None, extra_gib=None, loss=None,
-                loss_err=None, dx_err=None, dw_err=None)
+    """A row with every JSON field, nothing measured yet (a distillation shape's rows also have ``d_teacher``,
+    ``divergence`` and ``beta``, and ``ref_loss``: the float64 loss of their divergence)."""
+    row = dict(shape=shape.name, n=shape.n, d=shape.d, v=shape.v, tp=env.tp, rank=env.rank, method=method,
+               label=label, mode=mode, status="ok", ms=None, ms_min=None, reps=0,
+               floor_gemms=FLOOR_OF_MODE[mode][0], floor_ms=None, x_floor=None, extra_gib=None, loss=None,
+               loss_err=None, dx_err=None, dw_err=None)
+    if shape.distill:
+        distill = METHODS[method].distill if method in METHODS else None
+        row.update(d_teacher=shape.d_teacher, floor_gemms=DISTILL_FLOOR_GEMMS,
+                   divergence=distill and distill[0], beta=distill and distill[1], ref_loss=None)
+    return row
+
+
+def floor_label(shape: Shape, suffix: str = "") -> str:
+    """The floor row's label: its GEMMs."""
+    return ("floor: teacher logits + 3 GEMMs" if shape.distill else "floor: 3 GEMMs") + suffix
 
 
 def public(row: dict) -> dict:
@@ -103,19 +120,27 @@ def measure_floor(shape: Shape, prob: Problem, env: Env, settings: Settings, agr
 
     ``G`` stands in for the logits' gradient: random ``[N, V]`` in the run's dtype (GEMM speed depends on data).
     Under ``--tp`` ``prob.w`` is this rank's shard, so ``V`` is its rows; ``agree`` is passed on to ``measure``.
+
+    A distillation problem (``prob.xt``) adds the teacher's logits GEMM ``[N, D_T] @ [D_T, V]``
+    (``teacher_logits_ms``) to ``total_ms``, the floor of its rows, and has no ``frozen_ms``.
     """
     gen = torch.Generator(device=env.device).manual_seed(settings.seed + 1)
     g = torch.randn(prob.x.shape[0], prob.w.shape[0], device=env.device, generator=gen).to(env.dtype)
-    x, w = prob.x, prob.w
+    x, w, xt, wt = prob.x, prob.w, prob.xt, prob.wt
     gemms = {"logits_ms": lambda: torch.mm(x, w.t()),   # [N, D] @ [D, V]
              "dx_ms": lambda: torch.mm(g, w),           # [N, V] @ [V, D]
              "dw_ms": lambda: torch.mm(g.t(), x)}       # [V, N] @ [N, D]
+    if xt is not None:
+        gemms = {"teacher_logits_ms": lambda: torch.mm(xt, wt.t()), **gemms}  # [N, D_T] @ [D_T, V]
     out = {}
     for key, fn in gemms.items():
         fn()
         out[key] = measure(fn, env.device, settings, agree).median
     out["total_ms"] = out["logits_ms"] + out["dx_ms"] + out["dw_ms"]
-    out["frozen_ms"] = out["logits_ms"] + out["dx_ms"]
+    if xt is None:
+        out["frozen_ms"] = out["logits_ms"] + out["dx_ms"]
+    else:
+        out["total_ms"] += out["teacher_logits_ms"]
     return out
 
 
@@ -127,8 +152,9 @@ def floor_phase(row: dict, shape: Shape, prob: Problem, env: Env, settings: Sett
     return floor
 
 
-def make_step(fn, x: torch.Tensor, w: torch.Tensor, y: torch.Tensor):
-    """One timed step: ``x.grad = w.grad = None; loss = fn(x, w, y); loss.backward()``.
+def make_step(fn, x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, *extra: torch.Tensor):
+    """One timed step: ``x.grad = w.grad = None; loss = fn(x, w, y, *extra); loss.backward()`` (``extra``: the
+    teacher's ``xt``, ``wt`` of a distillation row).
 
     A loss function may carry ``fn.context``, a context-manager factory that must hold over its forward and its
     backward both (torch's ``loss_parallel``).
@@ -138,29 +164,70 @@ def make_step(fn, x: torch.Tensor, w: torch.Tensor, y: torch.Tensor):
     def step():
         x.grad = w.grad = None
         with context():
-            loss = fn(x, w, y)
+            loss = fn(x, w, y, *extra)
             loss.backward()
         return loss
     return step
 
 
-def fwd_bwd_phases(row: dict, method: Method, env: Env, settings: Settings, prob: Problem, ref: Result, *,
-                   floor_ms: float | None, x_in: torch.Tensor | None = None, ref_dx: torch.Tensor | None = None,
-                   shard_rows: list[int] | None = None, agree_time=None) -> list[Phase]:
-    """The phases of a fwd+bwd row: can it run here, build, first step, timed steps, peak memory.
+class References:
+    """The float64 reference each row is checked against, computed when a row first asks for it: the
+    cross-entropy's, or under ``--distill`` the one of the row's divergence (``Method.distill``).
+
+    Only the latest is kept: the rows come grouped by divergence (table order), so each is computed once, and at
+    most one reference's ``dX`` and ``dW`` are held while rows run. ``where`` are ``reference_of``'s keywords of
+    the layout (under ``--tp``: the group and the shards; every rank asks for the same references in the same
+    order, so their collectives line up). ``losses`` and ``seconds`` are for the shape's record.
+    """
+
+    def __init__(self, prob: Problem, settings: Settings, progress: Progress | None = None, **where):
+        self.prob, self.settings, self.progress, self.where = prob, settings, progress, where
+        self.key, self.ref = None, None
+        self.losses: dict[str, float] = {}
+        self.seconds = 0.0
+
+    def of(self, distill: tuple[str, float | None] | None) -> Result:
+        if self.ref is None or distill != self.key:
+            self.ref = None
+            free_memory(self.prob.x.device)
+            ref, seconds = reference_of(self.prob, self.settings, distill=distill, **self.where)
+            self.key, self.ref = distill, ref
+            self.seconds += seconds
+            name = "cross-entropy" if distill is None else divergence_label(distill)
+            self.losses[name] = float(ref.loss)
+            if distill is not None and self.progress is not None:
+                self.progress.note(f"float64 reference of the {name} in {seconds:.1f} s (loss {float(ref.loss):.6f})")
+        return self.ref
+
+
+def fwd_bwd_phases(row: dict, method: Method, env: Env, settings: Settings, prob: Problem,
+                   ref: Result | References, *, floor_ms: float | None, x_in: torch.Tensor | None = None,
+                   ref_dx: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                   extra: tuple[torch.Tensor, ...] | None = None, shard_rows: list[int] | None = None,
+                   agree_time=None) -> list[Phase]:
+    """The phases of a fwd+bwd row: can it run here, its reference, build, first step, timed steps, peak memory.
 
     The first step (it compiles or autotunes) is the one checked: loss against ``ref.loss``, ``x.grad`` against
-    ``ref_dx`` (default ``ref.dhidden``) and ``w.grad`` against ``ref.dweight``; ``row["_dx_sq"]`` and
-    ``row["_dw_sq"]`` keep the squared errors, which combine over ranks. A frozen row's weight does not require
-    grad: its ``w.grad`` must stay None, and there is no ``dW`` error. ``x_in`` (default ``prob.x``) is the
-    hidden input (under ``--sp`` this rank's slice); ``agree_time`` is passed on to ``measure``.
+    ``ref_dx(ref.dhidden)`` (default: all of it) and ``w.grad`` against ``ref.dweight``; ``row["_dx_sq"]`` and
+    ``row["_dw_sq"]`` keep the squared errors, which combine over ranks. ``ref`` is the reference, or the shape's
+    ``References``, asked in the row's second phase for the one of ``method.distill``. A frozen row's weight does
+    not require grad: its ``w.grad`` must stay None, and there is no ``dW`` error. ``x_in`` (default ``prob.x``)
+    is the hidden input (under ``--sp`` this rank's slice), ``extra`` (default ``prob.extra``) the loss function's
+    arguments after the targets (the teacher's, under ``--sp`` its hidden slice); ``agree_time`` is passed on to
+    ``measure``.
     """
     x_in = prob.x if x_in is None else x_in
-    ref_dx = ref.dhidden if ref_dx is None else ref_dx
-    live = SimpleNamespace(fn=None, step=None, x=None, w=None)
+    extra = prob.extra if extra is None else extra
+    live = SimpleNamespace(fn=None, step=None, x=None, w=None, ref=None, ref_dx=None)
 
     def can_run():
         method.require(env, shard_rows)
+
+    def reference():
+        live.ref = ref.of(method.distill) if isinstance(ref, References) else ref
+        live.ref_dx = live.ref.dhidden if ref_dx is None else ref_dx(live.ref.dhidden)
+        if "ref_loss" in row:
+            row["ref_loss"] = float(live.ref.loss)
 
     def build():
         live.fn = method.build(env)
@@ -170,14 +237,15 @@ def fwd_bwd_phases(row: dict, method: Method, env: Env, settings: Settings, prob
     def first_step():
         live.x = x = x_in.detach().clone().requires_grad_()
         live.w = w = prob.w.detach().clone().requires_grad_(not method.frozen)
-        live.step = make_step(live.fn, x, w, prob.y)
+        live.step = make_step(live.fn, x, w, prob.y, *extra)
         loss = live.step()
         synchronize(env.device)
         if method.frozen and w.grad is not None:
             raise RuntimeError("the frozen weight got a gradient")
+        ref = live.ref
         if method.plain:
             _record_loss(row, loss, ref)
-            row["_dx_sq"] = sq_err(x.grad, ref_dx)
+            row["_dx_sq"] = sq_err(x.grad, live.ref_dx)
             row["_dw_sq"] = None if method.frozen else sq_err(w.grad, ref.dweight)
             row["dx_err"], row["dw_err"] = err_from_sq(row["_dx_sq"]), err_from_sq(row["_dw_sq"])
         else:
@@ -193,7 +261,7 @@ def fwd_bwd_phases(row: dict, method: Method, env: Env, settings: Settings, prob
         free_memory(env.device)
         row["extra_gib"] = peak_extra_bytes(live.step, env.device) / GiB
 
-    return [can_run, build, first_step, timed, memory]
+    return [can_run, reference, build, first_step, timed, memory]
 
 
 def _no_grad_phases(row: dict, method: Method, env: Env, settings: Settings, prob: Problem, ref: Result,
@@ -226,6 +294,22 @@ def _no_grad_phases(row: dict, method: Method, env: Env, settings: Settings, pro
     return [can_run, build, first_call, timed, memory]
 
 
+def shape_record(shape: Shape, env: Env) -> dict:
+    """The JSON record of ``shape`` before anything is measured: its sizes, FLOP of one exact fwd+bwd and the bytes
+    of its gradients and inputs (a distillation shape: the teacher's logits GEMM and inputs included)."""
+    elem = torch.finfo(env.dtype).bits // 8
+    n, d, v = shape.n, shape.d, shape.v
+    record = dict(name=shape.name, n=n, d=d, v=v, sweeps=list(shape.sweeps), flops_fwd_bwd=6 * n * d * v,
+                  grads_gib=(n * d + v * d) * elem / GiB, inputs_gib=(n * d + v * d) * elem / GiB + n * 8 / GiB,
+                  ref_loss=None, ref_seconds=None, floor=None)
+    if shape.distill:
+        dt = shape.d_teacher
+        record.update(d_teacher=dt, flops_fwd_bwd=record["flops_fwd_bwd"] + 2 * n * dt * v,
+                      inputs_gib=record["inputs_gib"] + (n * dt + v * dt) * elem / GiB, ref_losses={})
+        del record["ref_loss"]
+    return record
+
+
 def run_shape(shape: Shape, env: Env, names: list[str], settings: Settings, progress: Progress,
               *, no_grad: bool = True) -> tuple[dict, list[dict]]:
     """Measure every selected row on fresh inputs of ``shape``; returns (shape record, rows)."""
@@ -237,21 +321,23 @@ def run_shape(shape: Shape, env: Env, names: list[str], settings: Settings, prog
 
     t0 = time.perf_counter()
     prob = make_problem(shape, env, settings)
-    ref, ref_seconds = reference_of(prob, settings)
-    free_memory(env.device)
-    elem = torch.finfo(env.dtype).bits // 8
-    record = dict(name=shape.name, n=shape.n, d=shape.d, v=shape.v, sweeps=list(shape.sweeps),
-                  flops_fwd_bwd=6 * shape.n * shape.d * shape.v,
-                  grads_gib=(shape.n * shape.d + shape.v * shape.d) * elem / GiB,
-                  inputs_gib=(shape.n * shape.d + shape.v * shape.d) * elem / GiB + shape.n * 8 / GiB,
-                  ref_loss=float(ref.loss), ref_seconds=ref_seconds, floor=None)
-    progress.note(f"inputs + float64 reference in {time.perf_counter() - t0:.1f} s (loss {record['ref_loss']:.6f})")
+    refs = References(prob, settings, progress)
+    record = shape_record(shape, env)
+    if shape.distill:  # one reference per divergence, each computed before the first row that needs it
+        progress.note(f"inputs in {time.perf_counter() - t0:.1f} s")
+        ref = None
+    else:
+        ref = refs.of(None)
+        free_memory(env.device)
+        record["ref_loss"], record["ref_seconds"] = float(ref.loss), refs.seconds
+        progress.note(f"inputs + float64 reference in {time.perf_counter() - t0:.1f} s (loss "
+                      f"{record['ref_loss']:.6f})")
 
     rows = []
     floor = {}
     for m, mode in entries:
         if m is None:
-            row = new_row(shape, env, FLOOR, "floor: 3 GEMMs", "floor")
+            row = new_row(shape, env, FLOOR, floor_label(shape), "floor")
             progress.start(row)
             run_phases(row, [floor_phase(row, shape, prob, env, settings)])
             floor = row.get("_floor", {})
@@ -263,11 +349,14 @@ def run_shape(shape: Shape, env: Env, names: list[str], settings: Settings, prog
             if mode == "no-grad":
                 run_phases(row, _no_grad_phases(row, m, env, settings, prob, ref, floor_ms))
             else:
-                run_phases(row, fwd_bwd_phases(row, m, env, settings, prob, ref, floor_ms=floor_ms))
+                run_phases(row, fwd_bwd_phases(row, m, env, settings, prob, refs if shape.distill else ref,
+                                               floor_ms=floor_ms))
         free_memory(env.device)
         rows.append(public(row))
         progress.finish(row)
+    if shape.distill:
+        record["ref_losses"], record["ref_seconds"] = refs.losses, refs.seconds
 
-    del prob, ref
+    del prob, ref, refs
     free_memory(env.device)
     return record, rows

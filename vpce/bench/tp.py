@@ -46,6 +46,15 @@ of ``launch_env.set_collective_env`` (NVLink multicast off; NCCL on a high-prior
    shard). ``loss_spread`` is the largest difference between two ranks' losses (0: every rank returned the same
    loss).
 
+Distillation (``--tp --distill``): the teacher's ``xt`` is broadcast with ``x`` and each rank keeps the same rows of
+``wt`` as of ``w``; with ``--sp`` each row gets the rank's slice of both hidden states. The per-rank floor adds the
+teacher's logits GEMM on the shard; ``comm`` under ``--sp`` adds the teacher's hidden all-gather. The float64
+reference of each divergence (``vpce.reference.chunked_reference_distillation``) all-gathers both heads' float64
+logits of each token chunk, so that every rank forms the divergence over the whole vocab, and all-reduces ``dX``.
+Only vpce's rows have a vocab-parallel form (plain torch and liger-kernel are ``missing``). Output:
+``--out/bench-distill-tp<K>[-sp].json`` (``schema: "vpce.bench.tp.distill/1"``, the fields of ``vpce.bench``'s
+distillation JSON); ``python -m vpce.bench.plots_tp`` reads only cross-entropy runs.
+
 Output, on rank 0: progress on stderr, per shape a table of the maximum over ranks and a per-rank table on
 stdout, and ``--out/bench-tp<K>.json`` (``bench-tp<K>-sp.json`` with ``--sp``), rewritten after every shape; at
 the end ``--out/bench-tp<K>[-sp]-<shape>.png`` per named shape (the maxima over ranks; needs matplotlib).
@@ -79,14 +88,14 @@ import torch
 import torch.distributed as dist
 
 from .. import parallel
-from .harness import GiB, Env, Problem, Settings, Shape, err_from_sq, free_memory, make_problem, measure, reference_of
+from .harness import GiB, Env, Problem, Settings, Shape, err_from_sq, free_memory, make_problem, measure
 from .launch_env import RECORDED_ENV_KEYS, init_process_group
-from .meta import DTYPES, INPUTS, device_info, git_commit, now_utc, package_versions, timings_caveat
+from .meta import DTYPES, INPUTS, device_info, distill_settings, git_commit, now_utc, package_versions, timings_caveat
 from .methods import FLOOR, METHODS
 from .peers import megatron_tp_group, shutdown_megatron
 from .plots import plot_shapes
 from .report import Progress, format_tp_shape, write_json
-from .runner import floor_phase, fwd_bwd_phases, new_row, public, reason, run_phases
+from .runner import References, floor_label, floor_phase, fwd_bwd_phases, new_row, public, reason, run_phases
 
 __all__ = ["main_tp", "run_shape_tp", "shard_rows"]
 
@@ -149,33 +158,45 @@ def _layout(env: Env) -> str:
 # -- one shape ----------------------------------------------------------------------------------------------------
 
 def _shard_problem(shape: Shape, env: Env, settings: Settings, split: list[int]) -> Problem:
-    """The full ``x`` and targets (bitwise equal on every rank) and this rank's rows of ``w``."""
+    """The full ``x`` and targets (bitwise equal on every rank) and this rank's rows of ``w``; for distillation
+    also the full ``xt`` (broadcast too) and this rank's rows of ``wt``."""
     full = make_problem(shape, env, settings)
     src = dist.get_global_rank(env.group, 0)
-    dist.broadcast(full.x, src=src, group=env.group)
-    dist.broadcast(full.y, src=src, group=env.group)
-    start = sum(split[:env.rank])
-    w = full.w[start:start + split[env.rank]].clone()
-    return Problem(x=full.x, w=w, y=full.y)
+    for t in (full.x, full.y) + ((full.xt,) if shape.distill else ()):
+        dist.broadcast(t, src=src, group=env.group)
+    rows = slice(sum(split[:env.rank]), sum(split[:env.rank + 1]))
+    w = full.w[rows].clone()
+    wt = full.wt[rows].clone() if shape.distill else None
+    return Problem(x=full.x, w=w, y=full.y, xt=full.xt, wt=wt)
 
 
 def _measure_comm(shape: Shape, env: Env, settings: Settings) -> dict | None:
-    """The collective every row's step contains, alone: dX all-reduce, or hidden all-gather + dX reduce-scatter."""
+    """The collective every row's step contains, alone: dX all-reduce, or hidden all-gather + dX reduce-scatter
+    (with ``--sp`` under ``--distill``, the teacher's hidden all-gather too)."""
     if env.tp == 1:
         return None
     g = torch.zeros(shape.n, shape.d, dtype=env.dtype, device=env.device)  # zeros: repeated sums stay finite
+    dtype = str(env.dtype)[6:]
     if env.sequence_parallel:
         part = torch.zeros(shape.n // env.tp, shape.d, dtype=env.dtype, device=env.device)
         full = torch.empty_like(g)
+        teacher = None
+        if shape.distill:
+            t_full = torch.empty(shape.n, shape.d_teacher, dtype=env.dtype, device=env.device)
+            teacher = (t_full, torch.zeros(shape.n // env.tp, shape.d_teacher, dtype=env.dtype, device=env.device))
 
         def fn():
             parallel.all_gather_tensor(full, part, group=env.group)
+            if teacher is not None:
+                parallel.all_gather_tensor(*teacher, group=env.group)
             parallel.reduce_scatter_tensor(part, g, group=env.group)
-        what = f"hidden all-gather + dX reduce-scatter, [{shape.n}, {shape.d}] {str(env.dtype)[6:]}"
+        what = f"hidden all-gather + dX reduce-scatter, [{shape.n}, {shape.d}] {dtype}"
+        if shape.distill:
+            what += f"; teacher hidden all-gather, [{shape.n}, {shape.d_teacher}] {dtype}"
     else:
         def fn():
             dist.all_reduce(g, group=env.group)
-        what = f"dX all-reduce, [{shape.n}, {shape.d}] {str(env.dtype)[6:]}"
+        what = f"dX all-reduce, [{shape.n}, {shape.d}] {dtype}"
     fn()
     ms = measure(fn, env.device, settings, lambda e: _agree_max(e, env)).median
     every = _all_gather_object(ms, env)
@@ -227,8 +248,13 @@ def run_shape_tp(shape: Shape, env: Env, names: list[str], settings: Settings, p
                   flops_fwd_bwd_per_rank=6 * shape.n * shape.d * max(split),
                   grads_gib=(n_local * shape.d + max(split) * shape.d) * elem / GiB, ref_loss=None, ref_seconds=None,
                   floor=None, floor_ranks=None, comm=None, status="ok")
+    if shape.distill:
+        record.update(d_teacher=shape.d_teacher, ref_losses={},
+                      flops_fwd_bwd_per_rank=record["flops_fwd_bwd_per_rank"] + 2 * shape.n * shape.d_teacher *
+                      max(split))
+        del record["ref_loss"]
     methods = [METHODS[n] for n in names if n != FLOOR]
-    rows = [new_row(shape, env, FLOOR, "floor: 3 GEMMs on the shard", "floor")] if FLOOR in names else []
+    rows = [new_row(shape, env, FLOOR, floor_label(shape, " on the shard"), "floor")] if FLOOR in names else []
     rows += [new_row(shape, env, m.name, m.row_label(env), "fwd+bwd") for m in methods]
     for row in rows:
         row.update(layout=_layout(env), v_local=split[env.rank], n_local=n_local, note=None)
@@ -249,14 +275,22 @@ def run_shape_tp(shape: Shape, env: Env, names: list[str], settings: Settings, p
 
     t0 = time.perf_counter()
     prob = _shard_problem(shape, env, settings, split)
-    ref, seconds = reference_of(prob, settings, group=env.group, vocab_start=sum(split[:env.rank]),
-                                max_rows=max(split))
-    free_memory(env.device)
-    record["ref_loss"], record["ref_seconds"] = float(ref.loss), seconds
-    progress.note(f"inputs + float64 reference in {time.perf_counter() - t0:.1f} s (loss {record['ref_loss']:.6f})")
-    x_in, ref_dx = prob.x, ref.dhidden
-    if env.sequence_parallel:
-        x_in, ref_dx = (t[env.rank * n_local:(env.rank + 1) * n_local] for t in (prob.x, ref.dhidden))
+    mine = slice(env.rank * n_local, (env.rank + 1) * n_local)
+    refs = References(prob, settings, progress, group=env.group, vocab_start=sum(split[:env.rank]),
+                      max_rows=max(split), shard_rows=split)
+    ref = None
+    if shape.distill:  # one reference per divergence, each computed before the first row that needs it
+        progress.note(f"inputs in {time.perf_counter() - t0:.1f} s")
+    else:
+        ref = refs.of(None)
+        free_memory(env.device)
+        record["ref_loss"], record["ref_seconds"] = float(ref.loss), refs.seconds
+        progress.note(f"inputs + float64 reference in {time.perf_counter() - t0:.1f} s (loss "
+                      f"{record['ref_loss']:.6f})")
+    x_in, extra, ref_dx = prob.x, prob.extra, None
+    if env.sequence_parallel:  # this rank's slice of the tokens (the teacher's too), and of dX
+        x_in, extra = prob.x[mine], ((prob.xt[mine], prob.wt) if shape.distill else ())
+        ref_dx = lambda dx: dx[mine]  # noqa: E731
 
     try:
         record["comm"] = _measure_comm(shape, env, settings)
@@ -279,8 +313,8 @@ def run_shape_tp(shape: Shape, env: Env, names: list[str], settings: Settings, p
             floor_ms = row["ms"] if row["status"] == "ok" else None
         else:
             m = METHODS[row["method"]]
-            phases = fwd_bwd_phases(row, m, env, settings, prob, ref, floor_ms=floor_ms, x_in=x_in, ref_dx=ref_dx,
-                                    shard_rows=split, agree_time=agree_time)
+            phases = fwd_bwd_phases(row, m, env, settings, prob, refs if shape.distill else ref, floor_ms=floor_ms,
+                                    x_in=x_in, ref_dx=ref_dx, extra=extra, shard_rows=split, agree_time=agree_time)
             if inject is not None and inject[0] == m.name:  # on every rank: the same phases, so agree lines up
                 phases.insert(1, _injected_failure(inject, env.rank))
             run_phases(row, phases, agree)
@@ -295,7 +329,9 @@ def run_shape_tp(shape: Shape, env: Env, names: list[str], settings: Settings, p
         everyone.extend(public(r) for r in per_rank)
         progress.finish(agg)
 
-    del prob, ref, x_in, ref_dx
+    if shape.distill:
+        record["ref_losses"], record["ref_seconds"] = refs.losses, refs.seconds
+    del prob, ref, refs, x_in, extra
     free_memory(env.device)
     return record, aggs, everyone
 
@@ -344,7 +380,7 @@ def main_tp(args, parser, shapes: list[Shape], settings: Settings, command: str,
         except Exception:  # noqa: BLE001 - the megatron rows say why when they are built
             pass
     doc = dict(
-        schema="vpce.bench.tp/1",
+        schema="vpce.bench.tp.distill/1" if args.distill else "vpce.bench.tp/1",
         date=now_utc(),
         command=_launch_command(command),
         commit=git_commit(),
@@ -364,11 +400,12 @@ def main_tp(args, parser, shapes: list[Shape], settings: Settings, command: str,
                       env={k: os.environ[k] for k in RECORDED_ENV_KEYS if k in os.environ}),
         timing="a rank's ms is the median of its own timed steps (every rank runs the same steps); rows with "
                "rank 'max' take the maximum over ranks of ms, floor_ms and extra_gib",
+        **distill_settings(args),
         methods=args.methods,
         shapes=[],
         rows=[],
     )
-    stem = f"bench-tp{env.tp}{'-sp' if env.sequence_parallel else ''}"
+    stem = f"bench{'-distill' if args.distill else ''}-tp{env.tp}{'-sp' if env.sequence_parallel else ''}"
     out_json = args.out / f"{stem}.json"
     hosts = sorted({d["host"] for d in devices})
     names = sorted({d["name"] for d in devices})
