@@ -10,13 +10,14 @@ collectives, and calls the autograd shell (``vpce.autograd``) or, under ``torch.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 from typing import Callable, NamedTuple
 
 import torch
 
-from . import parallel
+from . import parallel, speculation
 from .autograd import LinearCrossEntropyFunction, LinearLogProbsFunction, accumulation_dtype
 from .grads import check_main_grad
 from .options import BACKENDS, BUDGET_NAMES, METRICS, REDUCTIONS, LogProbOptions, LossOptions
@@ -335,6 +336,7 @@ def _cross_entropy(hidden, weight, target, bias, box: dict, make: Callable[[], N
                    ignore_index, class_weight=None):
     def local_checks(w, cast_by_autocast):
         make()
+        box["weight"] = w  # the caller's weight, before any autocast cast: the speculative route's call site
         check_token_weight(token_weight, target)
         _check_class_weight(class_weight, w)
         check_bool("accumulate_main_grad", accumulate_main_grad)
@@ -346,7 +348,12 @@ def _cross_entropy(hidden, weight, target, bias, box: dict, make: Callable[[], N
                                  f"lm_head weight in the compute dtype or call vpce outside the autocast region")
 
     def plan(needs, dtype, backend_name, sharded, sp):
-        return plan_cross_entropy(box["opts"], needs, backend_name, sharded, sp)
+        o = box["opts"]
+        speculate = False
+        if o.reduction == "none" and not o.lean:
+            key = (o, token_weight is not None, class_weight is not None, accumulate_main_grad)
+            speculate, box["history"] = speculation.decide("ce", box["weight"], key, backend_name, sharded, needs)
+        return plan_cross_entropy(o, needs, backend_name, sharded, sp, speculate)
 
     def memory(p, h, rows, needs, world):
         return settle_by_memory(p, h, rows, needs, box["opts"], world)
@@ -380,7 +387,7 @@ def _cross_entropy(hidden, weight, target, bias, box: dict, make: Callable[[], N
             loss = library.linear_cross_entropy(h2, weight, bias, t1, tw1, call.plan.backend, opts,
                                                 call.shard.vocab_size, call.needs_grad, cw1)
     else:
-        call = Call(call.shard, call.plan, call.needs_grad, accumulate_main_grad, call.poison)
+        call = Call(call.shard, call.plan, call.needs_grad, accumulate_main_grad, call.poison, box.get("history"))
         with torch.autocast(h2.device.type, enabled=False):
             loss = LinearCrossEntropyFunction.apply(_enter(h2, call), weight, bias, t1, tw1, opts, call, cw1)
     shape = (lambda x: x.reshape(target.shape)) if opts.reduction == "none" else (lambda x: x)
@@ -418,7 +425,10 @@ def linear_log_probs(hidden, weight, target, bias=None, *, temperature=1.0, soft
         ``log_probs`` and ``entropy``, sharded or not (the building block for PPO/GRPO-style losses); the last
         three are detached.
     """
-    def local_checks(_weight, _cast):
+    box = {}
+
+    def local_checks(w, _cast):
+        box["weight"] = w  # the caller's weight, before any autocast cast: the speculative route's call site
         check_int("ignore_index", ignore_index, allow_none=False)
         check_number("temperature", temperature, low=0.0, low_open=True)
         check_number("softcap", softcap, low=0.0, low_open=True, allow_none=True)
@@ -435,13 +445,21 @@ def linear_log_probs(hidden, weight, target, bias=None, *, temperature=1.0, soft
                 ("return_mean_logits", return_mean_logits), ("return_log_sum_sq_probs", return_log_sum_sq_probs)]
 
     def plan(needs, dtype, backend_name, sharded, sp):
-        return plan_log_probs(needs, backend_name, sharded, sp)
+        speculate = False
+        if not return_entropy:  # the entropy's own upstream gradient is not formed in forward
+            speculate, box["history"] = speculation.decide("logprob", box["weight"], tuple(fields()), backend_name,
+                                                           sharded, needs)
+        return plan_log_probs(needs, backend_name, sharded, sp, speculate)
+
+    def memory(p, h, rows, needs, world):
+        return settle_by_memory(p, h, rows, needs, LossOptions(), world)
 
     h2, weight, bias, target, call = prepare_call(
         "logprob", hidden, weight, target, bias, group=group, vocab_start=vocab_start, vocab_size=vocab_size,
         sequence_parallel=sequence_parallel, backend=backend, validate=validate,
         ignore_index=ignore_index if isinstance(ignore_index, int) else -100, local_checks=local_checks,
-        plan=plan, fields=fields)
+        plan=plan, fields=fields, memory=memory)
+    call = dataclasses.replace(call, history=box.get("history"))
     # the logit scale s folds into the cap and the temperature: cap_c(s x) / T = cap_{c/s}(x) * (s / T)
     s = float(logit_scale)
     lp = LogProbOptions(ignore_index=int(ignore_index), softcap=None if softcap is None else float(softcap) / s,
