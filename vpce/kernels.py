@@ -112,7 +112,7 @@ def _logits_tile(
     SUM_Z: tl.constexpr, SUM_EZ: tl.constexpr, HAS_CB: tl.constexpr,
     HAS_CD: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr, HAS_CW: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    EVEN_N: tl.constexpr, SUM_SQ: tl.constexpr, TOP1: tl.constexpr,
+    EVEN_N: tl.constexpr, SUM_SQ: tl.constexpr, TOP1: tl.constexpr, ROUND: tl.constexpr,
 ):
     """One [BLOCK_M, BLOCK_N] tile: the GEMM over D, then the epilogue."""
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -149,7 +149,7 @@ def _logits_tile(
 
     _epilogue(acc, rm, rn, pid_n, BIAS, TL, TILE_M, TILE_S, TILE_Z, TILE_EZ, ZT, P, RM, RLSE, RQ, CA, CB, CC, CD, CW,
               TILE_SQ, TILE_MB, TB, M, V, n_tiles, stride_pm, stride_pn, softcap, inv_t, HAS_BIAS, SOFTCAP,
-              TEMPERATURE, GRAD, SUM_Z, SUM_EZ, HAS_CB, HAS_CD, HAS_CW, EVEN_N, SUM_SQ, TOP1, BLOCK_N, False)
+              TEMPERATURE, GRAD, SUM_Z, SUM_EZ, HAS_CB, HAS_CD, HAS_CW, EVEN_N, SUM_SQ, TOP1, BLOCK_N, False, ROUND)
 
 
 @triton.jit
@@ -163,7 +163,7 @@ def _epilogue(
     HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, TEMPERATURE: tl.constexpr, GRAD: tl.constexpr,
     SUM_Z: tl.constexpr, SUM_EZ: tl.constexpr, HAS_CB: tl.constexpr,
     HAS_CD: tl.constexpr, HAS_CW: tl.constexpr, EVEN_N: tl.constexpr, SUM_SQ: tl.constexpr, TOP1: tl.constexpr,
-    BLOCK_N: tl.constexpr, TARGET_APART: tl.constexpr,
+    BLOCK_N: tl.constexpr, TARGET_APART: tl.constexpr, ROUND: tl.constexpr,
 ):
     """The softmax epilogue of one fp32 logits tile ``acc`` (rows ``rm``, columns ``rn``, stats tile ``pid_n``),
     whether the tile comes from the GEMM or from logits already in memory."""
@@ -171,6 +171,8 @@ def _epilogue(
     row_ok = rm < M
     if HAS_BIAS:
         acc += tl.load(BIAS + rn, mask=rn < V, other=0.0).to(tl.float32)[None, :]
+    if ROUND:  # the logit as cuBLAS writes it: fp32 accumulation, the bias, one rounding to the inputs' dtype
+        acc = acc.to(P.dtype.element_ty).to(tl.float32)
     dcap = acc
     if SOFTCAP:
         acc, dcap = _softcap(acc, softcap)
@@ -268,11 +270,13 @@ def _logits_tiles_kernel(
     HAS_CD: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr, HAS_CW: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, SUM_SQ: tl.constexpr, TOP1: tl.constexpr,
-    HAS_FLAG: tl.constexpr,
+    HAS_FLAG: tl.constexpr, ROUND: tl.constexpr,
 ):
     """``HAS_FLAG`` (the speculative route's gated recompute, ``vpce.speculation``): a persistent grid whose
     programs first read ``FLAG[0]`` (int32) and return when it is 0, else walk the tiles ``pid, pid + grid, ...``;
-    without it, one tile per program: the kernel every other path compiles."""
+    ``ROUND`` (with it only) rounds each logit to ``P``'s dtype before the epilogue, as cuBLAS wrote the logits
+    whose statistics that route's forward took. Without them, one tile per program: the kernel every other path
+    compiles."""
     # -- grouped tile order: GROUP_M row blocks share each W tile while it sits in L2 --
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(V, BLOCK_N)
@@ -287,7 +291,7 @@ def _logits_tiles_kernel(
                              CW, TILE_SQ, TILE_MB, TB,
                              M, V, D, n_tiles, stride_xm, stride_xk, stride_wv, stride_wk, stride_pm, stride_pn,
                              softcap, inv_t, HAS_BIAS, SOFTCAP, TEMPERATURE, GRAD, SUM_Z, SUM_EZ, HAS_CB, HAS_CD,
-                             IEEE, TMA, HAS_CW, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, SUM_SQ, TOP1)
+                             IEEE, TMA, HAS_CW, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, SUM_SQ, TOP1, ROUND)
     else:
         pid = tl.program_id(0)
         first_m = (pid // width) * GROUP_M
@@ -297,7 +301,7 @@ def _logits_tiles_kernel(
                      TILE_SQ, TILE_MB, TB,
                      M, V, D, n_tiles, stride_xm, stride_xk, stride_wv, stride_wk, stride_pm, stride_pn,
                      softcap, inv_t, HAS_BIAS, SOFTCAP, TEMPERATURE, GRAD, SUM_Z, SUM_EZ, HAS_CB, HAS_CD,
-                     IEEE, TMA, HAS_CW, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, SUM_SQ, TOP1)
+                     IEEE, TMA, HAS_CW, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, SUM_SQ, TOP1, False)
 
 
 @triton.jit
@@ -337,7 +341,7 @@ def _stored_logits_kernel(
     acc = tl.load(L + offs, mask=mask, other=0.0).to(tl.float32)
     _epilogue(acc, rm, rn, tl.program_id(1), BIAS, TL, TILE_M, TILE_S, TILE_Z, TILE_EZ, ZT, L, RM, RLSE, RQ, CA, CB,
               CC, CD, CW, TILE_SQ, TILE_MB, TB, M, V, n_tiles, stride_lm, stride_ln, softcap, inv_t, HAS_BIAS, SOFTCAP,
-              TEMPERATURE, GRAD, SUM_Z, SUM_EZ, HAS_CB, HAS_CD, HAS_CW, EVEN_N, SUM_SQ, TOP1, BLOCK_N, True)
+              TEMPERATURE, GRAD, SUM_Z, SUM_EZ, HAS_CB, HAS_CD, HAS_CW, EVEN_N, SUM_SQ, TOP1, BLOCK_N, True, False)
 
 
 @triton.jit
@@ -612,7 +616,7 @@ def tile_n(x: torch.Tensor) -> int:
 
 def logits_tiles(x, w, b, t_local, *, softcap=None, inv_t=1.0, tile_m=None, tile_s=None, tile_z=None,
                  tile_ez=None, zt=None, p=None, rows=None, coef=None, config=None, class_weight=None, tile_sq=None,
-                 tile_mb=None, before=None, flag=None):
+                 tile_mb=None, before=None, flag=None, round_logits=False):
     """Launch the GEMM + epilogue over ``x [M, D]`` and ``w [V, D]`` (``t_local``: int32 local target column,
     -1 where the target is not in this shard).
 
@@ -625,7 +629,8 @@ def logits_tiles(x, w, b, t_local, *, softcap=None, inv_t=1.0, tile_m=None, tile
     writes the gradient into ``p``.
     ``class_weight`` (fp32 ``[V]``, per column): ``tile_z`` becomes the weighted sum ``sum w_j z_j`` and grad
     mode's ``d`` term ``d w_j``. ``config`` overrides the block shapes (for ``launch/tune_kernels.py``).
-    ``flag`` (int32, one element on the device): the launch does nothing where it holds 0 (no host read).
+    ``flag`` (int32, one element on the device): the launch does nothing where it holds 0 (no host read); with it,
+    ``round_logits`` rounds each logit to ``p``'s dtype first (grad mode after statistics of cuBLAS logits).
     """
     m, d = x.shape
     v = w.shape[0]
@@ -660,7 +665,8 @@ def logits_tiles(x, w, b, t_local, *, softcap=None, inv_t=1.0, tile_m=None, tile
         SUM_Z=tile_z is not None, SUM_EZ=tile_ez is not None,
         HAS_CB=cb is not None, HAS_CD=cd is not None, IEEE=x.dtype == torch.float32, TMA=tma,
         HAS_CW=class_weight is not None and (tile_z is not None or (grad and cd is not None)),
-        SUM_SQ=tile_sq is not None, TOP1=tile_mb is not None, HAS_FLAG=flag is not None, **cfg,
+        SUM_SQ=tile_sq is not None, TOP1=tile_mb is not None, HAS_FLAG=flag is not None,
+        ROUND=flag is not None and round_logits, **cfg,
     )
 
 

@@ -449,5 +449,5 @@ def _gated_recompute(hidden, w, b, tg: TokenTargets, rows: RowStats, coef: Coeff
         per_row = rows.rows(tok)
         kernels.logits_tiles(h, w, b, tl_local[tok], softcap=softcap, inv_t=inv_t, p=gz,
                              rows=(per_row.m, per_row.lse, per_row.q), coef=coef.rows(tok), class_weight=cw,
-                             flag=flag)
+                             flag=flag, round_logits=True)  # the logits the forward's statistics came from
         kernels.gated_weight_grad_(dw, db, gz, h, flag)
