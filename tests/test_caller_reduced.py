@@ -328,8 +328,11 @@ def test_not_eligible_calls_stay_lean(monkeypatch):
     g = uniform(p, 1.0)
     ent = Site(p, "logprob", return_entropy=True)
     lean = Site(p, "ce", memory_budget="lean")
+    lean_lp = Site(p, "logprob", memory_budget="lean")
     for _ in range(2):
-        assert ent(g)[0] == "lean" and lean(g)[0] == "lean"
+        assert ent(g)[0] == "lean" and lean(g)[0] == "lean" and lean_lp(g)[0] == "lean"
+    with pytest.raises(ValueError, match="memory_budget: expected one of"):
+        vpce.linear_log_probs(p.hidden, p.weight, p.target, memory_budget="small")
     torch_site = Site(make_problem(40, 16, 30, dtype=torch.float64, reduction="none"), "ce")
     for _ in range(2):
         h, w = leaf(torch_site.p.hidden), torch_site.w
@@ -366,6 +369,19 @@ def test_bias_gradient_alone_is_speculated_on():
 
 
 # -- autograd semantics ------------------------------------------------------------------------------------------
+
+def test_log_probs_memory_budget_sizes_the_chunk(monkeypatch):
+    """A number is the speculative route's ``P`` chunk in GiB: 256 tokens here, so two gated blocks (one ragged)."""
+    site = site_of("lp-plain", torch.float32, memory_budget=256 * VOCAB * 4 / 2**30)
+    assert site(uniform(site.p, 0.5))[0] == "lean"
+    flags = []
+    real = kernels.gated_weight_grad_
+    monkeypatch.setattr(kernels, "gated_weight_grad_", lambda *a: flags.append(int(a[-1].item())) or real(*a))
+    g = partly(site.p, 0.5)
+    route, got = site(g)
+    assert route == "speculative" and flags == [1, 1], flags
+    site.check(got, g)
+
 
 def test_second_backward_and_accumulation():
     """``retain_graph=True``: the second backward of a speculative call recomputes (the lean route) and equals the

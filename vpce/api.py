@@ -400,7 +400,7 @@ def _cross_entropy(hidden, weight, target, bias, box: dict, make: Callable[[], N
 def linear_log_probs(hidden, weight, target, bias=None, *, temperature=1.0, softcap=None, return_entropy=False,
                      ignore_index=-100, group=None, vocab_start=None, vocab_size=None, sequence_parallel=False,
                      backend="auto", validate=False, logit_scale=1.0, return_top1=False, return_mean_logits=False,
-                     return_log_sum_sq_probs=False):
+                     return_log_sum_sq_probs=False, memory_budget="auto"):
     """Per-token ``log p(target)`` under ``softmax(softcap(logit_scale * (hidden @ weight.T + bias)) /
     temperature)``, and with
     ``return_entropy=True`` also the entropy of that distribution, without materializing the logits.
@@ -417,6 +417,16 @@ def linear_log_probs(hidden, weight, target, bias=None, *, temperature=1.0, soft
             ``torch.argmax``); TRL's ``is_top1``.
         return_mean_logits: also return the mean of the (capped, tempered) logits over the real vocab.
         return_log_sum_sq_probs: also return ``log sum_j p_j^2``.
+        memory_budget: ``"auto"`` (default), ``"fast"``, ``"lean"`` or GiB, as for ``linear_cross_entropy``: whether
+            the speculative route may hold the fast route's buffers (``"lean"``: never; ``"auto"``: where they fit
+            in free device memory; a number: the size of its logits chunk).
+
+    Speculative route (Triton backend, one process, no ``return_entropy``): the first call of a call site (this
+    weight, these options) recomputes the logits in backward (the lean route); a later call forms the gradients in
+    forward, as ``reduction="mean"`` does, when the previous backward's upstream gradient on ``log_probs`` was the
+    same on every non-ignored token (``.sum()``, ``.mean()``, SFT's masked mean). Backward is exact for any upstream
+    gradient on either route, with no host sync (docs/api.md, "Caller-reduced outputs"). A frozen weight (only dX
+    needed) takes the speculative route from the first call.
 
     Returns:
         ``log_probs`` alone, or, when anything else is asked, the tuple of the fields asked for in the order
@@ -429,6 +439,7 @@ def linear_log_probs(hidden, weight, target, bias=None, *, temperature=1.0, soft
 
     def local_checks(w, _cast):
         box["weight"] = w  # the caller's weight, before any autocast cast: the speculative route's call site
+        box["budget"] = check_memory_budget(memory_budget)
         check_int("ignore_index", ignore_index, allow_none=False)
         check_number("temperature", temperature, low=0.0, low_open=True)
         check_number("softcap", softcap, low=0.0, low_open=True, allow_none=True)
@@ -442,17 +453,18 @@ def linear_log_probs(hidden, weight, target, bias=None, *, temperature=1.0, soft
         return [("ignore_index", ignore_index), ("temperature", float(temperature)),
                 ("softcap", None if softcap is None else float(softcap)), ("return_entropy", return_entropy),
                 ("logit_scale", float(logit_scale)), ("return_top1", return_top1),
-                ("return_mean_logits", return_mean_logits), ("return_log_sum_sq_probs", return_log_sum_sq_probs)]
+                ("return_mean_logits", return_mean_logits), ("return_log_sum_sq_probs", return_log_sum_sq_probs),
+                ("memory_budget", box["budget"])]
 
     def plan(needs, dtype, backend_name, sharded, sp):
         speculate = False
-        if not return_entropy:  # the entropy's own upstream gradient is not formed in forward
+        if not return_entropy and box["budget"] != "lean":  # (the entropy's upstream gradient is not formed in forward)
             speculate, box["history"] = speculation.decide("logprob", box["weight"], tuple(fields()), backend_name,
                                                            sharded, needs)
         return plan_log_probs(needs, backend_name, sharded, sp, speculate)
 
     def memory(p, h, rows, needs, world):
-        return settle_by_memory(p, h, rows, needs, LossOptions(), world)
+        return settle_by_memory(p, h, rows, needs, LossOptions(memory_budget=box["budget"]), world)
 
     h2, weight, bias, target, call = prepare_call(
         "logprob", hidden, weight, target, bias, group=group, vocab_start=vocab_start, vocab_size=vocab_size,
@@ -464,7 +476,8 @@ def linear_log_probs(hidden, weight, target, bias=None, *, temperature=1.0, soft
     s = float(logit_scale)
     lp = LogProbOptions(ignore_index=int(ignore_index), softcap=None if softcap is None else float(softcap) / s,
                         inv_t=s / float(temperature), entropy=return_entropy, top1=return_top1,
-                        mean_logits=return_mean_logits, log_sum_sq=return_log_sum_sq_probs)
+                        mean_logits=return_mean_logits, log_sum_sq=return_log_sum_sq_probs,
+                        memory_budget=box["budget"])
     with torch.autocast(h2.device.type, enabled=False):  # the operands are already in the compute dtype
         out = LinearLogProbsFunction.apply(_enter(h2, call), weight, bias, target.reshape(-1), lp, call)
     if isinstance(out, tuple):

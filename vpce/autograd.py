@@ -175,7 +175,7 @@ class LinearLogProbsFunction(torch.autograd.Function):
             dx, dw, db, uniform = backend_module(call.plan.backend).speculative_grads(
                 grads, hidden, weight, bias, tg, RowStats(m, log_s, q), torch.zeros_like(m) if g is None else g,
                 lambda r: logprob_coefficients(tg, r, None, None, lp.inv_t, like=m), call, lp.softcap, lp.inv_t,
-                LossOptions(), None)
+                lp.chunk_options(), None)
             if call.history is not None:
                 call.history.report(uniform)
             return dx, dw, db, None, None, None

@@ -372,7 +372,7 @@ def log_probs_formed(hidden, weight, bias, tg: TokenTargets, lp: LogProbOptions,
     v = call.shard.valid_rows
     w = weight[:v]
     b = None if bias is None else bias[:v]
-    p, chunk = _first_chunk(hidden, w, b, LossOptions(), call)
+    p, chunk = _first_chunk(hidden, w, b, lp.chunk_options(), call)
     tl_local = tg.local_columns()
     ones = torch.ones(n, dtype=torch.float32, device=dev)
     unit = logprob_coefficients(tg, ones, None, None, lp.inv_t, like=ones)
