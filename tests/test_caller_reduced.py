@@ -427,6 +427,27 @@ def test_empty_and_all_ignored_batches():
     site.p = p
 
 
+def test_bench_rows(monkeypatch):
+    """The bench's caller-reduced rows on the Triton backend: the primed rows' checked call is speculative (their
+    throwaway call shares the weight's storage), the GRPO-shaped row stays lean."""
+    from types import SimpleNamespace
+
+    from vpce.bench import methods
+
+    monkeypatch.setattr(methods, "device_backend", lambda env: "triton")
+    env = SimpleNamespace(device=torch.device(DEV), vpce_layout=lambda: {})
+    p = make_problem(140, D, ROWS, dtype=torch.float32, seed=2)
+    for name, want in (("vpce-logprobs-primed", "speculative"), ("vpce-none-mean", "speculative"),
+                       ("vpce-logprobs-grpo", "lean")):
+        speculation.reset()
+        fn = methods.METHODS[name].build(env)
+        h, w = leaf(p.hidden.to(DEV)), leaf(p.weight.to(DEV))
+        for _ in range(2):
+            loss = fn(h, w, p.target.to(DEV))
+            assert speculation.route_of(loss) == want, name
+            loss.backward()
+
+
 # -- the gated kernels on their own ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)

@@ -157,9 +157,10 @@ def block_flags(r: torch.Tensor, block: int) -> torch.Tensor:
 
 def route_of(output: torch.Tensor) -> str | None:
     """The route (``"speculative"``, ``"lean"``, ``"fast"``) the vpce call that produced ``output`` took, read from
-    its autograd node (None for an output without one: no gradient was needed). For tests and diagnostics."""
+    its autograd node, or the first such node up the chain of first inputs (a reshape, a mask, a mean: up to 8
+    steps); None where there is none (no gradient was needed). For tests and diagnostics."""
     fn = output.grad_fn if isinstance(output, torch.Tensor) else None
-    for _ in range(4):  # the node itself, or behind the reshape the public functions apply
+    for _ in range(8):
         if fn is None:
             return None
         call = getattr(fn, "call", None)
