@@ -617,8 +617,58 @@ def test_gpu_auto_falls_back_to_lean_where_memory_is_short(monkeypatch):
     g = uniform(p, 1.0)
     assert site(g)[0] == "lean"
     torch.cuda.synchronize()
-    monkeypatch.setattr(routing, "_fits", lambda need, device: False)
-    assert site(g)[0] == "lean", "the speculative route holds the fast route's buffers: not where they do not fit"
-    monkeypatch.undo()
+    with monkeypatch.context() as m:
+        m.setattr(routing, "_fits", lambda need, device: False)
+        assert site(g)[0] == "lean", "the speculative route holds the fast route's buffers: not where they do not fit"
     torch.cuda.synchronize()
     assert site(g)[0] == "speculative"
+
+
+@gpu_only
+@pytest.mark.parametrize("entry", ["ce", "logprob"])
+def test_gpu_cuda_graph_replays_the_speculative_route(entry):
+    """A training step captured on the speculative route replays exactly for any upstream gradient: uniform (held
+    gradients scaled) and per-token (the gated recompute), bitwise equal to the same steps run eagerly."""
+    p = make_problem(2048, 256, 8003, dtype=torch.bfloat16, bias=True, ignore_frac=0.1, reduction="none", seed=6)
+    x, y = p.hidden.cuda().requires_grad_(), p.target.cuda()
+    w, b = p.weight.cuda().requires_grad_(), p.bias.cuda().requires_grad_()
+    g_static = torch.zeros(y.shape, device="cuda")
+    g_uniform, g_tokens = uniform(p, 0.25).float().cuda(), per_token(p).float().cuda()
+
+    def step():
+        if entry == "ce":
+            out = vpce.linear_cross_entropy(x, w, y, b, reduction="none", vocab_start=0, vocab_size=p.vocab_size)
+        else:
+            out = vpce.linear_log_probs(x, w, y, b, vocab_start=0, vocab_size=p.vocab_size)
+        out.backward(g_static)
+        return speculation.route_of(out)
+
+    def run(g):
+        x.grad = w.grad = b.grad = None
+        g_static.copy_(g)
+        route = step()
+        torch.cuda.synchronize()
+        return route, [t.grad.clone() for t in (x, w, b)]
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):  # the kernels compiled and a uniform history, outside the capture
+            run(g_uniform)
+        want = {"uniform": run(g_uniform), "per-token": run(g_tokens)}
+        assert [r for r, _ in want.values()] == ["speculative", "speculative"]
+        assert run(g_uniform)[0] == "lean"  # after the per-token backward; it reports a uniform one again
+        assert run(g_uniform)[0] == "speculative"  # (a capture does not poll: the decision must be made already)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    x.grad = w.grad = b.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        route = step()
+    assert route == "speculative"
+    for name, g in (("uniform", g_uniform), ("per-token", g_tokens)):
+        g_static.copy_(g)
+        graph.replay()
+        torch.cuda.synchronize()
+        for what, got, ref in zip(("dX", "dW", "db"), (x.grad, w.grad, b.grad), want[name][1]):
+            assert torch.equal(got, ref), f"{name}: {what} replayed differs from the eager step"
