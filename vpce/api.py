@@ -282,7 +282,11 @@ def linear_cross_entropy(hidden, weight, target, bias=None, *, ignore_index=-100
         target: ``[...]`` int64/int32 global vocab ids, hidden's leading shape (under ``sequence_parallel``: the
             full sequence); ``ignore_index`` marks tokens that count for nothing.
         bias: ``[V_local]`` or None.
-        reduction: ``"mean"`` over non-ignored tokens (0 when there are none), ``"sum"``, or ``"none"``.
+        reduction: ``"mean"`` over non-ignored tokens (0 when there are none), ``"sum"``, or ``"none"``. With
+            ``"none"`` (Triton backend, one process) a call site's first call recomputes the logits in backward
+            (the lean route); a later call forms the gradients in forward, as ``"mean"`` does, when the previous
+            backward's upstream gradient was the same on every non-ignored token (the speculative route; exact
+            for any upstream gradient, no host sync; docs/api.md, "Caller-reduced outputs").
         label_smoothing: in [0, 1], torch's definition over the real global vocab.
         z_loss: adds ``z_loss * lse**2`` per token.
         softcap: logits become ``softcap * tanh(logits / softcap)`` (Gemma 2).
