@@ -10,13 +10,14 @@ collectives, and calls the autograd shell (``vpce.autograd``) or, under ``torch.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 from typing import Callable, NamedTuple
 
 import torch
 
-from . import parallel
+from . import parallel, speculation
 from .autograd import LinearCrossEntropyFunction, LinearLogProbsFunction, accumulation_dtype
 from .grads import check_main_grad
 from .options import BACKENDS, BUDGET_NAMES, METRICS, REDUCTIONS, LogProbOptions, LossOptions
@@ -281,7 +282,11 @@ def linear_cross_entropy(hidden, weight, target, bias=None, *, ignore_index=-100
         target: ``[...]`` int64/int32 global vocab ids, hidden's leading shape (under ``sequence_parallel``: the
             full sequence); ``ignore_index`` marks tokens that count for nothing.
         bias: ``[V_local]`` or None.
-        reduction: ``"mean"`` over non-ignored tokens (0 when there are none), ``"sum"``, or ``"none"``.
+        reduction: ``"mean"`` over non-ignored tokens (0 when there are none), ``"sum"``, or ``"none"``. With
+            ``"none"`` (Triton backend, one process) a call site's first call recomputes the logits in backward
+            (the lean route); a later call forms the gradients in forward, as ``"mean"`` does, when the previous
+            backward's upstream gradient was the same on every non-ignored token (the speculative route; exact
+            for any upstream gradient, no host sync; docs/api.md, "Caller-reduced outputs").
         label_smoothing: in [0, 1], torch's definition over the real global vocab.
         z_loss: adds ``z_loss * lse**2`` per token.
         softcap: logits become ``softcap * tanh(logits / softcap)`` (Gemma 2).
@@ -335,6 +340,7 @@ def _cross_entropy(hidden, weight, target, bias, box: dict, make: Callable[[], N
                    ignore_index, class_weight=None):
     def local_checks(w, cast_by_autocast):
         make()
+        box["weight"] = w  # the caller's weight, before any autocast cast: the speculative route's call site
         check_token_weight(token_weight, target)
         _check_class_weight(class_weight, w)
         check_bool("accumulate_main_grad", accumulate_main_grad)
@@ -346,7 +352,12 @@ def _cross_entropy(hidden, weight, target, bias, box: dict, make: Callable[[], N
                                  f"lm_head weight in the compute dtype or call vpce outside the autocast region")
 
     def plan(needs, dtype, backend_name, sharded, sp):
-        return plan_cross_entropy(box["opts"], needs, backend_name, sharded, sp)
+        o = box["opts"]
+        speculate = False
+        if o.reduction == "none" and not o.lean:
+            key = (o, token_weight is not None, class_weight is not None, accumulate_main_grad)
+            speculate, box["history"] = speculation.decide("ce", box["weight"], key, backend_name, sharded, needs)
+        return plan_cross_entropy(o, needs, backend_name, sharded, sp, speculate)
 
     def memory(p, h, rows, needs, world):
         return settle_by_memory(p, h, rows, needs, box["opts"], world)
@@ -380,7 +391,7 @@ def _cross_entropy(hidden, weight, target, bias, box: dict, make: Callable[[], N
             loss = library.linear_cross_entropy(h2, weight, bias, t1, tw1, call.plan.backend, opts,
                                                 call.shard.vocab_size, call.needs_grad, cw1)
     else:
-        call = Call(call.shard, call.plan, call.needs_grad, accumulate_main_grad, call.poison)
+        call = Call(call.shard, call.plan, call.needs_grad, accumulate_main_grad, call.poison, box.get("history"))
         with torch.autocast(h2.device.type, enabled=False):
             loss = LinearCrossEntropyFunction.apply(_enter(h2, call), weight, bias, t1, tw1, opts, call, cw1)
     shape = (lambda x: x.reshape(target.shape)) if opts.reduction == "none" else (lambda x: x)
@@ -393,7 +404,7 @@ def _cross_entropy(hidden, weight, target, bias, box: dict, make: Callable[[], N
 def linear_log_probs(hidden, weight, target, bias=None, *, temperature=1.0, softcap=None, return_entropy=False,
                      ignore_index=-100, group=None, vocab_start=None, vocab_size=None, sequence_parallel=False,
                      backend="auto", validate=False, logit_scale=1.0, return_top1=False, return_mean_logits=False,
-                     return_log_sum_sq_probs=False):
+                     return_log_sum_sq_probs=False, memory_budget="auto"):
     """Per-token ``log p(target)`` under ``softmax(softcap(logit_scale * (hidden @ weight.T + bias)) /
     temperature)``, and with
     ``return_entropy=True`` also the entropy of that distribution, without materializing the logits.
@@ -410,6 +421,16 @@ def linear_log_probs(hidden, weight, target, bias=None, *, temperature=1.0, soft
             ``torch.argmax``); TRL's ``is_top1``.
         return_mean_logits: also return the mean of the (capped, tempered) logits over the real vocab.
         return_log_sum_sq_probs: also return ``log sum_j p_j^2``.
+        memory_budget: ``"auto"`` (default), ``"fast"``, ``"lean"`` or GiB, as for ``linear_cross_entropy``: whether
+            the speculative route may hold the fast route's buffers (``"lean"``: never; ``"auto"``: where they fit
+            in free device memory; a number: the size of its logits chunk).
+
+    Speculative route (Triton backend, one process, no ``return_entropy``): the first call of a call site (this
+    weight, these options) recomputes the logits in backward (the lean route); a later call forms the gradients in
+    forward, as ``reduction="mean"`` does, when the previous backward's upstream gradient on ``log_probs`` was the
+    same on every non-ignored token (``.sum()``, ``.mean()``, SFT's masked mean). Backward is exact for any upstream
+    gradient on either route, with no host sync (docs/api.md, "Caller-reduced outputs"). A frozen weight (only dX
+    needed) takes the speculative route from the first call.
 
     Returns:
         ``log_probs`` alone, or, when anything else is asked, the tuple of the fields asked for in the order
@@ -418,7 +439,11 @@ def linear_log_probs(hidden, weight, target, bias=None, *, temperature=1.0, soft
         ``log_probs`` and ``entropy``, sharded or not (the building block for PPO/GRPO-style losses); the last
         three are detached.
     """
-    def local_checks(_weight, _cast):
+    box = {}
+
+    def local_checks(w, _cast):
+        box["weight"] = w  # the caller's weight, before any autocast cast: the speculative route's call site
+        box["budget"] = check_memory_budget(memory_budget)
         check_int("ignore_index", ignore_index, allow_none=False)
         check_number("temperature", temperature, low=0.0, low_open=True)
         check_number("softcap", softcap, low=0.0, low_open=True, allow_none=True)
@@ -432,21 +457,31 @@ def linear_log_probs(hidden, weight, target, bias=None, *, temperature=1.0, soft
         return [("ignore_index", ignore_index), ("temperature", float(temperature)),
                 ("softcap", None if softcap is None else float(softcap)), ("return_entropy", return_entropy),
                 ("logit_scale", float(logit_scale)), ("return_top1", return_top1),
-                ("return_mean_logits", return_mean_logits), ("return_log_sum_sq_probs", return_log_sum_sq_probs)]
+                ("return_mean_logits", return_mean_logits), ("return_log_sum_sq_probs", return_log_sum_sq_probs),
+                ("memory_budget", box["budget"])]
 
     def plan(needs, dtype, backend_name, sharded, sp):
-        return plan_log_probs(needs, backend_name, sharded, sp)
+        speculate = False
+        if not return_entropy and box["budget"] != "lean":  # (the entropy's upstream gradient is not formed in forward)
+            speculate, box["history"] = speculation.decide("logprob", box["weight"], tuple(fields()), backend_name,
+                                                           sharded, needs)
+        return plan_log_probs(needs, backend_name, sharded, sp, speculate)
+
+    def memory(p, h, rows, needs, world):
+        return settle_by_memory(p, h, rows, needs, LossOptions(memory_budget=box["budget"]), world)
 
     h2, weight, bias, target, call = prepare_call(
         "logprob", hidden, weight, target, bias, group=group, vocab_start=vocab_start, vocab_size=vocab_size,
         sequence_parallel=sequence_parallel, backend=backend, validate=validate,
         ignore_index=ignore_index if isinstance(ignore_index, int) else -100, local_checks=local_checks,
-        plan=plan, fields=fields)
+        plan=plan, fields=fields, memory=memory)
+    call = dataclasses.replace(call, history=box.get("history"))
     # the logit scale s folds into the cap and the temperature: cap_c(s x) / T = cap_{c/s}(x) * (s / T)
     s = float(logit_scale)
     lp = LogProbOptions(ignore_index=int(ignore_index), softcap=None if softcap is None else float(softcap) / s,
                         inv_t=s / float(temperature), entropy=return_entropy, top1=return_top1,
-                        mean_logits=return_mean_logits, log_sum_sq=return_log_sum_sq_probs)
+                        mean_logits=return_mean_logits, log_sum_sq=return_log_sum_sq_probs,
+                        memory_budget=box["budget"])
     with torch.autocast(h2.device.type, enabled=False):  # the operands are already in the compute dtype
         out = LinearLogProbsFunction.apply(_enter(h2, call), weight, bias, target.reshape(-1), lp, call)
     if isinstance(out, tuple):

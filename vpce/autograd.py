@@ -3,8 +3,11 @@
 Each is a thin wrapper over the chosen backend's plain functions (``vpce.torch_backend`` or
 ``vpce.triton_backend``: ``cross_entropy``, ``log_probs``, ``recompute_grads``, ``scale_cast``) and the shared
 formulas (``vpce.formulas``): forward runs the backend and keeps what backward needs; backward either finishes
-the fast route's held gradients (``vpce.grads.finish_fast_grads``) or recomputes them (the lean route). The
-``torch.library`` ops (``vpce.library``) call the same functions.
+the fast route's held gradients (``vpce.grads.finish_fast_grads``), recomputes them (the lean route), or finishes
+the speculative route's unit-scale gradients for a per-token upstream gradient (``vpce.speculation``;
+``triton_backend.speculative_grads``; a second backward there recomputes, as the lean route). A call eligible for
+the speculative route reports to its ``Call.history`` whether its upstream gradient was uniform, whichever route it
+took. The ``torch.library`` ops (``vpce.library``) call the same functions.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from .formulas import RowStats, ce_coefficients, logprob_coefficients, logprob_e
 from .grads import finish_fast_grads
 from .options import LogProbOptions, LossOptions
 from .routing import Call
+from .speculation import split_upstream
 from .targets import ClassWeights, TokenTargets
 
 __all__ = ["backend_module", "LinearCrossEntropyFunction", "LinearLogProbsFunction", "cross_entropy_grads"]
@@ -32,6 +36,17 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def report_uniform(call: Call, g: torch.Tensor | None, keep: torch.Tensor):
+    """Tell an eligible call's history (``vpce.speculation``) whether its per-token upstream gradient ``g`` (None:
+    not used, zeros) was uniform over the non-ignored tokens ``keep``."""
+    if call.history is None:
+        return
+    if g is None or g.numel() == 0:
+        call.history.report(torch.ones((), dtype=torch.bool, device=keep.device))
+        return
+    call.history.report(split_upstream(g, keep)[0])
+
+
 def cross_entropy_grads(hidden, weight, bias, target, token_weight, rows: RowStats, grad: torch.Tensor,
                         denominator: torch.Tensor, opts: LossOptions, call: Call, main_weight=None,
                         class_weight=None, scaling=None):
@@ -43,6 +58,7 @@ def cross_entropy_grads(hidden, weight, bias, target, token_weight, rows: RowSta
         g = g / denominator
     tg = TokenTargets(target, call.shard, opts.ignore_index, token_weight, class_weight)
     g = g.expand(hidden.shape[0]) if g.dim() == 0 else g.reshape(-1)
+    report_uniform(call, g, tg.keep)
     scale = tg.row_scale(g if scaling is None else g * scaling)
     coef = ce_coefficients(scale, rows.lse, opts, call.shard.vocab_size, tg.class_rows(slice(None)))
     return backend_module(call.plan.backend).recompute_grads(hidden, weight, bias, tg, rows, coef, call,
@@ -80,13 +96,31 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def _backward(ctx, grad):
         none = (None,) * 5
-        if ctx.call.plan.route != "fast":
+        route, call, opts = ctx.call.plan.route, ctx.call, ctx.opts
+        if route != "fast":
             hidden, weight, bias, target, token_weight, *saved = ctx.saved_tensors
             k = len(RowStats._fields)
             rows, scaling, cw = RowStats(*saved[:k]), saved[k], saved[k + 1:]
             cw = None if cw[0] is None else ClassWeights(*cw)
+            if route == "speculative" and ctx.fast is not None:
+                grads, ctx.fast = ctx.fast, None
+                tg = TokenTargets(target, call.shard, opts.ignore_index, token_weight, cw)
+                g = grad.detach().to(rows.m.dtype).reshape(-1)  # reduction="none": one per token
+                lse, vocab, class_rows = rows.lse, call.shard.vocab_size, tg.class_rows(slice(None))
+
+                def coefficients(r):
+                    return ce_coefficients(tg.row_scale(r if scaling is None else r * scaling), lse, opts, vocab,
+                                           class_rows)
+
+                *out, uniform = backend_module(call.plan.backend).speculative_grads(
+                    grads, hidden, weight, bias, tg, rows, g, coefficients, call, *opts.folded_cap(), opts,
+                    ctx.main_weight)
+                if call.history is not None:
+                    call.history.report(uniform)
+                return (*out, *none)
+            # the lean route, or a second backward of the speculative one (its held gradients are used up)
             return (*cross_entropy_grads(hidden, weight, bias, target, token_weight, rows, grad,
-                                         ctx.denominator, ctx.opts, ctx.call, ctx.main_weight, cw, scaling), *none)
+                                         ctx.denominator, opts, call, ctx.main_weight, cw, scaling), *none)
         if ctx.fast is None:
             raise RuntimeError("vpce: this loss formed its gradients in forward and they were already used; for "
                                "a second backward pass use memory_budget='lean'")
@@ -100,12 +134,18 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
 
 class LinearLogProbsFunction(torch.autograd.Function):
     """Per-token ``log p(target)`` (and entropy) of ``softmax(cap(x) / T)``; ignored tokens give 0 for both.
-    Always the lean route: forward keeps the statistics; backward recomputes."""
+    The lean route (forward keeps the statistics; backward recomputes), or the speculative route (the gradients of
+    ``log p_t`` formed in forward at unit scale; ``vpce.speculation``)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, target, lp: LogProbOptions, call: Call):
         tg = TokenTargets(target, call.shard, lp.ignore_index)
-        st = backend_module(call.plan.backend).log_probs(hidden, weight, bias, tg, lp, call)
+        backend = backend_module(call.plan.backend)
+        ctx.fast = None
+        if call.plan.route == "speculative":
+            st, _, ctx.fast = backend.log_probs_formed(hidden, weight, bias, tg, lp, call)
+        else:
+            st = backend.log_probs(hidden, weight, bias, tg, lp, call)
         logp, ent = logprob_outputs(tg, st, lp.entropy)
         if any(call.needs_grad):
             centred = st.expectations[0] - st.m if lp.entropy else None
@@ -129,6 +169,17 @@ class LinearLogProbsFunction(torch.autograd.Function):
         hidden, weight, bias, target, m, log_s, q, centred = ctx.saved_tensors
         lp, call = ctx.lp, ctx.call
         tg = TokenTargets(target, call.shard, lp.ignore_index)
+        g = None if g_logp is None else g_logp.detach().to(m.dtype).reshape(-1)
+        if ctx.fast is not None:  # the speculative route (no entropy output)
+            grads, ctx.fast = ctx.fast, None
+            dx, dw, db, uniform = backend_module(call.plan.backend).speculative_grads(
+                grads, hidden, weight, bias, tg, RowStats(m, log_s, q), torch.zeros_like(m) if g is None else g,
+                lambda r: logprob_coefficients(tg, r, None, None, lp.inv_t, like=m), call, lp.softcap, lp.inv_t,
+                lp.chunk_options(), None)
+            if call.history is not None:
+                call.history.report(uniform)
+            return dx, dw, db, None, None, None
+        report_uniform(call, g, tg.keep)
         coef = logprob_coefficients(tg, g_logp, g_ent, centred, lp.inv_t, like=m)
         grads = backend_module(call.plan.backend).recompute_grads(hidden, weight, bias, tg, RowStats(m, log_s, q),
                                                                   coef, call, lp.softcap, lp.inv_t)

@@ -26,11 +26,17 @@ on the host (``vpce.formulas``; they include the upstream gradient, the temperat
 with ``p_j = exp(z_j - lse)``, ``q = 1 - p_t`` and ``dcap = sech^2(x / c)``. A tile whose logits are all ``-inf``
 contributes 0 (``exp`` is taken against 0 there, not ``-inf``).
 
+For the speculative route (``vpce.speculation``): ``row_scale_cast`` scales each row of an fp32 ``[N, D]`` by its
+token's upstream gradient and casts it; ``gated_weight_grad_`` is a small GEMM ``dW += P^T X`` (and ``db``) that,
+like ``logits_tiles`` given a ``flag``, first reads a device flag and does nothing when it is 0, so that a
+recompute the host cannot know is needed costs only its launches when it is not.
+
 Everything is deterministic (plain stores, no atomics) and runs under ``TRITON_INTERPRET=1`` on the CPU.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -45,7 +51,7 @@ except ImportError:  # pragma: no cover - older Triton: pointer loads only
     TensorDescriptor = None
 
 __all__ = ["logits_tiles", "stored_logits", "target_logits", "reduce_tiles", "combine_rank_stats", "scale_cast",
-           "tile_n", "INTERPRET"]
+           "row_scale_cast", "gated_weight_grad_", "gated_scale_", "tile_n", "INTERPRET"]
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -106,7 +112,7 @@ def _logits_tile(
     SUM_Z: tl.constexpr, SUM_EZ: tl.constexpr, HAS_CB: tl.constexpr,
     HAS_CD: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr, HAS_CW: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    EVEN_N: tl.constexpr, SUM_SQ: tl.constexpr, TOP1: tl.constexpr,
+    EVEN_N: tl.constexpr, SUM_SQ: tl.constexpr, TOP1: tl.constexpr, ROUND: tl.constexpr,
 ):
     """One [BLOCK_M, BLOCK_N] tile: the GEMM over D, then the epilogue."""
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -143,7 +149,7 @@ def _logits_tile(
 
     _epilogue(acc, rm, rn, pid_n, BIAS, TL, TILE_M, TILE_S, TILE_Z, TILE_EZ, ZT, P, RM, RLSE, RQ, CA, CB, CC, CD, CW,
               TILE_SQ, TILE_MB, TB, M, V, n_tiles, stride_pm, stride_pn, softcap, inv_t, HAS_BIAS, SOFTCAP,
-              TEMPERATURE, GRAD, SUM_Z, SUM_EZ, HAS_CB, HAS_CD, HAS_CW, EVEN_N, SUM_SQ, TOP1, BLOCK_N, False)
+              TEMPERATURE, GRAD, SUM_Z, SUM_EZ, HAS_CB, HAS_CD, HAS_CW, EVEN_N, SUM_SQ, TOP1, BLOCK_N, False, ROUND)
 
 
 @triton.jit
@@ -157,7 +163,7 @@ def _epilogue(
     HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, TEMPERATURE: tl.constexpr, GRAD: tl.constexpr,
     SUM_Z: tl.constexpr, SUM_EZ: tl.constexpr, HAS_CB: tl.constexpr,
     HAS_CD: tl.constexpr, HAS_CW: tl.constexpr, EVEN_N: tl.constexpr, SUM_SQ: tl.constexpr, TOP1: tl.constexpr,
-    BLOCK_N: tl.constexpr, TARGET_APART: tl.constexpr,
+    BLOCK_N: tl.constexpr, TARGET_APART: tl.constexpr, ROUND: tl.constexpr,
 ):
     """The softmax epilogue of one fp32 logits tile ``acc`` (rows ``rm``, columns ``rn``, stats tile ``pid_n``),
     whether the tile comes from the GEMM or from logits already in memory."""
@@ -165,6 +171,8 @@ def _epilogue(
     row_ok = rm < M
     if HAS_BIAS:
         acc += tl.load(BIAS + rn, mask=rn < V, other=0.0).to(tl.float32)[None, :]
+    if ROUND:  # the logit as cuBLAS writes it: fp32 accumulation, the bias, one rounding to the inputs' dtype
+        acc = acc.to(P.dtype.element_ty).to(tl.float32)
     dcap = acc
     if SOFTCAP:
         acc, dcap = _softcap(acc, softcap)
@@ -249,6 +257,7 @@ def _epilogue(
 def _logits_tiles_kernel(
     # pointers
     X, W, BIAS, TL, TILE_M, TILE_S, TILE_Z, TILE_EZ, ZT, P, RM, RLSE, RQ, CA, CB, CC, CD, CW, TILE_SQ, TILE_MB, TB,
+    FLAG,
     # shapes
     M, V, D, n_tiles,
     # strides
@@ -261,20 +270,38 @@ def _logits_tiles_kernel(
     HAS_CD: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr, HAS_CW: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, SUM_SQ: tl.constexpr, TOP1: tl.constexpr,
+    HAS_FLAG: tl.constexpr, ROUND: tl.constexpr,
 ):
+    """``HAS_FLAG`` (the speculative route's gated recompute, ``vpce.speculation``): a persistent grid whose
+    programs first read ``FLAG[0]`` (int32) and return when it is 0, else walk the tiles ``pid, pid + grid, ...``;
+    ``ROUND`` (with it only) rounds each logit to ``P``'s dtype before the epilogue, as cuBLAS wrote the logits
+    whose statistics that route's forward took. Without them, one tile per program: the kernel every other path
+    compiles."""
     # -- grouped tile order: GROUP_M row blocks share each W tile while it sits in L2 --
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(V, BLOCK_N)
     width = GROUP_M * num_n
-    pid = tl.program_id(0)
-    first_m = (pid // width) * GROUP_M
-    size_m = min(num_m - first_m, GROUP_M)
-    _logits_tile(first_m + (pid % width) % size_m, (pid % width) // size_m,
-                 X, W, BIAS, TL, TILE_M, TILE_S, TILE_Z, TILE_EZ, ZT, P, RM, RLSE, RQ, CA, CB, CC, CD, CW,
-                 TILE_SQ, TILE_MB, TB,
-                 M, V, D, n_tiles, stride_xm, stride_xk, stride_wv, stride_wk, stride_pm, stride_pn,
-                 softcap, inv_t, HAS_BIAS, SOFTCAP, TEMPERATURE, GRAD, SUM_Z, SUM_EZ, HAS_CB, HAS_CD,
-                 IEEE, TMA, HAS_CW, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, SUM_SQ, TOP1)
+    if HAS_FLAG:
+        if tl.load(FLAG) != 0:
+            for pid in range(tl.program_id(0), num_m * num_n, tl.num_programs(0)):
+                first_m = (pid // width) * GROUP_M
+                size_m = min(num_m - first_m, GROUP_M)
+                _logits_tile(first_m + (pid % width) % size_m, (pid % width) // size_m,
+                             X, W, BIAS, TL, TILE_M, TILE_S, TILE_Z, TILE_EZ, ZT, P, RM, RLSE, RQ, CA, CB, CC, CD,
+                             CW, TILE_SQ, TILE_MB, TB,
+                             M, V, D, n_tiles, stride_xm, stride_xk, stride_wv, stride_wk, stride_pm, stride_pn,
+                             softcap, inv_t, HAS_BIAS, SOFTCAP, TEMPERATURE, GRAD, SUM_Z, SUM_EZ, HAS_CB, HAS_CD,
+                             IEEE, TMA, HAS_CW, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, SUM_SQ, TOP1, ROUND)
+    else:
+        pid = tl.program_id(0)
+        first_m = (pid // width) * GROUP_M
+        size_m = min(num_m - first_m, GROUP_M)
+        _logits_tile(first_m + (pid % width) % size_m, (pid % width) // size_m,
+                     X, W, BIAS, TL, TILE_M, TILE_S, TILE_Z, TILE_EZ, ZT, P, RM, RLSE, RQ, CA, CB, CC, CD, CW,
+                     TILE_SQ, TILE_MB, TB,
+                     M, V, D, n_tiles, stride_xm, stride_xk, stride_wv, stride_wk, stride_pm, stride_pn,
+                     softcap, inv_t, HAS_BIAS, SOFTCAP, TEMPERATURE, GRAD, SUM_Z, SUM_EZ, HAS_CB, HAS_CD,
+                     IEEE, TMA, HAS_CW, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, SUM_SQ, TOP1, False)
 
 
 @triton.jit
@@ -314,7 +341,7 @@ def _stored_logits_kernel(
     acc = tl.load(L + offs, mask=mask, other=0.0).to(tl.float32)
     _epilogue(acc, rm, rn, tl.program_id(1), BIAS, TL, TILE_M, TILE_S, TILE_Z, TILE_EZ, ZT, L, RM, RLSE, RQ, CA, CB,
               CC, CD, CW, TILE_SQ, TILE_MB, TB, M, V, n_tiles, stride_lm, stride_ln, softcap, inv_t, HAS_BIAS, SOFTCAP,
-              TEMPERATURE, GRAD, SUM_Z, SUM_EZ, HAS_CB, HAS_CD, HAS_CW, EVEN_N, SUM_SQ, TOP1, BLOCK_N, True)
+              TEMPERATURE, GRAD, SUM_Z, SUM_EZ, HAS_CB, HAS_CD, HAS_CW, EVEN_N, SUM_SQ, TOP1, BLOCK_N, True, False)
 
 
 @triton.jit
@@ -356,6 +383,90 @@ def _scale_cast_kernel(SRC, DST, G, numel, BLOCK: tl.constexpr):
     g = tl.load(G)
     x = tl.load(SRC + offs, mask=mask, other=0.0)
     tl.store(DST + offs, (x * g).to(DST.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _row_scale_cast_kernel(SRC, DST, G, N, D, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """``DST[i] = (SRC[i] * G[i]).to(DST.dtype)``: one pass over a contiguous fp32 ``[N, D]``."""
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rd = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    row_ok = rm < N
+    mask = row_ok[:, None] & (rd < D)[None, :]
+    offs = rm.to(tl.int64)[:, None] * D + rd[None, :]
+    g = tl.load(G + rm, mask=row_ok, other=0.0)
+    x = tl.load(SRC + offs, mask=mask, other=0.0)
+    tl.store(DST + offs, (x * g[:, None]).to(DST.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _weight_grad_tile(pid_v, pid_d, P, X, DW, DB, K, V, D, stride_pk, stride_pv, stride_xk, stride_xd, stride_wv,
+                      stride_wd, HAS_DW: tl.constexpr, HAS_DB: tl.constexpr, IEEE: tl.constexpr,
+                      BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One ``[BLOCK_V, BLOCK_D]`` tile of ``_gated_weight_grad_kernel`` (and, at ``pid_d == 0``, its ``DB``)."""
+    rv = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    rd = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    rk = tl.arange(0, BLOCK_K)
+    v_ok = rv < V
+    d_ok = rd < D
+    p_ptrs = P + rk.to(tl.int64)[:, None] * stride_pk + rv.to(tl.int64)[None, :] * stride_pv
+    x_ptrs = X + rk.to(tl.int64)[:, None] * stride_xk + rd.to(tl.int64)[None, :] * stride_xd
+    acc = tl.zeros((BLOCK_V, BLOCK_D), dtype=tl.float32)
+    col = tl.zeros((BLOCK_V,), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        k_ok = rk < K - k * BLOCK_K
+        a = tl.load(p_ptrs, mask=k_ok[:, None] & v_ok[None, :], other=0.0)
+        if HAS_DW:
+            b = tl.load(x_ptrs, mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+            if IEEE:
+                acc = tl.dot(tl.trans(a), b, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(tl.trans(a), b, acc)
+        if HAS_DB:
+            col += tl.sum(a.to(tl.float32), axis=0)
+        p_ptrs += BLOCK_K * stride_pk
+        x_ptrs += BLOCK_K * stride_xk
+    if HAS_DW:
+        offs = rv.to(tl.int64)[:, None] * stride_wv + rd.to(tl.int64)[None, :] * stride_wd
+        mask = v_ok[:, None] & d_ok[None, :]
+        tl.store(DW + offs, tl.load(DW + offs, mask=mask, other=0.0) + acc, mask=mask)
+    if HAS_DB:
+        if pid_d == 0:  # one owner per column block
+            tl.store(DB + rv, tl.load(DB + rv, mask=v_ok, other=0.0) + col, mask=v_ok)
+
+
+@triton.jit
+def _gated_weight_grad_kernel(
+    # pointers
+    P, X, DW, DB, FLAG,
+    # shapes
+    K, V, D,
+    # strides
+    stride_pk, stride_pv, stride_xk, stride_xd, stride_wv, stride_wd,
+    # meta
+    HAS_DW: tl.constexpr, HAS_DB: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """``DW [V, D] += P^T X`` and ``DB [V] += sum_k P[k]`` (fp32, in place) for one token block ``P [K, V]``,
+    ``X [K, D]``, only where ``FLAG[0] != 0`` (else every program returns at once). A persistent grid: program
+    ``pid`` takes the output tiles ``pid, pid + grid, ...``; each tile belongs to one program, which sums over all
+    ``K`` in order: deterministic, no atomics."""
+    if tl.load(FLAG) != 0:
+        num_d = tl.cdiv(D, BLOCK_D)
+        for t in range(tl.program_id(0), tl.cdiv(V, BLOCK_V) * num_d, tl.num_programs(0)):
+            _weight_grad_tile(t // num_d, t % num_d, P, X, DW, DB, K, V, D, stride_pk, stride_pv, stride_xk,
+                              stride_xd, stride_wv, stride_wd, HAS_DW, HAS_DB, IEEE, BLOCK_V, BLOCK_D, BLOCK_K)
+
+
+@triton.jit
+def _gated_scale_kernel(X, S, FLAG, numel, BLOCK: tl.constexpr):
+    """``X *= S[0]`` (fp32, contiguous, in place) where ``FLAG[0] != 0``; a persistent grid that returns at once
+    otherwise. (Times, not a fill: a NaN in ``X`` stays NaN under a zero scale.)"""
+    if tl.load(FLAG) != 0:
+        s = tl.load(S)
+        for i in range(tl.program_id(0), tl.cdiv(numel, BLOCK), tl.num_programs(0)):
+            offs = (tl.zeros([BLOCK], tl.int64) + i) * BLOCK + tl.arange(0, BLOCK)  # int64 whatever i's type
+            mask = offs < numel
+            tl.store(X + offs, tl.load(X + offs, mask=mask, other=0.0) * s, mask=mask)
 
 
 @triton.jit
@@ -505,7 +616,7 @@ def tile_n(x: torch.Tensor) -> int:
 
 def logits_tiles(x, w, b, t_local, *, softcap=None, inv_t=1.0, tile_m=None, tile_s=None, tile_z=None,
                  tile_ez=None, zt=None, p=None, rows=None, coef=None, config=None, class_weight=None, tile_sq=None,
-                 tile_mb=None, before=None):
+                 tile_mb=None, before=None, flag=None, round_logits=False):
     """Launch the GEMM + epilogue over ``x [M, D]`` and ``w [V, D]`` (``t_local``: int32 local target column,
     -1 where the target is not in this shard).
 
@@ -518,6 +629,8 @@ def logits_tiles(x, w, b, t_local, *, softcap=None, inv_t=1.0, tile_m=None, tile
     writes the gradient into ``p``.
     ``class_weight`` (fp32 ``[V]``, per column): ``tile_z`` becomes the weighted sum ``sum w_j z_j`` and grad
     mode's ``d`` term ``d w_j``. ``config`` overrides the block shapes (for ``launch/tune_kernels.py``).
+    ``flag`` (int32, one element on the device): the launch does nothing where it holds 0 (no host read); with it,
+    ``round_logits`` rounds each logit to ``p``'s dtype first (grad mode after statistics of cuBLAS logits).
     """
     m, d = x.shape
     v = w.shape[0]
@@ -534,6 +647,8 @@ def logits_tiles(x, w, b, t_local, *, softcap=None, inv_t=1.0, tile_m=None, tile
     pick = lambda t: dummy if t is None else t  # noqa: E731
     out = p if p is not None else x.new_empty(0)
     grid = (triton.cdiv(m, cfg["BLOCK_M"]) * n_tiles,)
+    if flag is not None:
+        grid = (_persistent(x, grid[0]),)
     xa, wa = x, w
     if tma:
         xa = TensorDescriptor.from_tensor(x, [cfg["BLOCK_M"], cfg["BLOCK_K"]])
@@ -541,7 +656,7 @@ def logits_tiles(x, w, b, t_local, *, softcap=None, inv_t=1.0, tile_m=None, tile
     _logits_tiles_kernel[grid](
         xa, wa, pick(b), t_local, pick(tile_m), pick(tile_s), pick(tile_z), pick(tile_ez), pick(zt), out,
         pick(rm), pick(rls), pick(rq), pick(ca), pick(cb), pick(cc), pick(cd), pick(class_weight), pick(tile_sq),
-        pick(tile_mb), t_local if before is None else before,
+        pick(tile_mb), t_local if before is None else before, t_local if flag is None else flag,
         m, v, d, n_tiles,
         x.stride(0), x.stride(1), w.stride(0), w.stride(1),
         out.stride(0) if p is not None else 0, out.stride(1) if p is not None else 0,
@@ -550,7 +665,8 @@ def logits_tiles(x, w, b, t_local, *, softcap=None, inv_t=1.0, tile_m=None, tile
         SUM_Z=tile_z is not None, SUM_EZ=tile_ez is not None,
         HAS_CB=cb is not None, HAS_CD=cd is not None, IEEE=x.dtype == torch.float32, TMA=tma,
         HAS_CW=class_weight is not None and (tile_z is not None or (grad and cd is not None)),
-        SUM_SQ=tile_sq is not None, TOP1=tile_mb is not None, **cfg,
+        SUM_SQ=tile_sq is not None, TOP1=tile_mb is not None, HAS_FLAG=flag is not None,
+        ROUND=flag is not None and round_logits, **cfg,
     )
 
 
@@ -649,6 +765,70 @@ def scale_cast(src: torch.Tensor, g: torch.Tensor, dtype: torch.dtype) -> torch.
         block = 4096 if src.is_cuda and not INTERPRET else 1024
         _scale_cast_kernel[(triton.cdiv(n, block),)](src, out, g.reshape(1), n, BLOCK=block, num_warps=4)
     return out
+
+
+def _persistent(x: torch.Tensor, tiles: int) -> int:
+    """Programs of a gated persistent grid: a few per SM on a GPU (so a skipped launch is one short wave), a few
+    under the interpreter."""
+    if INTERPRET or not x.is_cuda:
+        return max(1, min(tiles, 4))
+    return max(1, min(tiles, 4 * _sm_count(x.device.index)))
+
+
+@functools.cache
+def _sm_count(index: int | None) -> int:
+    return torch.cuda.get_device_properties(torch.device("cuda", index)).multi_processor_count
+
+
+def gated_scale_(x: torch.Tensor, s: torch.Tensor, flag: torch.Tensor):
+    """``x *= s`` (fp32 contiguous ``x``, one-element ``s``) where the device flag ``flag`` is non-zero; a flag of
+    0 costs one short launch."""
+    n = x.numel()
+    if n:
+        block = 4096 if x.is_cuda and not INTERPRET else 1024
+        _gated_scale_kernel[(_persistent(x, triton.cdiv(n, block)),)](x, s.reshape(1), flag, n, BLOCK=block,
+                                                                      num_warps=4)
+
+
+def row_scale_cast(src: torch.Tensor, g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``(src * g[:, None]).to(dtype)`` for a contiguous fp32 ``src [N, D]`` and fp32 ``g [N]``, in one pass (the
+    speculative route's dX: each row at its token's upstream gradient)."""
+    n, d = src.shape
+    out = torch.empty(src.shape, dtype=dtype, device=src.device)
+    if n and d:
+        gpu = src.is_cuda and not INTERPRET
+        bm, bd = (16, 256) if gpu else (32, 64)
+        _row_scale_cast_kernel[(triton.cdiv(n, bm), triton.cdiv(d, bd))](src, out, g.contiguous(), n, d,
+                                                                          BLOCK_M=bm, BLOCK_D=bd, num_warps=4)
+    return out
+
+
+def gated_weight_grad_(dw: torch.Tensor | None, db: torch.Tensor | None, p: torch.Tensor, x: torch.Tensor,
+                       flag: torch.Tensor):
+    """``dw += p.T @ x`` and ``db += p.sum(0)`` (fp32 ``[V, D]`` / ``[V]``, in place; either may be None) for a
+    token block's gradient ``p [K, V]`` and hidden states ``x [K, D]``, where the device flag ``flag`` (int32, one
+    element) is non-zero; a flag of 0 leaves both untouched at the cost of a launch. The speculative route's
+    fallback (``vpce.speculation``): cuBLAS cannot be told to skip on a device value."""
+    k, v = p.shape
+    d = x.shape[1]
+    if k == 0 or v == 0 or (dw is None and db is None):
+        return
+    if INTERPRET or not x.is_cuda:
+        bv, bd, bk, warps, stages = 32, 32, 16, 4, 1
+    elif x.dtype == torch.float32:
+        bv, bd, bk, warps, stages = 64, 64, 32, 4, 3
+    else:
+        bv, bd, bk, warps, stages = 128, 128, 64, 8, 3
+    if dw is None:
+        d = 1  # one column block (X unused): the grid walks the vocab blocks only
+    grid = (_persistent(x, triton.cdiv(v, bv) * triton.cdiv(d, bd)),)
+    dummy = p.new_empty(0, dtype=torch.float32)
+    out = dw if dw is not None else dummy
+    _gated_weight_grad_kernel[grid](
+        p, x, out, db if db is not None else dummy, flag, k, v, d, p.stride(0), p.stride(1), x.stride(0),
+        x.stride(1), out.stride(0) if dw is not None else 0, out.stride(1) if dw is not None else 0,
+        HAS_DW=dw is not None, HAS_DB=db is not None, IEEE=x.dtype == torch.float32, BLOCK_V=bv, BLOCK_D=bd,
+        BLOCK_K=bk, num_warps=warps, num_stages=stages)
 
 
 # ============================================================================================================

@@ -76,3 +76,10 @@ class LogProbOptions:
     """Also return the mean of the (capped, tempered) logits over the real vocab (no gradient)."""
     log_sum_sq: bool = False
     """Also return ``log sum_j p_j^2`` (no gradient)."""
+    memory_budget: str | float = "auto"
+    """``"lean"``: never the speculative route (``vpce.speculation``); ``"auto"``: it where its buffers fit;
+    ``"fast"``: it without weighing memory; a number: it, with a ``P`` chunk of that many GiB."""
+
+    def chunk_options(self) -> LossOptions:
+        """The options the Triton backend's ``P`` chunk is sized from."""
+        return LossOptions(memory_budget=self.memory_budget)

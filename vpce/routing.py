@@ -10,6 +10,11 @@ group shares (and checks, through ``vpce.parallel.agree``).
   that is weighed only for long calls (fp32 dX of at least ``AUTO_CHECK_BYTES``): every rank sends whether the
   fast route fits in the agreement's fingerprint, the agreement is then read on the host (one sync), and every rank
   takes the fast route only if it fits on all of them. Shorter calls take the fast route with no reading.
+  ``"speculative"`` (Triton, one process; ``reduction="none"`` and ``linear_log_probs``, whose per-token outputs
+  the caller reduces): the fast route's forward at unit upstream scale, exact in backward for any upstream gradient,
+  as cheap as the fast route when that gradient is uniform over the non-ignored tokens. The API asks
+  ``vpce.speculation.decide`` per call; with ``memory_budget="auto"`` it is weighed against free memory as the fast
+  route is, and falls back to lean where it does not fit.
 * ``dx_reduce``: where the hidden states' gradient is summed over the group: ``"none"`` (not sharded),
   ``"region"`` (``vpce.parallel.enter_vocab_parallel`` around the backend: all-reduce or reduce-scatter in
   backward) or ``"forward"`` (the Triton fast route sums each chunk's ``dX`` in forward, overlapped with its dW
@@ -39,7 +44,8 @@ class Plan:
     backend: str
     """``"triton"`` or ``"torch"``."""
     route: str
-    """``"fast"``, ``"lean"`` or ``"forward"``; ``"auto"`` until ``settle_by_memory`` / ``settle`` decide."""
+    """``"fast"``, ``"lean"``, ``"speculative"`` or ``"forward"``; ``"auto"`` until ``settle_by_memory`` /
+    ``settle`` decide."""
     dx_reduce: str
     """``"none"``, ``"region"`` or ``"forward"``."""
     sequence_parallel: bool
@@ -58,6 +64,9 @@ class Call:
     """Add the weight gradient in fp32 into ``weight.main_grad`` instead of returning it."""
     poison: Any = None
     """The agreement's device scalar (0, or NaN where the ranks disagreed), or None."""
+    history: Any = None
+    """``vpce.speculation.Record`` of a call eligible for the speculative route (whichever route it took): its
+    backward reports there whether the upstream gradient was uniform. None otherwise."""
 
 
 def _triton_importable() -> bool:
@@ -92,9 +101,12 @@ def _dx_reduce(backend: str, route: str, sharded: bool) -> str:
 
 
 def plan_cross_entropy(opts: LossOptions, needs_grad: tuple[bool, bool, bool], backend: str,
-                       sharded: bool, sequence_parallel: bool) -> Plan:
+                       sharded: bool, sequence_parallel: bool, speculate: bool = False) -> Plan:
+    """``speculate``: ``vpce.speculation.decide``'s verdict for ``reduction="none"``."""
     if not any(needs_grad):
         route = "forward"
+    elif opts.reduction == "none" and speculate and not opts.lean and backend == "triton" and not sharded:
+        route = "speculative"
     elif opts.reduction == "none" or opts.lean:
         route = "lean"
     elif opts.memory_budget == "auto" and backend == "triton":
@@ -128,7 +140,20 @@ def _fits(need: int, device: torch.device) -> bool:
 def settle_by_memory(plan: Plan, hidden: torch.Tensor, rows: int, needs: tuple[bool, bool, bool],
                      opts: LossOptions, world: int) -> tuple[Plan, bool | None]:
     """Decide a route left to memory where this rank can: ``(plan, None)``; or, under a group on a long call,
-    ``(plan still "auto", whether the fast route fits here)`` for the agreement to AND over the ranks."""
+    ``(plan still "auto", whether the fast route fits here)`` for the agreement to AND over the ranks. The
+    speculative route (one process) holds what the fast route holds, plus three fp32 statistics per token: with
+    ``memory_budget="auto"`` it becomes the lean route where that does not fit."""
+    if plan.route == "speculative":
+        if opts.memory_budget != "auto" or torch.compiler.is_compiling() or not hidden.is_cuda or \
+                torch.cuda.is_current_stream_capturing():
+            return plan, None
+        from .triton_backend import fast_route_bytes
+
+        tokens, d = hidden.numel() // hidden.shape[-1], hidden.shape[-1]
+        need = fast_route_bytes(tokens, d, rows, hidden.dtype, needs, opts) + 12 * tokens
+        if _fits(need, hidden.device):
+            return plan, None
+        return Plan(plan.backend, "lean", plan.dx_reduce, plan.sequence_parallel), None
     if plan.route != "auto":
         return plan, None
     # nothing to weigh (CPU interpreter), or no host calls wanted (compiling, or capturing a CUDA graph)
@@ -148,8 +173,12 @@ def settle_by_memory(plan: Plan, hidden: torch.Tensor, rows: int, needs: tuple[b
 
 
 def plan_log_probs(needs_grad: tuple[bool, bool, bool], backend: str, sharded: bool,
-                   sequence_parallel: bool) -> Plan:
-    route = "lean" if any(needs_grad) else "forward"
+                   sequence_parallel: bool, speculate: bool = False) -> Plan:
+    """``speculate``: ``vpce.speculation.decide``'s verdict."""
+    if not any(needs_grad):
+        route = "forward"
+    else:
+        route = "speculative" if speculate and backend == "triton" and not sharded else "lean"
     return Plan(backend, route, _dx_reduce(backend, route, sharded), sequence_parallel)
 
 

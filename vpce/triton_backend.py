@@ -42,16 +42,17 @@ import math
 import torch
 
 from . import kernels
-from .formulas import Coefficients, RowStats, ce_coefficients, ce_token_outputs
+from .formulas import Coefficients, RowStats, ce_coefficients, ce_token_outputs, logprob_coefficients
 from .gemm import addmm_out_, logits_into, mm_into, mm_out
-from .grads import FastGrads, add_block, weight_grad
+from .grads import FastGrads, add_block, pad_rows, weight_grad, weight_grad_to_main
 from .options import LogProbOptions, LossOptions
 from .parallel import HiddenGradReduce, RankStats, gather_sequence, start_stats_exchange
 from .routing import Call
+from .speculation import block_flags, split_upstream
 from .targets import TokenTargets
 
-__all__ = ["cross_entropy", "log_probs", "recompute_grads", "scale_cast", "fast_route_bytes", "FAST_P_GIB",
-           "LEAN_BLOCK_GIB"]
+__all__ = ["cross_entropy", "log_probs", "log_probs_formed", "recompute_grads", "speculative_grads", "scale_cast",
+           "fast_route_bytes", "FAST_P_GIB", "LEAN_BLOCK_GIB"]
 
 FAST_P_GIB = 1.5     # default size of the fast route's P chunk (freed before backward's peak)
 MIN_P_GIB = 0.25     # ... and its floor when the fp32 dW accumulator is smaller than FAST_P_GIB
@@ -234,68 +235,30 @@ def recompute_grads(hidden, weight, bias, tg: TokenTargets, rows: RowStats, coef
     return dx, dw, None if db is None else db.to(dtype)
 
 
-def cross_entropy(hidden, weight, bias, tg: TokenTargets, opts: LossOptions, call: Call):
-    """Per-token loss ``[N]`` (weighted, 0 on ignored tokens), and what backward needs: the fast route's
-    unscaled ``FastGrads`` (with ``dx_reduce == "forward"``: already summed over the group, this rank's slice
-    under sequence parallelism), or the lean route's ``RowStats``."""
+def _formed_grads(hidden, w, b, tl_local, stats: _ChunkStats, p, chunk: int, call: Call, softcap, inv_t, cw,
+                  on_part) -> FastGrads:
+    """The fast route's chunk loop: per chunk of ``chunk`` tokens the statistics (``stats.parts``, the first
+    chunk's logits already in ``p``: ``_ChunkStats.first_logits``), then per part ``on_part(part, st)``, which
+    stores the part's outputs and returns its gradient ``Coefficients``; the gradient overwrites ``P`` and the
+    chunk's dX rows and dW (db) go into fp32 (with ``dx_reduce == "forward"``, dX summed over the group)."""
     shard, plan, needs = call.shard, call.plan, call.needs_grad
-    if plan.dx_reduce == "forward" and plan.sequence_parallel:
-        hidden = gather_sequence(hidden, shard)
     n, d = hidden.shape
     dev = hidden.device
     v = shard.valid_rows
-    hidden = hidden.contiguous()
-    w = weight[:v]
-    b = None if bias is None else bias[:v]
-    p = chunk = None
-    if plan.route == "fast":
-        chunk = min(max(n, 1), _fast_chunk(opts, shard.columns_per_rank, hidden.dtype, d))
-        if v > 0:
-            p = torch.empty(chunk, v, dtype=hidden.dtype, device=dev)
-            if n > 0:
-                _ChunkStats.first_logits(p, hidden, w, b, chunk, call)
-    tl_local = tg.local_columns()
-    smooth = opts.label_smoothing > 0
-    cw = None if tg.class_weight is None else tg.class_weight.columns.float()
-    loss_tok = torch.empty(n, dtype=torch.float32, device=dev)
-    entropy = "entropy" in opts.metrics
-    before = tg.before.to(torch.int32) if "token_accuracy" in opts.metrics else None
-    metrics = {k: torch.empty(n, dtype=torch.float32, device=dev) for k in opts.metrics}
-    tg.metrics = metrics
-    if opts.token_scaling:
-        tg.scaling = torch.empty(n, dtype=torch.float32, device=dev)
-
-    if plan.route != "fast":
-        keep = plan.route == "lean"
-        rows = RowStats.empty(n, torch.float32, dev) if keep else None
-        stats = _ChunkStats(min(max(n, 1), STATS_TOKENS), v, hidden, smooth, entropy, cw, before=before)
-        for c0 in range(0, n, STATS_TOKENS):
-            sl = slice(c0, min(n, c0 + STATS_TOKENS))
-            for part, _, st in stats.parts(hidden, w, b, tl_local, sl, call, *opts.folded_cap()):
-                ce_token_outputs(st, opts, shard.vocab_size, tg, part, loss_tok, metrics)
-                if keep:
-                    rows.store(part, st)
-        return loss_tok, rows, None
-
-    stats = _ChunkStats(chunk, v, hidden, smooth, entropy, cw, before=before)
-    unit = tg.row_scale(torch.ones((), device=dev).expand(n))
     dx = None
     if needs[0]:  # fp32; an all-padding shard contributes zeros (and still joins the collectives)
         dx = (torch.empty if v > 0 else torch.zeros)(n, d, dtype=torch.float32, device=dev)
     reduce_dx = HiddenGradReduce(dx, shard, plan.sequence_parallel) \
         if dx is not None and plan.dx_reduce == "forward" else None
     dw = None  # fp32 accumulator, allocated by the first chunk's GEMM (no zero fill)
-    db = torch.zeros(v, dtype=torch.float32, device=dev) if needs[2] else None
+    db = torch.zeros(v, dtype=torch.float32, device=dev) if needs[2] and b is not None else None
     for c0 in range(0, n, chunk):
         sl = slice(c0, min(n, c0 + chunk))
         pc = None if p is None else p[: sl.stop - sl.start]
-        for part, r, st in stats.parts(hidden, w, b, tl_local, sl, call, *opts.folded_cap(), p=pc, ready=c0 == 0):
-            ce_token_outputs(st, opts, shard.vocab_size, tg, part, loss_tok, metrics)
+        for part, r, st in stats.parts(hidden, w, b, tl_local, sl, call, softcap, inv_t, p=pc, ready=c0 == 0):
+            co = on_part(part, st)
             if v > 0:
-                scale = unit[part] if tg.scaling is None else unit[part] * tg.scaling[part]
-                co = ce_coefficients(scale, st.lse, opts, shard.vocab_size, tg.class_rows(part))
-                cap, inv_t = opts.folded_cap()
-                kernels.stored_logits(pc[r], None, tl_local[part], softcap=cap, inv_t=inv_t,
+                kernels.stored_logits(pc[r], None, tl_local[part], softcap=softcap, inv_t=inv_t,
                                       rows=(st.m, st.lse, st.q), coef=co, class_weight=cw)  # in place
         if v > 0 and dx is not None:
             mm_into(dx[sl], pc, w)
@@ -311,7 +274,73 @@ def cross_entropy(hidden, weight, bias, tg: TokenTargets, opts: LossOptions, cal
         dw = torch.zeros(v, d, dtype=torch.float32, device=dev)
     if reduce_dx is not None:
         dx = reduce_dx.finish()
-    return loss_tok, None, FastGrads(dx, dw, db)
+    return FastGrads(dx, dw, db)
+
+
+def _first_chunk(hidden, w, b, chunk_opts: LossOptions, call: Call):
+    """``(P, chunk)`` of the fast and speculative routes, the first chunk's logits GEMM already launched."""
+    n, d = hidden.shape
+    v = call.shard.valid_rows
+    chunk = min(max(n, 1), _fast_chunk(chunk_opts, call.shard.columns_per_rank, hidden.dtype, d))
+    p = None
+    if v > 0:
+        p = torch.empty(chunk, v, dtype=hidden.dtype, device=hidden.device)
+        if n > 0:
+            _ChunkStats.first_logits(p, hidden, w, b, chunk, call)
+    return p, chunk
+
+
+def cross_entropy(hidden, weight, bias, tg: TokenTargets, opts: LossOptions, call: Call):
+    """Per-token loss ``[N]`` (weighted, 0 on ignored tokens), and what backward needs: the fast route's
+    unscaled ``FastGrads`` (with ``dx_reduce == "forward"``: already summed over the group, this rank's slice
+    under sequence parallelism), the lean route's ``RowStats``, or both (the speculative route)."""
+    shard, plan = call.shard, call.plan
+    if plan.dx_reduce == "forward" and plan.sequence_parallel:
+        hidden = gather_sequence(hidden, shard)
+    n, d = hidden.shape
+    dev = hidden.device
+    v = shard.valid_rows
+    hidden = hidden.contiguous()
+    w = weight[:v]
+    b = None if bias is None else bias[:v]
+    formed = plan.route in ("fast", "speculative")
+    if formed:
+        p, chunk = _first_chunk(hidden, w, b, opts, call)
+    tl_local = tg.local_columns()
+    smooth = opts.label_smoothing > 0
+    cw = None if tg.class_weight is None else tg.class_weight.columns.float()
+    loss_tok = torch.empty(n, dtype=torch.float32, device=dev)
+    entropy = "entropy" in opts.metrics
+    before = tg.before.to(torch.int32) if "token_accuracy" in opts.metrics else None
+    metrics = {k: torch.empty(n, dtype=torch.float32, device=dev) for k in opts.metrics}
+    tg.metrics = metrics
+    if opts.token_scaling:
+        tg.scaling = torch.empty(n, dtype=torch.float32, device=dev)
+    keep = plan.route in ("lean", "speculative")
+    rows = RowStats.empty(n, torch.float32, dev) if keep else None
+
+    if not formed:
+        stats = _ChunkStats(min(max(n, 1), STATS_TOKENS), v, hidden, smooth, entropy, cw, before=before)
+        for c0 in range(0, n, STATS_TOKENS):
+            sl = slice(c0, min(n, c0 + STATS_TOKENS))
+            for part, _, st in stats.parts(hidden, w, b, tl_local, sl, call, *opts.folded_cap()):
+                ce_token_outputs(st, opts, shard.vocab_size, tg, part, loss_tok, metrics)
+                if keep:
+                    rows.store(part, st)
+        return loss_tok, rows, None
+
+    unit = tg.row_scale(torch.ones((), device=dev).expand(n))
+
+    def on_part(part, st):
+        ce_token_outputs(st, opts, shard.vocab_size, tg, part, loss_tok, metrics)
+        if keep:
+            rows.store(part, st)
+        scale = unit[part] if tg.scaling is None else unit[part] * tg.scaling[part]
+        return ce_coefficients(scale, st.lse, opts, shard.vocab_size, tg.class_rows(part))
+
+    stats = _ChunkStats(chunk, v, hidden, smooth, entropy, cw, before=before)
+    grads = _formed_grads(hidden, w, b, tl_local, stats, p, chunk, call, *opts.folded_cap(), cw, on_part)
+    return loss_tok, rows, grads
 
 
 def log_probs(hidden, weight, bias, tg: TokenTargets, lp: LogProbOptions, call: Call) -> RankStats:
@@ -330,3 +359,95 @@ def log_probs(hidden, weight, bias, tg: TokenTargets, lp: LogProbOptions, call: 
         parts += [st for _, _, st in stats.parts(hidden, w, b, tl_local, sl, call, lp.softcap, lp.inv_t)]
     return RankStats.cat(parts, int(lp.mean_logits), int(lp.entropy), hidden.new_empty(0, dtype=torch.float32),
                          lp.log_sum_sq, lp.top1)
+
+
+def log_probs_formed(hidden, weight, bias, tg: TokenTargets, lp: LogProbOptions, call: Call):
+    """``linear_log_probs`` on the speculative route (one process; no entropy gradient): the fast route's chunk
+    loop at unit upstream gradient on ``log p_t`` of every non-ignored token. Returns the global statistics of
+    every token (``RankStats``, as ``log_probs``), the ``RowStats`` the fallback needs, and the unit-scale
+    ``FastGrads``."""
+    n = hidden.shape[0]
+    dev = hidden.device
+    hidden = hidden.contiguous()
+    v = call.shard.valid_rows
+    w = weight[:v]
+    b = None if bias is None else bias[:v]
+    p, chunk = _first_chunk(hidden, w, b, lp.chunk_options(), call)
+    tl_local = tg.local_columns()
+    ones = torch.ones(n, dtype=torch.float32, device=dev)
+    unit = logprob_coefficients(tg, ones, None, None, lp.inv_t, like=ones)
+    rows = RowStats.empty(n, torch.float32, dev)
+    stats = _ChunkStats(chunk, v, hidden, lp.mean_logits, lp.entropy, sum_sq=lp.log_sum_sq,
+                        before=tg.before.to(torch.int32) if lp.top1 else None)
+    parts = []
+
+    def on_part(part, st):
+        parts.append(st)
+        rows.store(part, st)
+        return unit.rows(part)
+
+    grads = _formed_grads(hidden, w, b, tl_local, stats, p, chunk, call, lp.softcap, lp.inv_t, None, on_part)
+    st = RankStats.cat(parts, int(lp.mean_logits), int(lp.entropy), hidden.new_empty(0, dtype=torch.float32),
+                       lp.log_sum_sq, lp.top1)
+    return st, rows, grads
+
+
+def speculative_grads(held: FastGrads, hidden, weight, bias, tg: TokenTargets, rows: RowStats, g: torch.Tensor,
+                      coefficients, call: Call, softcap, inv_t: float, chunk_opts: LossOptions, main_weight=None):
+    """The speculative route's backward (``vpce.speculation``): the held unit-scale gradients finished for the
+    per-token upstream gradient ``g [N]`` (fp32), exact for any ``g``, with no host sync.
+
+    ``dX = diag(g) dX_unit`` (ignored tokens' ``g`` taken as 0), scaled and cast in one pass. dW and db: where ``g``
+    is uniform over the non-ignored tokens, ``c dW_unit`` scaled and cast in one pass, as on the fast route.
+    Otherwise ``dW_unit`` times 0, then the gradient recomputed in token blocks of the forward's chunk over the
+    whole vocab (the lean route's token-major order, in a buffer the size of the forward's ``P``), every kernel
+    gated by its block's device flag. ``coefficients(r)``: the gradient ``Coefficients`` of every token at per-token
+    upstream gradient ``r``; ``chunk_opts``: the options the forward's chunk came from. Returns ``(dX, dW, db,
+    uniform)`` in the inputs' dtype (dW padded to the weight's rows, or added into ``main_weight.main_grad``);
+    ``uniform`` is a 0-d bool on the device."""
+    n, d = hidden.shape
+    dtype = hidden.dtype
+    v, n_rows = call.shard.valid_rows, weight.shape[0]
+    dw, db = held.dw, held.db
+    if n == 0:
+        uniform, gk = torch.ones((), dtype=torch.bool, device=hidden.device), g
+        last = g.new_ones(())
+    else:
+        uniform, c, gk = split_upstream(g, tg.keep)
+        last = torch.where(uniform, c, 1.0)  # the final cast's factor: c, or 1 after the recompute
+        if (dw is not None or db is not None) and v > 0:
+            r = torch.where(uniform, 0.0, gk)  # all 0 when uniform: every block's kernels skip
+            chunk = min(n, _fast_chunk(chunk_opts, call.shard.columns_per_rank, dtype, d))
+            flags = block_flags(r, chunk)
+            mispredicted = (~uniform).to(torch.int32).reshape(1)
+            zero = g.new_zeros(())
+            for acc in (dw, db):
+                if acc is not None:
+                    kernels.gated_scale_(acc, zero, mispredicted)  # NaN in dW_unit stays NaN, as the lean route's
+            _gated_recompute(hidden.contiguous(), weight[:v], None if bias is None else bias[:v], tg, rows,
+                             coefficients(r), flags, chunk, softcap, inv_t, dw, db)
+    dx = None if held.dx is None else kernels.row_scale_cast(held.dx, gk, dtype)
+    if main_weight is not None and dw is not None:
+        dw = weight_grad_to_main(main_weight, dw.mul_(last))
+    elif dw is not None:
+        dw = pad_rows(kernels.scale_cast(dw, last, dtype), n_rows, dtype)
+    return dx, dw, None if db is None else pad_rows(db.mul_(last), n_rows, dtype), uniform
+
+
+def _gated_recompute(hidden, w, b, tg: TokenTargets, rows: RowStats, coef: Coefficients, flags: torch.Tensor,
+                     chunk: int, softcap, inv_t: float, dw, db):
+    """``dw += dz^T X`` (``db += sum dz``) over the token blocks of ``chunk`` tokens whose flag is set, ``dz``
+    recomputed in grad mode with ``coef`` over the whole vocab into one ``[chunk, V]`` buffer; a block whose flag
+    is 0 costs two launches of one short wave each."""
+    n = hidden.shape[0]
+    block = torch.empty(chunk, w.shape[0], dtype=hidden.dtype, device=hidden.device)
+    tl_local = tg.local_columns()
+    cw = None if tg.class_weight is None else tg.class_weight.columns.float()
+    for i, n0 in enumerate(range(0, n, chunk)):
+        tok = slice(n0, min(n, n0 + chunk))
+        h, flag, gz = hidden[tok], flags[i:i + 1], block[: tok.stop - tok.start]
+        per_row = rows.rows(tok)
+        kernels.logits_tiles(h, w, b, tl_local[tok], softcap=softcap, inv_t=inv_t, p=gz,
+                             rows=(per_row.m, per_row.lse, per_row.q), coef=coef.rows(tok), class_weight=cw,
+                             flag=flag, round_logits=True)  # the logits the forward's statistics came from
+        kernels.gated_weight_grad_(dw, db, gz, h, flag)

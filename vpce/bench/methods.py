@@ -9,6 +9,12 @@ A row with ``frozen=True`` (``<name>-frozen``, made by ``frozen`` from the rows 
 ``x`` only: its weight has ``requires_grad=False``, as a LoRA fine-tune's lm_head. It is timed against the
 two-GEMM floor (logits + dX), and its ``dW`` is not checked (there is none).
 
+Caller-reduced rows (the speculative route, ``vpce.speculation``): a call site's first call takes the lean route,
+and later ones the speculative route once a backward saw a uniform upstream gradient. So in ``vpce-logprobs`` the
+first (checked) step is lean and the timed steps, after the warmup's, are speculative; ``vpce-logprobs-primed`` and
+``vpce-none-mean`` run one throwaway step first, so that their checked step is speculative too;
+``vpce-logprobs-grpo`` (per-token advantages) stays lean: the general case.
+
 vpce's rows call ``vpce.linear_cross_entropy`` (or ``vpce.linear_log_probs``) as a user does: ``vpce-triton`` and
 ``vpce-triton-lean`` (``memory_budget="lean"``) name the Triton backend and need CUDA; ``vpce-torch`` names the
 torch backend; the loss-option rows (label smoothing, z-loss, soft cap, token weights) and the log-prob rows use
@@ -129,19 +135,58 @@ def _vpce_variant(env: Env, **options) -> LossFn:
     return fn
 
 
-def _vpce_log_probs(env: Env, *, entropy: bool, top1: bool = False) -> LossFn:
+def _primed(env: Env, fn: LossFn) -> LossFn:
+    """``fn``, whose first call is preceded by one throwaway fwd+bwd on leaves that share the inputs' storage (the
+    call site the speculative route keys on: ``vpce.speculation``), synchronized. The row's first (checked) step
+    then already has a uniform history and takes the speculative route, as every timed step does."""
+    from .harness import synchronize
+    done = []
+
+    def primed(x, w, y):
+        if not done:
+            done.append(True)
+            fn(x.detach().requires_grad_(x.requires_grad), w.detach().requires_grad_(w.requires_grad), y).backward()
+            synchronize(env.device)
+        return fn(x, w, y)
+    return primed
+
+
+def _vpce_log_probs(env: Env, *, entropy: bool, top1: bool = False, primed: bool = False,
+                    advantages: bool = False) -> LossFn:
     """Mean negative log-probability (= the plain loss, so its errors are checked), plus 0.01 x mean entropy; with
-    ``top1`` also TRL's ``is_top1`` (SFT's fields), detached."""
+    ``top1`` also TRL's ``is_top1`` (SFT's fields), detached. ``primed``: see ``_primed``. ``advantages``: GRPO's
+    shape of loss instead, ``-mean(A_i log p_i)`` with a fixed random advantage per token (never uniform: the lean
+    route, whatever the history)."""
     from .. import linear_log_probs
     backend = device_backend(env)
+    cache = {}
 
     def fn(x, w, y):
         out = linear_log_probs(x, w, y, backend=backend, return_entropy=entropy, return_top1=top1,
                                **env.vpce_layout())
         if entropy:
             return -out[0].mean() + 0.01 * out[1].mean()
-        return -(out[0] if top1 else out).mean()
-    return fn
+        logp = out[0] if top1 else out
+        if advantages:
+            if "a" not in cache:
+                gen = torch.Generator(device=y.device).manual_seed(0)
+                cache["a"] = torch.randn(y.shape, generator=gen, device=y.device)
+            return -(logp * cache["a"]).mean()
+        return -logp.mean()
+    return _primed(env, fn) if primed else fn
+
+
+def _vpce_none_mean(env: Env) -> LossFn:
+    """``reduction="none"``, then the caller's mean over the non-ignored tokens (SFT's masked mean: the plain loss,
+    checked), primed (``_primed``)."""
+    from .. import linear_cross_entropy
+    backend = device_backend(env)
+
+    def fn(x, w, y):
+        per_token = linear_cross_entropy(x, w, y, backend=backend, reduction="none", **env.vpce_layout())
+        keep = y != -100
+        return (per_token * keep).sum() / keep.sum().clamp(min=1)
+    return _primed(env, fn)
 
 
 def _vpce_metrics(env: Env) -> LossFn:
@@ -219,7 +264,7 @@ def frozen(method: Method) -> Method:
 
 
 #: The rows that also have a frozen-lm_head variant (``<name>-frozen``).
-FROZEN = ("torch", "compile", "quack", "quack-base", "vpce-triton", "vpce-torch")
+FROZEN = ("torch", "compile", "quack", "quack-base", "vpce-triton", "vpce-torch", "vpce-logprobs")
 
 _ROWS = [
     Method(name="torch", label="torch eager", build=peers.torch_eager, package="torch", no_grad=True),
@@ -260,6 +305,12 @@ _ROWS = [
              package="vpce", plain=False) for key, (label, opts) in VARIANTS.items()],
     Method(name="vpce-logprobs", label="vpce {backend} linear_log_probs", package="vpce",
            build=functools.partial(_vpce_log_probs, entropy=False)),
+    Method(name="vpce-logprobs-primed", label="vpce {backend} linear_log_probs, after a uniform call (SFT)",
+           package="vpce", build=functools.partial(_vpce_log_probs, entropy=False, primed=True)),
+    Method(name="vpce-none-mean", label="vpce {backend} reduction='none' then masked mean, after a uniform call",
+           package="vpce", build=_vpce_none_mean),
+    Method(name="vpce-logprobs-grpo", label="vpce {backend} linear_log_probs x per-token advantages (GRPO)",
+           package="vpce", build=functools.partial(_vpce_log_probs, entropy=False, advantages=True), plain=False),
     Method(name="vpce-logprobs-entropy", label="vpce {backend} linear_log_probs + entropy", package="vpce",
            build=functools.partial(_vpce_log_probs, entropy=True), plain=False),
     Method(name="vpce-logprobs-top1", label="vpce {backend} linear_log_probs + entropy + is_top1 (TRL SFT)",

@@ -50,6 +50,7 @@ PHASES = (
     ("logits tiles (fused GEMM + softmax stats)", r"_logits_tiles_kernel"),
     ("stored logits -> stats / grad", r"_stored_logits_kernel|_target_logits_kernel"),
     ("distillation passes", r"_distill_\w+_kernel"),
+    ("speculative fallback (gated)", r"_gated_\w+_kernel"),
     ("casts / copies", r"_scale_cast_kernel|memcpy|^aten::(copy_|_to_copy)$"),
     ("collectives", r"nccl|c10d::|gloo"),
     ("GEMMs (cuBLAS / CUTLASS)", r"gemm|sm90|cutlass|nvjet|^aten::(mm|addmm_?|bmm|baddbmm)$"),

@@ -31,11 +31,14 @@ same batch) and the whole weight as TRL hands it over (gathered from a TP DTenso
 only its ``torch.chunk`` share of the vocab rows (the layout of a ``Shard(0)`` DTensor) and vpce exchanges O(N)
 statistics: each rank forms ``1/world`` of the logits, and the weight's gradient lands on the rank's own rows.
 
-Memory (the lean option): ``vpce.linear_log_probs`` always takes vpce's lean route, forward keeps three fp32
-statistics per token and backward recomputes the logits in ``[N, Vb]`` blocks of 0.2 GiB, so a long sequence costs
-O(N) beyond the gradients. ``memory_budget`` is accepted for symmetry with the other integrations and must be
-``"auto"`` or ``"lean"`` (the per-token outputs are reduced by the trainer, so their gradient is only known in
-backward).
+Routes and memory: ``memory_budget`` goes to ``vpce.linear_log_probs`` and must be ``"auto"`` or ``"lean"``.
+With ``"auto"``, a head whose ``log_probs`` the trainer reduces uniformly over the non-ignored tokens (SFT's loss;
+not when ``entropy`` is asked for, whose gradient is not formed in forward) takes vpce's speculative route from its
+second step, where the fast route's buffers fit: the gradients are formed in forward, at the fast route's cost,
+and backward stays exact whatever the trainer's upstream gradient turns out to be. A frozen lm_head (LoRA) takes it
+from the first step. Every other call takes the lean route, as ``"lean"`` always does. There forward keeps three
+fp32 statistics per token and backward recomputes the logits in blocks, so a long sequence costs O(N) beyond the
+gradients.
 """
 
 from __future__ import annotations
@@ -72,8 +75,8 @@ class VpceLogProbHead:
 
     def __init__(self, *, backend="auto", validate=False, memory_budget="auto", group=None):
         if memory_budget not in ("auto", "lean"):
-            raise ValueError(f"memory_budget: expected 'auto' or 'lean' (TRL's per-token outputs always take vpce's "
-                             f"lean route), got {memory_budget!r}")
+            raise ValueError(f"memory_budget: expected 'auto' or 'lean' (the speculative route where it fits, or "
+                             f"never), got {memory_budget!r}")
         vpce.LinearCrossEntropy(backend=backend, validate=validate)  # checks the names now, not at the first step
         self.backend, self.validate, self.memory_budget, self.group = backend, validate, memory_budget, group
 
@@ -105,7 +108,7 @@ class VpceLogProbHead:
                      return_log_sum_sq_probs="log_sum_sq_probs" in outputs)
         got = vpce.linear_log_probs(hidden, weight, targets, bias, temperature=temperature,
                                     softcap=final_logit_softcapping, backend=self.backend, validate=self.validate,
-                                    **shard, **asked)
+                                    memory_budget=self.memory_budget, **shard, **asked)
         got = list(got) if isinstance(got, tuple) else [got]
         fields = dict(zip(["log_probs", *(k for k in ("entropy", "is_top1", "mean_logits", "log_sum_sq_probs")
                                           if k in outputs)], got))

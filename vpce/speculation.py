@@ -1,0 +1,170 @@
+"""The speculative route: the fast route's cost for per-token outputs that the caller reduces uniformly.
+
+``linear_cross_entropy(..., reduction="none")`` and ``linear_log_probs`` return per-token values, and the caller
+reduces them. The weight gradient ``dW = sum_i g_i dz_i^T x_i`` needs each token's upstream gradient ``g_i``,
+which arrives only in backward. So the lean route recomputes the logits there: 8NDV in all, where the fast route
+takes 6NDV. In the commonest case every non-ignored token gets the same ``g_i = c``. Examples are SFT's
+``(loss * mask).sum() / mask.sum()`` with the mask equal to the non-ignored tokens, ``.sum()``, and ``.mean()``.
+Token weights known in forward (``token_weight``, DFT's ``token_scaling``) keep ``g`` uniform, because they are part
+of the forward. The speculative route (Triton backend, one process) then costs what the fast route costs.
+
+Forward, while each chunk's logits are live (``vpce.triton_backend``: the fast route's chunk loop, at unit upstream
+scale on every non-ignored token), forms and holds:
+
+* ``dX_unit`` (fp32 ``[N, D]``). Row ``i`` of the true dX is ``g_i`` times row ``i`` of it, for **any** ``g``. Backward
+  scales each row by its token's ``g_i`` and casts, in one pass (``kernels.row_scale_cast``);
+* ``dW_unit`` (fp32 ``[V, D]``) and ``db_unit``, as the fast route does;
+* the lean route's three statistics per token, for the fallback.
+
+Backward decides on the device, with no host sync (``split_upstream``). ``c`` is ``g`` at the first non-ignored
+token. The call is *uniform* when every non-ignored ``g_i`` equals ``c`` and ``c`` is finite; then
+``dW = c dW_unit`` (``db`` alike). Otherwise ``dW_unit`` is dropped (times 0) and dW is recomputed the way the lean
+route's token-major backward does it: per token block, the logits in grad mode at row scale ``g_i``, then
+``dW += P_b^T X_b``. Each block's kernels (``kernels.logits_tiles`` with a ``flag``, ``kernels.gated_weight_grad_``)
+first read that block's device flag, "some ``g_i`` in the block is not 0", and return at once when it is 0. With a
+uniform gradient every flag is 0 (the recompute's gradient is ``where(uniform, 0, g)``), so the fallback costs
+only its launches. NaN or inf in ``g`` makes a call non-uniform and flows through the recompute exactly as in the
+lean route.
+
+Why not ``c dW_unit + sum_i (g_i - c) dz_i^T x_i``, which recomputes only the blocks whose ``g_i`` differ from
+``c``? Where ``c`` is not representative, the two terms cancel and dW loses the precision the lean route keeps.
+That happens with mixed-sign per-sequence advantages, or with a caller's mask that zeroes the first token. A
+misprediction costs 10NDV instead of 8NDV. It happens once per change of pattern (below).
+
+Whether to speculate is decided per call in forward, from the previous backward at the same call site: the same
+entry point, the same weight storage (``data_ptr``, shape, dtype, device) and the same options. Backward copies its
+"uniform" flag into pinned host memory (``non_blocking``) and records a CUDA event. The next forward polls the event
+(``event.query()``, no sync) and reads the flag once it is complete; while it is pending, the previous decision
+stands. A call site's first call takes the lean route, so a caller whose gradients are never uniform (GRPO-style
+advantages, DPO's signed sums) pays for at most one misprediction after each change. Not eligible (always the
+lean route): a process group (a rank-local guess must never change the collective schedule), the torch backend,
+``torch.compile``, ``memory_budget="lean"``, and ``linear_log_probs`` with ``return_entropy=True`` (its second
+upstream gradient is not formed in forward). With ``memory_budget="auto"`` the speculative route is taken only
+where the fast route's buffers fit (``vpce.routing.settle_by_memory``). Under CUDA-graph capture the decision
+is not polled, and the route at capture time is replayed: exact either way.
+
+A call that needs no weight or bias gradient (a frozen lm_head: LoRA) has nothing to speculate on: its ``dX`` is
+exact for any ``g``, so it always takes this route (``dX`` formed in forward, 4NDV in all).
+
+``ENABLED`` (environment ``VPCE_SPECULATE=0`` turns it off) switches the route off everywhere; ``reset()`` forgets
+every call site's history; ``route_of(output)`` tells which route a call took.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+
+import torch
+
+__all__ = ["ENABLED", "Record", "decide", "reset", "route_of", "split_upstream", "block_flags"]
+
+ENABLED = os.environ.get("VPCE_SPECULATE", "1") != "0"
+"""Whether eligible calls may take the speculative route at all."""
+
+MAX_SITES = 256  # call sites remembered (least recently used forgotten first)
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+class Record:
+    """One call site's history: the decision for its next forward, and the pending report of its last backward."""
+
+    __slots__ = ("uniform", "host", "event")
+
+    def __init__(self):
+        self.uniform = False
+        """Whether the last backward that has been read saw a uniform upstream gradient (the next decision)."""
+        self.host: torch.Tensor | None = None
+        self.event = None
+
+    def predict(self) -> bool:
+        """The decision for this forward: the last completed backward's outcome (never waits)."""
+        if self.event is not None and not _capturing() and self.event.query():
+            self.uniform = bool(self.host[0])  # pinned host memory the copy has finished writing
+            self.event = None
+        return self.uniform
+
+    def report(self, uniform: torch.Tensor):
+        """Backward's outcome (a 0-d bool tensor), for the next forward: read at once on the CPU, copied to pinned
+        memory behind an event on CUDA (not while a CUDA graph is being captured)."""
+        if uniform.device.type != "cuda":
+            self.uniform = bool(uniform)
+            return
+        if _capturing():
+            return
+        if self.host is None:
+            self.host = torch.empty(1, dtype=torch.bool, pin_memory=True)
+        self.host.copy_(uniform.reshape(1), non_blocking=True)
+        self.event = torch.cuda.Event()
+        self.event.record()
+
+
+_SITES: OrderedDict = OrderedDict()
+
+
+def reset():
+    """Forget every call site's history (the next call of each takes the lean route)."""
+    _SITES.clear()
+
+
+def _record(key) -> Record:
+    rec = _SITES.get(key)
+    if rec is None:
+        rec = _SITES[key] = Record()
+        while len(_SITES) > MAX_SITES:
+            _SITES.popitem(last=False)
+    else:
+        _SITES.move_to_end(key)
+    return rec
+
+
+def decide(entry: str, weight: torch.Tensor, options, backend: str, sharded: bool,
+           needs: tuple[bool, bool, bool]) -> tuple[bool, Record | None]:
+    """Whether a call whose per-token outputs the caller reduces takes the speculative route, and the record its
+    backward reports to (None where there is nothing to learn). ``weight``: the caller's weight (before any
+    autocast cast); ``options``: a hashable summary of the call's options."""
+    if not ENABLED or backend != "triton" or sharded or not any(needs) or torch.compiler.is_compiling():
+        return False, None
+    if not (needs[1] or needs[2]):
+        return True, None  # only dX: exact for any upstream gradient
+    key = (entry, weight.data_ptr(), tuple(weight.shape), weight.dtype, weight.device, options)
+    rec = _record(key)
+    return rec.predict(), rec
+
+
+def split_upstream(g: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(uniform, c, gk)`` of a per-token upstream gradient ``g [N]`` (fp32, ``N > 0``), on the device:
+    ``gk = g`` on non-ignored tokens (``keep``), 0 elsewhere; ``c = g`` at the first non-ignored token (0 if none);
+    ``uniform``: every non-ignored token's ``g`` equals ``c``, and ``c`` is finite (0-d bool)."""
+    gk = torch.where(keep, g, 0)
+    first = keep.to(torch.uint8).argmax().reshape(1)  # the first maximum: the first non-ignored token
+    c = torch.where(keep.any(), g.gather(0, first).reshape(()), 0)
+    uniform = torch.where(keep, g == c, True).all() & torch.isfinite(c)
+    return uniform, c, gk
+
+
+def block_flags(r: torch.Tensor, block: int) -> torch.Tensor:
+    """int32 per block of ``block`` consecutive tokens: 1 where some ``r_i`` in it is not 0 (NaN counts)."""
+    n = r.shape[0]
+    blocks = -(-n // block)
+    padded = r.new_zeros(blocks * block)
+    padded[:n] = r
+    return (padded.view(blocks, block) != 0).any(1).to(torch.int32)
+
+
+def route_of(output: torch.Tensor) -> str | None:
+    """The route (``"speculative"``, ``"lean"``, ``"fast"``) the vpce call that produced ``output`` took, read from
+    its autograd node, or the first such node up the chain of first inputs (a reshape, a mask, a mean: up to 8
+    steps); None where there is none (no gradient was needed). For tests and diagnostics."""
+    fn = output.grad_fn if isinstance(output, torch.Tensor) else None
+    for _ in range(8):
+        if fn is None:
+            return None
+        call = getattr(fn, "call", None)
+        if call is not None:
+            return call.plan.route
+        fn = fn.next_functions[0][0] if fn.next_functions else None
+    return None
