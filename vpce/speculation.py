@@ -46,21 +46,17 @@ is not polled, and the route at capture time is replayed: exact either way.
 A call that needs no weight or bias gradient (a frozen lm_head: LoRA) has nothing to speculate on: its ``dX`` is
 exact for any ``g``, so it always takes this route (``dX`` formed in forward, 4NDV in all).
 
-``ENABLED`` (environment ``VPCE_SPECULATE=0`` turns it off) switches the route off everywhere; ``reset()`` forgets
-every call site's history; ``route_of(output)`` tells which route a call took.
+``memory_budget="lean"`` keeps a call off this route; ``reset()`` forgets every call site's history;
+``route_of(output)`` tells which route a call took.
 """
 
 from __future__ import annotations
 
-import os
 from collections import OrderedDict
 
 import torch
 
-__all__ = ["ENABLED", "Record", "decide", "reset", "route_of", "split_upstream", "block_flags"]
-
-ENABLED = os.environ.get("VPCE_SPECULATE", "1") != "0"
-"""Whether eligible calls may take the speculative route at all."""
+__all__ = ["Record", "decide", "reset", "route_of", "split_upstream", "block_flags"]
 
 MAX_SITES = 256  # call sites remembered (least recently used forgotten first)
 
@@ -126,7 +122,7 @@ def decide(entry: str, weight: torch.Tensor, options, backend: str, sharded: boo
     """Whether a call whose per-token outputs the caller reduces takes the speculative route, and the record its
     backward reports to (None where there is nothing to learn). ``weight``: the caller's weight (before any
     autocast cast); ``options``: a hashable summary of the call's options."""
-    if not ENABLED or backend != "triton" or sharded or not any(needs) or torch.compiler.is_compiling():
+    if backend != "triton" or sharded or not any(needs) or torch.compiler.is_compiling():
         return False, None
     if not (needs[1] or needs[2]):
         return True, None  # only dX: exact for any upstream gradient
