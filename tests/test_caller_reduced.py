@@ -96,11 +96,11 @@ class Site:
         opts = {k: v.to(DEV, torch.float32) if isinstance(v, torch.Tensor) else v for k, v in self.opts.items()}
         opts.update(extra)
         if self.entry == "ce":
-            out = vpce.linear_cross_entropy(h, self.w, p.target.to(DEV), self.b, backend="triton", vocab_size=VOCAB,
-                                            reduction="none", **opts)
+            out = vpce.linear_cross_entropy(h, self.w, p.target.to(DEV), self.b, backend="triton",
+                                            vocab_size=p.vocab_size, reduction="none", **opts)
         else:
-            out = vpce.linear_log_probs(h, self.w, p.target.to(DEV), self.b, backend="triton", vocab_size=VOCAB,
-                                        **opts)
+            out = vpce.linear_log_probs(h, self.w, p.target.to(DEV), self.b, backend="triton",
+                                        vocab_size=p.vocab_size, **opts)
         first = out[0] if isinstance(out, tuple) else out
         first = first.loss if hasattr(first, "loss") else first
         route = speculation.route_of(first)
@@ -113,17 +113,20 @@ class Site:
         p = self.p
         if self.entry == "ce":
             kw = {k: v for k, v in self.opts.items() if not k.startswith("return_")}
-            ref = reference(p.hidden, p.weight, p.target, p.bias, grad=g, vocab_size=VOCAB, reduction="none", **kw)
+            ref = reference(p.hidden, p.weight, p.target, p.bias, grad=g, vocab_size=p.vocab_size, reduction="none",
+                            **kw)
             return [ref.loss, ref.dhidden, ref.dweight, ref.dbias]
         kw = {k: self.opts[k] for k in ("temperature", "softcap") if k in self.opts}
-        logp, _, ref = reference_log_probs(p.hidden, p.weight, p.target, p.bias, g_logp=g, vocab_size=VOCAB, **kw)
+        logp, _, ref = reference_log_probs(p.hidden, p.weight, p.target, p.bias, g_logp=g, vocab_size=p.vocab_size,
+                                           **kw)
         return [logp, ref.dhidden, ref.dweight, ref.dbias]
 
     def eager(self, g):
         p = self.p
         if self.entry == "ce":
             kw = {k: v for k, v in self.opts.items() if k in ("label_smoothing", "z_loss", "softcap", "class_weight")}
-            e = torch_eager(p.hidden, p.weight, p.target, p.bias, grad=g, vocab_size=VOCAB, reduction="none", **kw)
+            e = torch_eager(p.hidden, p.weight, p.target, p.bias, grad=g, vocab_size=p.vocab_size, reduction="none",
+                            **kw)
             return [e.loss, e.dhidden, e.dweight, e.dbias]
         kw = {k: self.opts[k] for k in ("temperature", "softcap") if k in self.opts}
         return eager_log_probs(p.hidden, p.weight, p.bias, p.target, g, VOCAB, **kw)
@@ -192,7 +195,7 @@ def test_uniform_history_takes_the_speculative_route(dtype, case):
     site.check(got, g2, "speculative")
     if case in ("ce-metrics", "lp-extras"):  # the detached per-token metrics of the same pass
         p = site.p
-        ref = reference_metrics(p.hidden, p.weight, p.target, p.bias, vocab_size=VOCAB)
+        ref = reference_metrics(p.hidden, p.weight, p.target, p.bias, vocab_size=p.vocab_size)
         if case == "ce-metrics":
             pairs = [(site.out.token_accuracy, ref["top1"]), (site.out.entropy, ref["entropy"])]
         else:
@@ -333,8 +336,8 @@ def test_not_eligible_calls_stay_lean():
         vpce.linear_log_probs(p.hidden, p.weight, p.target, memory_budget="small")
     torch_site = Site(make_problem(40, 16, 30, dtype=torch.float64, reduction="none"), "ce")
     for _ in range(2):
-        h, w = leaf(torch_site.p.hidden), torch_site.w
-        out = vpce.linear_cross_entropy(h, w, torch_site.p.target, backend="torch", reduction="none")
+        h, w = leaf(torch_site.p.hidden.to(DEV)), torch_site.w
+        out = vpce.linear_cross_entropy(h, w, torch_site.p.target.to(DEV), backend="torch", reduction="none")
         assert speculation.route_of(out) == "lean"
         out.backward(torch.ones_like(out))
 
@@ -399,12 +402,12 @@ def test_accumulate_main_grad():
     g = uniform(p, 0.5)
     routes = []
     for _ in range(2):
-        out = vpce.linear_cross_entropy(leaf(p.hidden.to(DEV)), w, p.target.to(DEV), vocab_size=VOCAB,
+        out = vpce.linear_cross_entropy(leaf(p.hidden.to(DEV)), w, p.target.to(DEV), vocab_size=p.vocab_size,
                                         backend="triton", reduction="none", accumulate_main_grad=True)
         routes.append(speculation.route_of(out))
         out.backward(g.float().to(DEV))
     assert routes == ["lean", "speculative"]
-    want = reference(p.hidden, p.weight, p.target, grad=2 * g, vocab_size=VOCAB, reduction="none").dweight
+    want = reference(p.hidden, p.weight, p.target, grad=2 * g, vocab_size=p.vocab_size, reduction="none").dweight
     assert rel_err(w.main_grad.cpu(), want) <= 2e-5
     assert w.grad is None
 
@@ -477,7 +480,8 @@ def test_split_upstream():
     keep = torch.tensor([False, True, True, False, True])
     u, c, gk = speculation.split_upstream(torch.tensor([9.0, 2.0, 2.0, math.nan, 2.0]), keep)
     assert bool(u) and c == 2.0 and torch.equal(gk, torch.tensor([0.0, 2.0, 2.0, 0.0, 2.0]))
-    for g in ([9.0, 2.0, 2.5, 0.0, 2.0], [0.0, math.nan, math.nan, 0.0, math.nan], [0.0, math.inf, math.inf, 0, math.inf]):
+    for g in ([9.0, 2.0, 2.5, 0.0, 2.0], [0.0, math.nan, math.nan, 0.0, math.nan],
+              [0.0, math.inf, math.inf, 0, math.inf]):
         assert not bool(speculation.split_upstream(torch.tensor(g), keep)[0]), g
     u, c, _ = speculation.split_upstream(torch.tensor([1.0, 2.0]), torch.tensor([False, False]))
     assert bool(u) and c == 0.0
