@@ -324,14 +324,13 @@ def test_per_token_gradients_stay_on_the_lean_route(case):
 
 
 def test_not_eligible_calls_stay_lean():
-    """The entropy's gradient (not formed in forward), ``memory_budget="lean"``, and the torch backend."""
+    """``memory_budget="lean"``, and the torch backend."""
     p = problem(torch.float32)
     g = uniform(p, 1.0)
-    ent = Site(p, "logprob", return_entropy=True)
     lean = Site(p, "ce", memory_budget="lean")
     lean_lp = Site(p, "logprob", memory_budget="lean")
     for _ in range(2):
-        assert ent(g)[0] == "lean" and lean(g)[0] == "lean" and lean_lp(g)[0] == "lean"
+        assert lean(g)[0] == "lean" and lean_lp(g)[0] == "lean"
     with pytest.raises(ValueError, match="memory_budget: expected one of"):
         vpce.linear_log_probs(p.hidden, p.weight, p.target, memory_budget="small")
     torch_site = Site(make_problem(40, 16, 30, dtype=torch.float64, reduction="none"), "ce")
@@ -340,6 +339,39 @@ def test_not_eligible_calls_stay_lean():
         out = vpce.linear_cross_entropy(h, w, torch_site.p.target.to(DEV), backend="torch", reduction="none")
         assert speculation.route_of(out) == "lean"
         out.backward(torch.ones_like(out))
+
+
+@pytest.mark.parametrize("frozen", [False, True], ids=["trained", "frozen"])
+def test_entropy_logged_speculates_and_an_entropy_gradient_recomputes(frozen):
+    """``return_entropy=True`` with the entropy only logged (TRL's SFT) speculates; a backward that brings an
+    entropy gradient gets exact gradients from the recompute, and the call site goes lean."""
+    p = problem(torch.float32)
+    site = Site(p, "logprob", frozen=frozen, return_entropy=True)
+    site.b.requires_grad_(not frozen)
+    g = uniform(p, 0.5)
+    routes = []
+    for _ in range(2):
+        route, got = site(g)  # backward through log_probs only: the entropy gets no gradient
+        routes.append(route)
+        site.check(got, g, "entropy logged")
+    assert routes == (["speculative"] * 2 if frozen else ["lean", "speculative"])
+    g_ent = per_token(p, seed=5)
+    ref_logp, ref_ent, ref = reference_log_probs(p.hidden, p.weight, p.target, p.bias, g_logp=g, g_ent=g_ent,
+                                                 vocab_size=p.vocab_size)
+    keep = p.target != -100
+    for want_route in (("speculative", "lean") if not frozen else ("speculative", "speculative")):
+        h = leaf(p.hidden.to(DEV))
+        site.w.grad = site.b.grad = None
+        logp, ent = vpce.linear_log_probs(h, site.w, p.target.to(DEV), site.b, backend="triton",
+                                          vocab_size=p.vocab_size, return_entropy=True)
+        assert speculation.route_of(logp) == want_route
+        assert rel_err(ent.detach().cpu()[keep], ref_ent[keep]) <= 1e-5
+        torch.autograd.backward([logp, ent], [g.to(DEV, torch.float32), g_ent.to(DEV, torch.float32)])
+        assert rel_err(h.grad.cpu(), ref.dhidden) <= 2e-5
+        if not frozen:
+            assert rel_err(site.w.grad.cpu(), ref.dweight) <= 2e-5
+            assert rel_err(site.b.grad.cpu(), ref.dbias) <= 2e-5
+    assert rel_err(logp.detach().cpu(), ref_logp) <= 1e-5
 
 
 # -- a frozen lm_head: nothing to speculate on, dX exact for any upstream gradient ----------------------------------

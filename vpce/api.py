@@ -425,12 +425,13 @@ def linear_log_probs(hidden, weight, target, bias=None, *, temperature=1.0, soft
             the speculative route may hold the fast route's buffers (``"lean"``: never; ``"auto"``: where they fit
             in free device memory; a number: the size of its logits chunk).
 
-    Speculative route (Triton backend, one process, no ``return_entropy``): the first call of a call site (this
-    weight, these options) recomputes the logits in backward (the lean route); a later call forms the gradients in
-    forward, as ``reduction="mean"`` does, when the previous backward's upstream gradient on ``log_probs`` was the
-    same on every non-ignored token (``.sum()``, ``.mean()``, SFT's masked mean). Backward is exact for any upstream
-    gradient on either route, with no host sync (docs/api.md, "Caller-reduced outputs"). A frozen weight (only dX
-    needed) takes the speculative route from the first call.
+    Speculative route (Triton backend, one process): the first call of a call site (this weight, these options)
+    recomputes the logits in backward (the lean route); a later call forms the gradients in forward, as
+    ``reduction="mean"`` does, when the previous backward's upstream gradient on ``log_probs`` was the same on every
+    non-ignored token (``.sum()``, ``.mean()``, SFT's masked mean) and the entropy, if returned, got none (logged
+    only, as trainers do). Backward is exact for any upstream gradients on either route, with no host sync
+    (docs/api.md, "Caller-reduced outputs"). A frozen weight (only dX needed) takes the speculative route from the
+    first call.
 
     Returns:
         ``log_probs`` alone, or, when anything else is asked, the tuple of the fields asked for in the order
@@ -462,7 +463,7 @@ def linear_log_probs(hidden, weight, target, bias=None, *, temperature=1.0, soft
 
     def plan(needs, dtype, backend_name, sharded, sp):
         speculate = False
-        if not return_entropy and box["budget"] != "lean":  # (the entropy's upstream gradient is not formed in forward)
+        if box["budget"] != "lean":
             speculate, box["history"] = speculation.decide("logprob", box["weight"], tuple(fields()), backend_name,
                                                            sharded, needs)
         return plan_log_probs(needs, backend_name, sharded, sp, speculate)

@@ -36,10 +36,14 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def report_uniform(call: Call, g: torch.Tensor | None, keep: torch.Tensor):
+def report_uniform(call: Call, g: torch.Tensor | None, keep: torch.Tensor, g_other: torch.Tensor | None = None):
     """Tell an eligible call's history (``vpce.speculation``) whether its per-token upstream gradient ``g`` (None:
-    not used, zeros) was uniform over the non-ignored tokens ``keep``."""
+    not used, zeros) was uniform over the non-ignored tokens ``keep``; never where a second output (the entropy)
+    got a gradient ``g_other``, which the speculative route does not form in forward."""
     if call.history is None:
+        return
+    if g_other is not None:
+        call.history.report(torch.zeros((), dtype=torch.bool, device=keep.device))
         return
     if g is None or g.numel() == 0:
         call.history.report(torch.ones((), dtype=torch.bool, device=keep.device))
@@ -170,8 +174,8 @@ class LinearLogProbsFunction(torch.autograd.Function):
         lp, call = ctx.lp, ctx.call
         tg = TokenTargets(target, call.shard, lp.ignore_index)
         g = None if g_logp is None else g_logp.detach().to(m.dtype).reshape(-1)
-        if ctx.fast is not None:  # the speculative route (no entropy output)
-            grads, ctx.fast = ctx.fast, None
+        grads, ctx.fast = ctx.fast, None
+        if grads is not None and g_ent is None:  # the speculative route, its guess that the entropy is only logged
             dx, dw, db, uniform = backend_module(call.plan.backend).speculative_grads(
                 grads, hidden, weight, bias, tg, RowStats(m, log_s, q), torch.zeros_like(m) if g is None else g,
                 lambda r: logprob_coefficients(tg, r, None, None, lp.inv_t, like=m), call, lp.softcap, lp.inv_t,
@@ -179,7 +183,9 @@ class LinearLogProbsFunction(torch.autograd.Function):
             if call.history is not None:
                 call.history.report(uniform)
             return dx, dw, db, None, None, None
-        report_uniform(call, g, tg.keep)
+        # the lean route, a second backward, or an entropy with a gradient (known on the host: the speculative
+        # route's held gradients are dropped, and the call site learns it)
+        report_uniform(call, g, tg.keep, g_ent)
         coef = logprob_coefficients(tg, g_logp, g_ent, centred, lp.inv_t, like=m)
         grads = backend_module(call.plan.backend).recompute_grads(hidden, weight, bias, tg, RowStats(m, log_s, q),
                                                                   coef, call, lp.softcap, lp.inv_t)

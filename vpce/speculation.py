@@ -38,8 +38,10 @@ entry point, the same weight storage (``data_ptr``, shape, dtype, device) and th
 stands. A call site's first call takes the lean route, so a caller whose gradients are never uniform (GRPO-style
 advantages, DPO's signed sums) pays for at most one misprediction after each change. Not eligible (always the
 lean route): a process group (a rank-local guess must never change the collective schedule), the torch backend,
-``torch.compile``, ``memory_budget="lean"``, and ``linear_log_probs`` with ``return_entropy=True`` (its second
-upstream gradient is not formed in forward). With ``memory_budget="auto"`` the speculative route is taken only
+``torch.compile`` and ``memory_budget="lean"``. ``linear_log_probs(return_entropy=True)`` speculates as well that
+the entropy is only logged: its upstream gradient is not formed in forward, so a backward that brings one (known
+on the host: autograd passes None for an unused output) drops the held gradients, recomputes as the lean route
+does, and reports "not uniform". With ``memory_budget="auto"`` the speculative route is taken only
 where the fast route's buffers fit (``vpce.routing.settle_by_memory``). Under CUDA-graph capture the decision
 is not polled, and the route at capture time is replayed: exact either way.
 

@@ -154,7 +154,8 @@ def _primed(env: Env, fn: LossFn) -> LossFn:
 def _vpce_log_probs(env: Env, *, entropy: bool, top1: bool = False, primed: bool = False,
                     advantages: bool = False) -> LossFn:
     """Mean negative log-probability (= the plain loss, so its errors are checked), plus 0.01 x mean entropy; with
-    ``top1`` also TRL's ``is_top1`` (SFT's fields), detached. ``primed``: see ``_primed``. ``advantages``: GRPO's
+    ``top1`` TRL's SFT fields instead: the entropy and ``is_top1`` asked for and only logged (the loss is the plain
+    one). ``primed``: see ``_primed``. ``advantages``: GRPO's
     shape of loss instead, ``-mean(A_i log p_i)`` with a fixed random advantage per token (never uniform: the lean
     route, whatever the history)."""
     from .. import linear_log_probs
@@ -164,7 +165,7 @@ def _vpce_log_probs(env: Env, *, entropy: bool, top1: bool = False, primed: bool
     def fn(x, w, y):
         out = linear_log_probs(x, w, y, backend=backend, return_entropy=entropy, return_top1=top1,
                                **env.vpce_layout())
-        if entropy:
+        if entropy and not top1:
             return -out[0].mean() + 0.01 * out[1].mean()
         logp = out[0] if top1 else out
         if advantages:
@@ -313,8 +314,9 @@ _ROWS = [
            package="vpce", build=functools.partial(_vpce_log_probs, entropy=False, advantages=True), plain=False),
     Method(name="vpce-logprobs-entropy", label="vpce {backend} linear_log_probs + entropy", package="vpce",
            build=functools.partial(_vpce_log_probs, entropy=True), plain=False),
-    Method(name="vpce-logprobs-top1", label="vpce {backend} linear_log_probs + entropy + is_top1 (TRL SFT)",
-           package="vpce", build=functools.partial(_vpce_log_probs, entropy=True, top1=True), plain=False),
+    Method(name="vpce-logprobs-top1",
+           label="vpce {backend} linear_log_probs, entropy and is_top1 logged (TRL SFT), after a uniform call",
+           package="vpce", build=functools.partial(_vpce_log_probs, entropy=True, top1=True, primed=True)),
     Method(name="vpce-metrics", label="vpce {backend} + accuracy, entropy, z-loss metrics", package="vpce",
            build=_vpce_metrics, tp=True),
     *_distill_rows(),
