@@ -136,9 +136,24 @@ def test_loss_option_rows_run_on_cpu(tmp_path):
         r = rows[name]
         assert r["status"] == "ok" and r["label"].startswith("vpce torch "), r
         assert _finite(r["ms"]) and _finite(r["loss"]) and _finite(r["extra_gib"]), r
-    for name in ("vpce-logprobs", "vpce-metrics"):  # the plain loss (metrics aside): checked against float64
+    for name in ("vpce-logprobs", "vpce-logprobs-top1", "vpce-metrics"):  # the plain loss: checked against float64
         plain = rows[name]
         assert plain["loss_err"] < 1e-5 and plain["dx_err"] < 2e-2 and plain["dw_err"] < 2e-2, plain
+
+
+def test_trl_rows_run_on_cpu(tmp_path):
+    """TRL's fused LM head (its torch path on a CPU): the plain mean loss, checked against float64, and frozen."""
+    pytest.importorskip("trl.kernels.chunked_logprob")
+    names = ["trl", "trl-sft", "trl-sft-frozen"]
+    proc = _bench("--device", "cpu", "--quick", "--shapes", "tiny", "--methods", ",".join(["floor", *names]),
+                  "--out", str(tmp_path), "--reps", "1", "--rep-time", "0")
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    rows = {r["method"]: r for r in json.loads((tmp_path / "bench.json").read_text())["rows"]}
+    for name in names:
+        r = rows[name]
+        assert r["status"] == "ok" and r["label"].startswith("TRL fused LM head"), r
+        assert r["loss_err"] < 1e-4 and r["dx_err"] < 2e-2, r  # (TRL's own rounding: 1.8e-5 here)
+        assert name.endswith("frozen") or r["dw_err"] < 2e-2, r
 
 
 def test_sweep_plot_keeps_the_points_where_the_floor_ran():

@@ -265,7 +265,8 @@ def frozen(method: Method) -> Method:
 
 
 #: The rows that also have a frozen-lm_head variant (``<name>-frozen``).
-FROZEN = ("torch", "compile", "quack", "quack-base", "vpce-triton", "vpce-torch", "vpce-logprobs")
+FROZEN = ("torch", "compile", "quack", "quack-base", "trl-sft", "vpce-triton", "vpce-torch", "vpce-logprobs",
+          "vpce-logprobs-top1")
 
 _ROWS = [
     Method(name="torch", label="torch eager", build=peers.torch_eager, package="torch", no_grad=True),
@@ -282,6 +283,10 @@ _ROWS = [
            build=functools.partial(peers.quack, scaled_exp=True), package="quack-kernels", needs_cuda=True),
     Method(name="quack-base", label="quack chunked LCE use_scaled_exp=False",
            build=functools.partial(peers.quack, scaled_exp=False), package="quack-kernels", needs_cuda=True),
+    Method(name="trl", label="TRL fused LM head (log_probs)", build=functools.partial(peers.trl, sft=False),
+           package="trl"),
+    Method(name="trl-sft", label="TRL fused LM head, entropy and is_top1 (SFT)",
+           build=functools.partial(peers.trl, sft=True), package="trl"),
     Method(name="megatron", label="megatron vocab_parallel_ce", build=functools.partial(peers.megatron, fused=False),
            package="megatron-core", tp=True, even_shards=True),
     Method(name="megatron-fused", label="megatron fused_vp_ce", build=functools.partial(peers.megatron, fused=True),

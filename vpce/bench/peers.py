@@ -16,6 +16,14 @@ installed raises ``Unavailable`` (a ``missing: ...`` row). The peers are called 
   path). The scaled-exp path raises ``ValueError`` ("m == n makes row/col inference ambiguous") when
   ``chunk_size`` equals ``D``, so on the Llama-3-8B head (D=4096) that row is ``failed``.
   ``launch/quack_wheels.sh`` gets it onto a GPU machine without network.
+* TRL 1.16's fused LM head (``trl``): ``trl.kernels.ChunkedLogProbFunction.apply(x[keep], w, None, y[keep], 1.0,
+  32768, None, 1.0, outputs)``, as ``trl.trainer.utils.add_fused_lm_head`` calls it on CUDA (the non-ignored tokens
+  gathered first, TRL's 32768-column tiles), the loss ``-log_probs.mean()``. ``outputs=()`` for the log-probs
+  alone, or ``("entropy", "is_top1")``, the fields SFT logs (detached; the row is TRL SFT's call). Its backward
+  imports ``trl.trainer.utils`` for ``maybe_gather_lm_head_ctx``, which needs pandas, accelerate and datasets; where
+  those are not installed (the GPU machine gets only the wheels ``vpce/bench/wheels.sh`` lists), the row registers
+  a ``trl.trainer.utils`` holding that one function as TRL defines it without DeepSpeed ZeRO-3, a null context,
+  and says so in its note.
 * megatron-core: ``vocab_parallel_cross_entropy`` / ``fused_vocab_parallel_cross_entropy`` on bf16 logits from
   ``F.linear``, ``.mean()`` of the per-token losses; they need Megatron's ``parallel_state``, initialized here on
   a process group of this one process (or, under torchrun, on the launched group).
@@ -81,8 +89,8 @@ from .launch_env import free_port, set_collective_env
 from .meta import package_version
 
 __all__ = ["Unavailable", "LossFn", "DistillFn", "torch_eager", "torch_compile", "torch_lce", "TORCH_LCE", "liger",
-           "cce", "quack", "megatron", "liger_tp", "chunked_tp", "loss_parallel", "megatron_tp_group", "shutdown_megatron", "hidden_entry",
-           "chunked_vocab_parallel_nll", "torch_distill", "liger_jsd", "divergence_per_token"]
+           "cce", "quack", "trl", "megatron", "liger_tp", "chunked_tp", "loss_parallel", "megatron_tp_group",
+           "shutdown_megatron", "hidden_entry", "chunked_vocab_parallel_nll", "torch_distill", "liger_jsd", "divergence_per_token"]
 
 LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 DistillFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -171,6 +179,26 @@ def quack(env: Env, *, scaled_exp: bool) -> LossFn:
     if scaled_exp:
         return lambda x, w, y: lce(x, w, y, chunk_size=4096)
     return lambda x, w, y: lce(x, w, y, chunk_size=4096, use_scaled_exp=False)
+
+
+def trl(env: Env, *, sft: bool) -> LossFn:
+    kernel = _import("trl.kernels.chunked_logprob", "trl").ChunkedLogProbFunction
+    note = ""
+    try:
+        importlib.import_module("trl.trainer.utils")
+    except ImportError as e:  # TRL's own definition without DeepSpeed ZeRO-3 (see the module docstring)
+        import contextlib
+        import types
+        shim = types.ModuleType("trl.trainer.utils")
+        shim.maybe_gather_lm_head_ctx = lambda *params: contextlib.nullcontext()
+        sys.modules["trl.trainer.utils"] = shim
+        note = f"trl.trainer.utils not importable ({e}): its maybe_gather_lm_head_ctx taken as a null context"
+    outputs = ("entropy", "is_top1") if sft else ()
+
+    def loss(x, w, y):
+        keep = y != -100
+        return -kernel.apply(x[keep], w, None, y[keep], 1.0, 32768, None, 1.0, outputs)[0].mean()
+    return _with_note(loss, note)
 
 
 # -- megatron-core ------------------------------------------------------------------------------------------------

@@ -14,6 +14,11 @@
 #   cut-cross-entropy 25.1.1 torch, triton (Linux)
 #   megatron-core 0.16.1     torch>=2.6.0, numpy, packaging>=24.2
 # all already in the GPU image (torch 2.11, triton 3.6, numpy, packaging), so --no-deps needs nothing else.
+#   trl 1.16.0 (the trl and trl-sft rows: trl.kernels.chunked_logprob, which imports transformers.utils) and what
+#   importing that takes, found by importing it with nothing else on the path: transformers 5.23.0,
+#   huggingface-hub 2.4.0, regex, tqdm, pyyaml, safetensors (checked at transformers' import), httpx2, httpcore2,
+#   h11, idna, truststore (imported by huggingface-hub). Not pandas, accelerate or datasets: the row's backward
+#   imports trl.trainer.utils, and without them vpce.bench.peers.trl stands in for its one function used there.
 # megatron-core warns at import that Transformer Engine and Apex are missing; neither is used by the rows.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -22,5 +27,7 @@ platforms=(manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x86_64 man
            manylinux2014_x86_64 manylinux1_x86_64)
 python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     "${platforms[@]/#/--platform=}" -d "$dest" \
-    liger-kernel==0.8.5 cut-cross-entropy==25.1.1 megatron-core==0.16.1
+    liger-kernel==0.8.5 cut-cross-entropy==25.1.1 megatron-core==0.16.1 \
+    trl==1.16.0 transformers==5.23.0 huggingface-hub==2.4.0 regex==2026.11.15 tqdm==4.70.1 pyyaml==6.0.3 \
+    safetensors==0.8.0 httpx2==2.16.2 httpcore2==2.16.2 h11==0.16.0 idna==3.20 truststore==0.10.5
 ls -l "$dest"
