@@ -127,16 +127,16 @@ def test_cpu_refuses_gpu_sized_defaults(tmp_path, extra):
 def test_loss_option_rows_run_on_cpu(tmp_path):
     """The loss-option and log-prob rows use the backend that fits the device: torch on a CPU."""
     names = ["vpce-smooth", "vpce-zloss", "vpce-softcap", "vpce-weights", "vpce-all", "vpce-dft", "vpce-logprobs",
-             "vpce-logprobs-entropy", "vpce-logprobs-top1", "vpce-metrics"]
+             "vpce-logprobs-entropy", "vpce-logprobs-top1", "vpce-metrics", "vpce-trl-sft"]
     proc = _bench("--device", "cpu", "--quick", "--shapes", "tiny", "--methods", ",".join(["floor", *names]),
                   "--out", str(tmp_path), "--reps", "1", "--rep-time", "0")
     assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     rows = {r["method"]: r for r in json.loads((tmp_path / "bench.json").read_text())["rows"]}
     for name in names:
         r = rows[name]
-        assert r["status"] == "ok" and r["label"].startswith("vpce torch "), r
+        assert r["status"] == "ok" and r["label"].startswith(("vpce torch ", "vpce.integrations.trl")), r
         assert _finite(r["ms"]) and _finite(r["loss"]) and _finite(r["extra_gib"]), r
-    for name in ("vpce-logprobs", "vpce-logprobs-top1", "vpce-metrics"):  # the plain loss: checked against float64
+    for name in ("vpce-logprobs", "vpce-logprobs-top1", "vpce-metrics", "vpce-trl-sft"):  # plain loss: checked
         plain = rows[name]
         assert plain["loss_err"] < 1e-5 and plain["dx_err"] < 2e-2 and plain["dw_err"] < 2e-2, plain
 

@@ -190,6 +190,18 @@ def _vpce_none_mean(env: Env) -> LossFn:
     return _primed(env, fn)
 
 
+def _vpce_trl(env: Env) -> LossFn:
+    """``vpce.integrations.trl``'s head called as TRL's trainers call theirs (the ``trl-sft`` row: the non-ignored
+    tokens gathered, entropy and ``is_top1`` logged), primed (``_primed``)."""
+    from ..integrations.trl import VpceLogProbHead
+    head = VpceLogProbHead(backend=device_backend(env))
+
+    def fn(x, w, y):
+        keep = y != -100
+        return -head.apply(x[keep], w, None, y[keep], 1.0, 32768, None, 1.0, ("entropy", "is_top1"))[0].mean()
+    return _primed(env, fn)
+
+
 def _vpce_metrics(env: Env) -> LossFn:
     """The mean loss with every metric asked for (accuracy, entropy, z-loss term): the loss is the plain one, so its
     errors are checked; the metrics are computed in the same pass and dropped."""
@@ -266,7 +278,7 @@ def frozen(method: Method) -> Method:
 
 #: The rows that also have a frozen-lm_head variant (``<name>-frozen``).
 FROZEN = ("torch", "compile", "quack", "quack-base", "trl-sft", "vpce-triton", "vpce-torch", "vpce-logprobs",
-          "vpce-logprobs-top1")
+          "vpce-logprobs-top1", "vpce-trl-sft")
 
 _ROWS = [
     Method(name="torch", label="torch eager", build=peers.torch_eager, package="torch", no_grad=True),
@@ -322,6 +334,8 @@ _ROWS = [
     Method(name="vpce-logprobs-top1",
            label="vpce {backend} linear_log_probs, entropy and is_top1 logged (TRL SFT), after a uniform call",
            package="vpce", build=functools.partial(_vpce_log_probs, entropy=True, top1=True, primed=True)),
+    Method(name="vpce-trl-sft", label="vpce.integrations.trl head, entropy and is_top1 (TRL SFT), after a uniform call",
+           package="vpce", build=_vpce_trl),
     Method(name="vpce-metrics", label="vpce {backend} + accuracy, entropy, z-loss metrics", package="vpce",
            build=_vpce_metrics, tp=True),
     *_distill_rows(),
