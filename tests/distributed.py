@@ -1,10 +1,20 @@
-"""Spawn ``world`` real processes joined by a process group (gloo on CPU, NCCL on GPUs); a hang fails the test
-instead of CI."""
+"""Start ``world`` real processes joined by a process group (gloo on CPU, NCCL on GPUs); a hang fails the test
+instead of CI.
+
+The ranks are fresh processes forked by multiprocessing's forkserver, not ``spawn``ed interpreters: a spawned rank
+imports torch (and, for some tests, megatron-core: 8-13 s of CPU each) from scratch, which cost 3-15 s per group
+on a 2-core CI machine, most of the multi-process tests' time. The forkserver is a clean process started once per
+test session; it imports only the heavy packages that the test process itself has already imported (torch, numpy,
+triton, vpce, megatron-core: ``_preload``), and never runs test code, so each rank still starts with no state from
+any earlier test or rank (each gets its own port, process group and module state). Its environment is the test
+process's at its start: the ranks get MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE from ``_entry``.
+"""
 
 from __future__ import annotations
 
 import os
 import queue
+import sys
 import traceback
 from datetime import timedelta
 
@@ -31,14 +41,26 @@ def _entry(fn, rank, world, port, out, args, backend):
             dist.destroy_process_group()
 
 
+# Heavy imports the forkserver makes once, each only where the test process has imported it itself (so a rank
+# sees no module the test process lacks); an ImportError there is ignored by multiprocessing.
+_PRELOAD = ("numpy", "torch", "torch.distributed", "torch.distributed.tensor", "triton", "vpce", "vpce.kernels",
+            "vpce.reference", "megatron.core", "megatron.core.tensor_parallel", "megatron.core.parallel_state")
+
+
+def _context():
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([m for m in _PRELOAD if m in sys.modules])  # no effect once the server runs
+    return ctx
+
+
 def run_ranks(fn, world: int, *args, timeout: float = 240.0, backend: str = "gloo") -> list:
     """Run ``fn(rank, world, *args)`` on ``world`` ranks (gloo, or NCCL with one GPU per rank); return each
     rank's result, rank order.
 
-    ``fn`` must be a module-level function. Any rank's exception fails with that rank's traceback; ranks
+    ``fn`` must be a module-level function (pickled by name). Any rank's exception fails with that rank's traceback; ranks
     still running after ``timeout`` seconds are killed and the call fails.
     """
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     out = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_entry, args=(fn, r, world, port, out, args, backend), daemon=True)
