@@ -1,10 +1,20 @@
-"""Spawn ``world`` real processes joined by a process group (gloo on CPU, NCCL on GPUs); a hang fails the test
-instead of CI."""
+"""Start ``world`` real processes joined by a process group (gloo on CPU, NCCL on GPUs); a hang fails the test
+instead of CI.
+
+The ranks are fresh processes forked by multiprocessing's forkserver, not ``spawn``ed interpreters: a spawned rank
+imports torch (and, for some tests, megatron-core: 8-13 s of CPU each) from scratch, which cost 3-15 s per group
+on a 2-core CI machine, most of the multi-process tests' time. The forkserver is a clean process started once per
+test session; it imports only the heavy packages that the test process itself has already imported (torch, numpy,
+triton, vpce, megatron-core: ``_preload``), and never runs test code, so each rank still starts with no state from
+any earlier test or rank (each gets its own port, process group and module state). Its environment is the test
+process's at its start: the ranks get MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE from ``_entry``.
+"""
 
 from __future__ import annotations
 
 import os
 import queue
+import sys
 import traceback
 from datetime import timedelta
 
@@ -15,7 +25,13 @@ import torch.multiprocessing as mp
 from vpce.bench.launch_env import free_port, set_collective_env
 
 
-def _entry(fn, rank, world, port, out, args, backend):
+def _entry(fn, rank, world, port, out, args, backend, preloaded):
+    for name, where in preloaded.items():  # the forkserver's imports must be the test process's own modules
+        got = getattr(sys.modules.get(name), "__file__", where)
+        if got != where:
+            out.put((rank, False, f"the forkserver imported {name} from {got}, the test process from {where}: run "
+                                  f"pytest from the repository root"))
+            return
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     set_collective_env()  # never NVLink multicast (it can take a shared host's GPUs down)
     torch.set_num_threads(1)
@@ -31,17 +47,32 @@ def _entry(fn, rank, world, port, out, args, backend):
             dist.destroy_process_group()
 
 
+# Heavy imports the forkserver makes once, each only where the test process has imported it itself (so a rank
+# sees no module the test process lacks); an ImportError there is ignored by multiprocessing.
+_PRELOAD = ("numpy", "torch", "torch.distributed", "torch.distributed.tensor", "triton", "vpce", "vpce.kernels",
+            "vpce.reference", "megatron.core", "megatron.core.tensor_parallel", "megatron.core.parallel_state")
+
+
+def _context() -> tuple:
+    """The forkserver context, and where each module it preloads lives in this process (``_entry`` checks that the
+    rank's copy is the same file: the forkserver resolves imports from the working directory and site-packages)."""
+    ctx = mp.get_context("forkserver")
+    preload = [m for m in _PRELOAD if m in sys.modules]
+    ctx.set_forkserver_preload(preload)  # no effect once the server runs
+    return ctx, {m: getattr(sys.modules[m], "__file__", None) for m in preload}
+
+
 def run_ranks(fn, world: int, *args, timeout: float = 240.0, backend: str = "gloo") -> list:
     """Run ``fn(rank, world, *args)`` on ``world`` ranks (gloo, or NCCL with one GPU per rank); return each
     rank's result, rank order.
 
-    ``fn`` must be a module-level function. Any rank's exception fails with that rank's traceback; ranks
-    still running after ``timeout`` seconds are killed and the call fails.
+    ``fn`` must be a module-level function (pickled by name). Any rank's exception fails with that rank's
+    traceback; ranks still running after ``timeout`` seconds are killed and the call fails.
     """
-    ctx = mp.get_context("spawn")
+    ctx, preloaded = _context()
     out = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, out, args, backend), daemon=True)
+    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, out, args, backend, preloaded), daemon=True)
              for r in range(world)]
     for p in procs:
         p.start()

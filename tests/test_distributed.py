@@ -135,12 +135,22 @@ def test_low_precision_sharded_equals_single_process(dtype, loss_tol, grad_tol):
 def _triton_chunked_main(rank, world):
     """The Triton route under a group with several token chunks, each run as two sub-chunks whose statistics
     exchanges overlap (fast route: dX summed in forward, chunk by chunk; SP: each chunk's rows reduced to the
-    ranks that own them, pieces crossing slice boundaries). fp32 through the interpreter, against float64."""
+    ranks that own them, pieces crossing slice boundaries). fp32 through the interpreter, against float64.
+
+    Chunk and sub-chunk boundaries are put on multiples of 32 rows in this process (``ROW_ALIGN``: 128 by default, a
+    GPU kernel's row block; 32 is the interpreter's largest), so a chunk of 4 x 32 = 128 tokens or more is split in
+    two and a quarter of the tokens gives the same layout: at world 2, chunks [192 = 96 + 96, 24], the slice
+    boundary at 108 inside the first chunk's second half; at world 3, chunks [192 = 96 + 96, 132 = 64 + 68], the
+    boundaries at 108 and 216 inside the first chunk's second half and the second chunk's first half; ragged row
+    blocks in the last chunk or half; the default budget's one chunk split at 96 / 160."""
+    from vpce import triton_backend
+
+    triton_backend.ROW_ALIGN = 32  # this rank's own process: nothing else sees it
     sizes = [40, 9, 33][:world]
-    n = 430 * world  # with sequence parallelism each rank owns 430 rows; chunks of 768 cross those boundaries
+    n = 108 * world  # with sequence parallelism each rank owns 108 rows; chunks of 192 cross those boundaries
     vsize = sum(sizes) - 4  # the last rows are padding
     cols = -(-vsize // world)
-    budget = 768 * cols * 4 / 2**30  # fp32 P of 768 tokens: chunks [768, ..., rest], each split in two halves
+    budget = 192 * cols * 4 / 2**30  # fp32 P of 192 tokens: chunks [192, ..., rest], those of 128+ split in two
     out = []
     for name, red, sp, opts, mem, bias in [
         ("replicated-mean-smooth", "mean", False, {"label_smoothing": 0.1}, budget, True),
@@ -151,7 +161,7 @@ def _triton_chunked_main(rank, world):
     ]:
         p = make_problem(n, 19, sum(sizes), dtype=torch.float32, vocab_size=vsize, bias=bias, ignore_frac=0.2,
                          reduction=red, seed=zlib.crc32(name.encode()) % 1000)
-        rows = slice(rank * 430, (rank + 1) * 430)
+        rows = slice(rank * 108, (rank + 1) * 108)
         h = leaf(p.hidden[rows] if sp else p.hidden)
         w, b = leaf(_shard(p.weight, sizes, rank)), leaf(_shard(p.bias, sizes, rank))
         loss = vpce.linear_cross_entropy(h, w, p.target, b, group=dist.group.WORLD, sequence_parallel=sp,
