@@ -1,7 +1,8 @@
 """The speculative route (``vpce.speculation``): ``reduction="none"`` and ``linear_log_probs`` at the fast route's
 cost when the caller reduces the per-token outputs uniformly, exact for any upstream gradient.
 
-Each test keeps one call site (the same weight tensor across calls, whose history decides the route) and checks every
+Each test keeps one call site (the same weight shape and options across calls, whose history decides the route; the
+fixture forgets every history between tests) and checks every
 call against the float64 oracle, with ``tests/test_triton_backend.py``'s tolerances: fp32 2e-5 (loss 1e-5); fp16 no
 worse than torch eager's error in the same dtype (times 1.25, plus 1e-6). The route comes from
 ``speculation.route_of``. The chunks are the smallest (128 tokens), so that 260 tokens make three chunks in forward
@@ -372,6 +373,23 @@ def test_entropy_logged_speculates_and_an_entropy_gradient_recomputes(frozen):
             assert rel_err(site.w.grad.cpu(), ref.dweight) <= 2e-5
             assert rel_err(site.b.grad.cpu(), ref.dbias) <= 2e-5
     assert rel_err(logp.detach().cpu(), ref_logp) <= 1e-5
+
+
+def test_a_weight_gathered_anew_at_every_step_still_speculates():
+    """FSDP2 and TRL hand over a freshly gathered weight at every step: another storage, the same call site."""
+    p = problem(torch.float32)
+    g = uniform(p, 0.5)
+    _, _, ref = reference_log_probs(p.hidden, p.weight, p.target, g_logp=g, vocab_size=p.vocab_size)
+    routes, weights = [], []
+    for _ in range(3):
+        weights.append(leaf(p.weight.to(DEV)))  # all kept alive: three different storages
+        h = leaf(p.hidden.to(DEV))
+        out = vpce.linear_log_probs(h, weights[-1], p.target.to(DEV), backend="triton", vocab_size=p.vocab_size)
+        routes.append(speculation.route_of(out))
+        out.backward(g.to(DEV, torch.float32))
+        assert rel_err(h.grad.cpu(), ref.dhidden) <= 2e-5 and rel_err(weights[-1].grad.cpu(), ref.dweight) <= 2e-5
+    assert len({w.data_ptr() for w in weights}) == 3
+    assert routes == ["lean", "speculative", "speculative"]
 
 
 # -- a frozen lm_head: nothing to speculate on, dX exact for any upstream gradient ----------------------------------

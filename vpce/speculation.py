@@ -32,7 +32,10 @@ That happens with mixed-sign per-sequence advantages, or with a caller's mask th
 misprediction costs 10NDV instead of 8NDV. It happens once per change of pattern (below).
 
 Whether to speculate is decided per call in forward, from the previous backward at the same call site: the same
-entry point, the same weight storage (``data_ptr``, shape, dtype, device) and the same options. Backward copies its
+entry point, a weight of the same shape, dtype and device, and the same options. Not the weight's storage: a weight
+gathered anew at every step (FSDP2's unsharded parameter, TRL's ``full_tensor()`` of a DTensor head) may land at
+another address each time, and would never speculate; two heads alike in all of that but reduced differently
+share one history, which costs speed (a misprediction per change), never exactness. Backward copies its
 "uniform" flag into pinned host memory (``non_blocking``) and records a CUDA event. The next forward polls the event
 (``event.query()``, no sync) and reads the flag once it is complete; while it is pending, the previous decision
 stands. A call site's first call takes the lean route, so a caller whose gradients are never uniform (GRPO-style
@@ -128,7 +131,7 @@ def decide(entry: str, weight: torch.Tensor, options, backend: str, sharded: boo
         return False, None
     if not (needs[1] or needs[2]):
         return True, None  # only dX: exact for any upstream gradient
-    key = (entry, weight.data_ptr(), tuple(weight.shape), weight.dtype, weight.device, options)
+    key = (entry, tuple(weight.shape), weight.dtype, weight.device, options)
     rec = _record(key)
     return rec.predict(), rec
 
