@@ -124,14 +124,19 @@ def test_cpu_refuses_gpu_sized_defaults(tmp_path, extra):
     assert not list(tmp_path.iterdir()), "a refused run wrote files"
 
 
+def _tiny_cpu_rows(tmp_path, names) -> dict:
+    """The rows ``names`` (and the floor) on the tiny shape on a CPU, one rep: ``{method: row}`` of bench.json."""
+    proc = _bench("--device", "cpu", "--quick", "--shapes", "tiny", "--methods", ",".join(["floor", *names]),
+                  "--out", str(tmp_path), "--reps", "1", "--rep-time", "0")
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    return {r["method"]: r for r in json.loads((tmp_path / "bench.json").read_text())["rows"]}
+
+
 def test_loss_option_rows_run_on_cpu(tmp_path):
     """The loss-option and log-prob rows use the backend that fits the device: torch on a CPU."""
     names = ["vpce-smooth", "vpce-zloss", "vpce-softcap", "vpce-weights", "vpce-all", "vpce-dft", "vpce-logprobs",
              "vpce-logprobs-entropy", "vpce-logprobs-top1", "vpce-metrics", "vpce-trl-sft"]
-    proc = _bench("--device", "cpu", "--quick", "--shapes", "tiny", "--methods", ",".join(["floor", *names]),
-                  "--out", str(tmp_path), "--reps", "1", "--rep-time", "0")
-    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
-    rows = {r["method"]: r for r in json.loads((tmp_path / "bench.json").read_text())["rows"]}
+    rows = _tiny_cpu_rows(tmp_path, names)
     for name in names:
         r = rows[name]
         assert r["status"] == "ok" and r["label"].startswith(("vpce torch ", "vpce.integrations.trl")), r
@@ -145,10 +150,7 @@ def test_trl_rows_run_on_cpu(tmp_path):
     """TRL's fused LM head (its torch path on a CPU): the plain mean loss, checked against float64, and frozen."""
     pytest.importorskip("trl.kernels.chunked_logprob")
     names = ["trl", "trl-sft", "trl-sft-frozen"]
-    proc = _bench("--device", "cpu", "--quick", "--shapes", "tiny", "--methods", ",".join(["floor", *names]),
-                  "--out", str(tmp_path), "--reps", "1", "--rep-time", "0")
-    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
-    rows = {r["method"]: r for r in json.loads((tmp_path / "bench.json").read_text())["rows"]}
+    rows = _tiny_cpu_rows(tmp_path, names)
     for name in names:
         r = rows[name]
         assert r["status"] == "ok" and r["label"].startswith("TRL fused LM head"), r
