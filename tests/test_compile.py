@@ -19,8 +19,8 @@ def _loss(h, w, t, b, backend, reduction, budget):
                                      label_smoothing=0.1, z_loss=1e-3)
 
 
-# the fast route (mean), the lean one with its backward op (mean, none); reduction="none" is lean whatever the
-# budget (vpce.routing.plan_cross_entropy, which the op's route follows), so ("none", "auto") would rerun it
+# the fast route (mean), the lean one with its backward op (mean, none); under torch.compile reduction="none" is
+# lean whatever the budget (the speculative route is not taken there), so ("none", "auto") would rerun it
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("reduction,budget", [("mean", "auto"), ("mean", "lean"), ("none", "lean")], ids=lambda x: x)
 def test_fullgraph_equals_eager(backend, reduction, budget):

@@ -82,8 +82,8 @@ def check_metrics(out, p, reduction, tol, **opts):
         assert err <= tol, f"{field}: rel err {err:.2e} > {tol:.0e}"
 
 
-# (reduction, budget): the fast route (mean, sum), the lean one (mean, sum, none: reduction="none" is lean whatever
-# the budget, vpce.routing.plan_cross_entropy, so ("none", "auto") would rerun ("none", "lean")), and no gradient
+# (reduction, budget): the fast route (mean, sum), the lean one (mean, sum, none; ("none", "auto") is the lean
+# route or, after a uniform call, the speculative one: tests/test_caller_reduced.py), and no gradient
 ROUTES = [("mean", "auto"), ("sum", "auto"), ("mean", "lean"), ("sum", "lean"), ("none", "lean")]
 
 

@@ -53,9 +53,9 @@ def check(p, memory_budget="auto", **opts):
         assert err <= tol, f"{name}: rel err {err:.3e} > {tol:.3e} ({describe(g, r)}) {p.hidden.dtype} {opts}"
 
 
-# (reduction, memory_budget): the fast route ("auto": mean, sum) and the lean one (mean, sum, none). reduction="none"
-# takes the lean route whatever the budget (vpce.routing.plan_cross_entropy), so ("none", "auto") would rerun
-# ("none", "lean") exactly.
+# (reduction, memory_budget): the fast route ("auto": mean, sum) and the lean one (mean, sum, none). With "auto",
+# reduction="none" takes the lean route at a call site's first call and the speculative route after a uniform one;
+# tests/test_caller_reduced.py covers that route, so ("none", "auto") is not repeated here.
 ROUTES = [("mean", "auto"), ("sum", "auto"), ("mean", "lean"), ("sum", "lean"), ("none", "lean")]
 
 

@@ -22,8 +22,8 @@ def weights_for(p, seed=0):
     return torch.rand(p.target.shape, generator=gen, dtype=torch.float64) * 2
 
 
-# (reduction, memory_budget): the fast route (mean, sum) and the lean one (mean, sum, none: reduction="none" takes
-# the lean route whatever the budget, vpce.routing.plan_cross_entropy, so ("none", "auto") would rerun it)
+# (reduction, memory_budget): the fast route (mean, sum) and the lean one (mean, sum, none; ("none", "auto") is the
+# lean route or, after a uniform call, the speculative one, which tests/test_caller_reduced.py covers)
 ROUTES = [("mean", "auto"), ("sum", "auto"), ("mean", "lean"), ("sum", "lean"), ("none", "lean")]
 
 

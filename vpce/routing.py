@@ -102,10 +102,11 @@ def _dx_reduce(backend: str, route: str, sharded: bool) -> str:
 
 def plan_cross_entropy(opts: LossOptions, needs_grad: tuple[bool, bool, bool], backend: str,
                        sharded: bool, sequence_parallel: bool, speculate: bool = False) -> Plan:
-    """``speculate``: ``vpce.speculation.decide``'s verdict for ``reduction="none"``."""
+    """``speculate``: ``vpce.speculation.decide``'s verdict for ``reduction="none"`` (which alone weighs whether a
+    call is eligible)."""
     if not any(needs_grad):
         route = "forward"
-    elif opts.reduction == "none" and speculate and not opts.lean and backend == "triton" and not sharded:
+    elif opts.reduction == "none" and speculate:
         route = "speculative"
     elif opts.reduction == "none" or opts.lean:
         route = "lean"
@@ -137,36 +138,38 @@ def _fits(need: int, device: torch.device) -> bool:
     return need <= FAST_HEADROOM * (free + unused)
 
 
+def _fast_route_fits(hidden: torch.Tensor, tokens: int, rows: int, needs: tuple[bool, bool, bool],
+                     opts: LossOptions, extra: int = 0) -> bool:
+    """Whether the fast route's buffers for ``tokens`` tokens (plus ``extra`` bytes) fit on ``hidden``'s device."""
+    from .triton_backend import fast_route_bytes
+
+    need = fast_route_bytes(tokens, hidden.shape[-1], rows, hidden.dtype, needs, opts) + extra
+    return _fits(need, hidden.device)
+
+
 def settle_by_memory(plan: Plan, hidden: torch.Tensor, rows: int, needs: tuple[bool, bool, bool],
                      opts: LossOptions, world: int) -> tuple[Plan, bool | None]:
     """Decide a route left to memory where this rank can: ``(plan, None)``; or, under a group on a long call,
     ``(plan still "auto", whether the fast route fits here)`` for the agreement to AND over the ranks. The
     speculative route (one process) holds what the fast route holds, plus three fp32 statistics per token: with
     ``memory_budget="auto"`` it becomes the lean route where that does not fit."""
+    # nothing to weigh (CPU interpreter), or no host calls wanted (compiling, or capturing a CUDA graph)
+    weigh = not (torch.compiler.is_compiling() or not hidden.is_cuda or torch.cuda.is_current_stream_capturing())
+    tokens, d = hidden.numel() // hidden.shape[-1], hidden.shape[-1]
     if plan.route == "speculative":
-        if opts.memory_budget != "auto" or torch.compiler.is_compiling() or not hidden.is_cuda or \
-                torch.cuda.is_current_stream_capturing():
-            return plan, None
-        from .triton_backend import fast_route_bytes
-
-        tokens, d = hidden.numel() // hidden.shape[-1], hidden.shape[-1]
-        need = fast_route_bytes(tokens, d, rows, hidden.dtype, needs, opts) + 12 * tokens
-        if _fits(need, hidden.device):
+        if opts.memory_budget != "auto" or not weigh or _fast_route_fits(hidden, tokens, rows, needs, opts,
+                                                                         12 * tokens):
             return plan, None
         return Plan(plan.backend, "lean", plan.dx_reduce, plan.sequence_parallel), None
     if plan.route != "auto":
         return plan, None
-    # nothing to weigh (CPU interpreter), or no host calls wanted (compiling, or capturing a CUDA graph)
-    if torch.compiler.is_compiling() or not hidden.is_cuda or torch.cuda.is_current_stream_capturing():
+    if not weigh:
         return settle(plan, True), None
-    tokens, d = hidden.numel() // hidden.shape[-1], hidden.shape[-1]
     if plan.sequence_parallel:
         tokens *= world  # the fast route gathers the sequence
     if world > 1 and tokens * d * 4 < AUTO_CHECK_BYTES:
         return settle(plan, True), None
-    from .triton_backend import fast_route_bytes
-
-    fits = _fits(fast_route_bytes(tokens, d, rows, hidden.dtype, needs, opts), hidden.device)
+    fits = _fast_route_fits(hidden, tokens, rows, needs, opts)
     if world == 1:
         return settle(plan, fits), None
     return plan, fits
@@ -174,11 +177,11 @@ def settle_by_memory(plan: Plan, hidden: torch.Tensor, rows: int, needs: tuple[b
 
 def plan_log_probs(needs_grad: tuple[bool, bool, bool], backend: str, sharded: bool,
                    sequence_parallel: bool, speculate: bool = False) -> Plan:
-    """``speculate``: ``vpce.speculation.decide``'s verdict."""
+    """``speculate``: ``vpce.speculation.decide``'s verdict (which alone weighs whether a call is eligible)."""
     if not any(needs_grad):
         route = "forward"
     else:
-        route = "speculative" if speculate and backend == "triton" and not sharded else "lean"
+        route = "speculative" if speculate else "lean"
     return Plan(backend, route, _dx_reduce(backend, route, sharded), sequence_parallel)
 
 

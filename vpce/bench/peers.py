@@ -90,7 +90,8 @@ from .meta import package_version
 
 __all__ = ["Unavailable", "LossFn", "DistillFn", "torch_eager", "torch_compile", "torch_lce", "TORCH_LCE", "liger",
            "cce", "quack", "trl", "megatron", "liger_tp", "chunked_tp", "loss_parallel", "megatron_tp_group",
-           "shutdown_megatron", "hidden_entry", "chunked_vocab_parallel_nll", "torch_distill", "liger_jsd", "divergence_per_token"]
+           "shutdown_megatron", "hidden_entry", "chunked_vocab_parallel_nll", "torch_distill", "liger_jsd",
+           "divergence_per_token"]
 
 LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 DistillFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]

@@ -33,8 +33,9 @@ statistics: each rank forms ``1/world`` of the logits, and the weight's gradient
 
 Routes and memory: ``memory_budget`` goes to ``vpce.linear_log_probs`` and must be ``"auto"`` or ``"lean"``.
 With ``"auto"``, a head whose ``log_probs`` the trainer reduces uniformly over the non-ignored tokens (SFT's loss,
-its ``entropy`` only logged) takes vpce's speculative route from its second step, where the fast route's buffers fit: the gradients are formed in forward, at the fast route's cost,
-and backward stays exact whatever the trainer's upstream gradient turns out to be. A frozen lm_head (LoRA) takes it
+its ``entropy`` only logged) takes vpce's speculative route from its second step, where the fast route's buffers
+fit: the gradients are formed in forward, at the fast route's cost, and backward stays exact whatever the
+trainer's upstream gradient turns out to be. A frozen lm_head (LoRA) takes it
 from the first step. Every other call takes the lean route, as ``"lean"`` always does. There forward keeps three
 fp32 statistics per token and backward recomputes the logits in blocks, so a long sequence costs O(N) beyond the
 gradients.
