@@ -165,8 +165,9 @@ def test_edge_cases():
     assert plain.grad_fn is None and torch.equal(plain.cpu(), first[0])
 
     x.t_weight[2, 1] = math.nan
-    loss, dx, *_ = run(x)
-    assert torch.isnan(loss) and torch.isnan(dx).any()
+    for divergence in ("forward_kl", "jsd"):
+        loss, dx, *_ = run(x, divergence=divergence)
+        assert torch.isnan(loss) and torch.isnan(dx).any(), divergence
 
 
 # ------------------------------------------------------------------------------------------------------------

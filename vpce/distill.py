@@ -644,8 +644,8 @@ def linear_distillation_loss(hidden, weight, teacher_hidden, teacher_weight, tar
         else -1, local_checks=checks_with_student, plan=plan, fields=fields)
     o = box["o"]
     t2 = teacher_hidden.detach().reshape(-1, teacher_hidden.shape[-1])
-    if call.plan.sequence_parallel and call.shard.sharded:
-        t2 = parallel.gather_sequence(t2.contiguous(), call.shard)
+    if call.plan.sequence_parallel and call.shard.sharded and call.plan.dx_reduce != "forward":
+        t2 = parallel.gather_sequence(t2.contiguous(), call.shard)  # (the Triton fast route gathers it itself)
     tw = teacher_weight.detach()
     tb = None if teacher_bias is None else teacher_bias.detach()
     tw1 = None if token_weight is None else token_weight.reshape(-1).to(accumulation_dtype(h2.dtype))

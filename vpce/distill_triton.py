@@ -17,6 +17,9 @@ Fast route (``mean``/``sum`` with gradients), per chunk of ``C`` tokens:
    and the next chunk: ``parallel.HiddenGradReduce``, as the cross-entropy's Triton fast route) and
    ``dW += G^T @ X[chunk]`` into an fp32 accumulator.
 
+Under sequence parallelism the fast route gathers both heads' hidden slices itself: the student's first, then the
+teacher's (the larger, at ``D_t``) beside the first chunk's student GEMM.
+
 Backward scales the held fp32 gradients by the upstream gradient (``grads.finish_fast_grads``). Memory: the two
 buffers (``FAST_GIB`` together by default, at most the fp32 dW accumulator's size), their tile statistics, the
 fp32 dX and dW.
@@ -41,7 +44,7 @@ from .distill import DistillOptions, DistillRows, heads, local_stats, row_weight
     exchange_chunk_stats
 from .gemm import addmm_out_, logits_into, mm_into, mm_out
 from .grads import FastGrads, add_block, pad_rows
-from .parallel import HiddenGradReduce, gather_sequence
+from .parallel import HiddenGradReduce, gather_sequence, start_gather_sequence
 from .routing import Call
 from .targets import TokenTargets
 
@@ -117,9 +120,13 @@ def distill_forward(hidden, weight, bias, t_hidden, t_weight, t_bias, tg: TokenT
     ``FastGrads`` (with ``dx_reduce == "forward"``: already summed over the group, this rank's slice under
     sequence parallelism), or the lean route's ``DistillRows``."""
     shard, plan, needs = call.shard, call.plan, call.needs_grad
-    if plan.dx_reduce == "forward" and plan.sequence_parallel:
+    t_gather = None
+    if plan.dx_reduce == "forward" and plan.sequence_parallel:  # both heads' slices gathered here
         hidden = gather_sequence(hidden.contiguous(), shard)
-    hidden, t_hidden = hidden.contiguous(), t_hidden.contiguous()
+        t_gather = start_gather_sequence(t_hidden, shard)  # under the first chunk's student GEMM
+    hidden = hidden.contiguous()
+    if t_gather is None:
+        t_hidden = t_hidden.contiguous()
     n, d = hidden.shape
     dev, dtype = hidden.device, hidden.dtype
     v = shard.valid_rows
@@ -145,6 +152,8 @@ def distill_forward(hidden, weight, bias, t_hidden, t_weight, t_bias, tg: TokenT
         if v > 0:
             z, y = _view(zbuf, c, v), _view(ybuf, c, v)
             logits_into(z, hidden[sl], w, b)
+            if t_gather is not None:
+                t_hidden, t_gather = t_gather.wait(), None
             logits_into(y, t_hidden[sl], tw, tb)
         st = _chunk_stats(z, y, t_local[sl], tg, sl, o, call)
         loss_tok[sl] = tg.token_loss(token_loss(st, o), sl)
@@ -163,6 +172,8 @@ def distill_forward(hidden, weight, bias, t_hidden, t_weight, t_bias, tg: TokenT
             dw = mm_out(z.t(), hidden[sl], torch.float32) if dw is None else addmm_out_(dw, z.t(), hidden[sl])
         if v > 0 and db is not None:
             db += z.sum(0, dtype=torch.float32)
+    if t_gather is not None:  # no chunk ran its GEMMs here (no tokens, or an all-padding shard)
+        t_gather.wait()
     if not fast:
         return loss_tok, rows, None
     if needs[1] and dw is None:  # no chunk ran (no tokens, or an all-padding shard)

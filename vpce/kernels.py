@@ -854,22 +854,41 @@ __all__ += ["distill_stats", "distill_mixture", "distill_grad_", "distill_block_
 
 
 @triton.jit
-def _log_mixture(p, q, beta, FAST_LOG: tl.constexpr):
-    """``log m`` of the JSD's mixture ``m = beta q + (1 - beta) p`` (``0 < beta < 1``), from the probabilities
-    themselves: three transcendentals per element (two ``exp``, one ``log``) and no division. Where ``m`` is below
-    the smallest normal float (both probabilities negligible) it is clamped there: every term it enters is
-    multiplied by ``p`` or ``q``, so it contributes nothing rather than ``0 * inf``.
-
-    ``FAST_LOG`` (NVIDIA GPUs): PTX's hardware ``lg2.approx.f32``, the same class of approximation as the
-    ``ex2.approx`` that ``tl.exp`` compiles to, instead of ``tl.log``'s libdevice ``logf`` (about 40 instructions
-    per element for sm_90), which held the JSD's mixture pass to 1.3 TB/s against the statistics pass's 3 TB/s
-    (one H200, session 7)."""
-    m = tl.maximum(beta * q + (1.0 - beta) * p, 1.1754943508222875e-38)
+def _log(x, FAST_LOG: tl.constexpr):
+    """``log x``. ``FAST_LOG`` (compiled for NVIDIA GPUs): PTX's hardware ``lg2.approx.f32``, the same class of
+    approximation as the ``ex2.approx`` that ``tl.exp`` compiles to, instead of libdevice's ``logf`` (about 40
+    instructions per element on sm_90), which held the JSD's mixture pass to 1.3 TB/s against the statistics pass's
+    3 TB/s (one H200, session 7)."""
     if FAST_LOG:
-        log2_m = tl.inline_asm_elementwise("lg2.approx.f32 $0, $1;", "=r,r", [m], dtype=tl.float32, is_pure=True,
-                                           pack=1)
-        return log2_m * 0.6931471805599453
-    return tl.log(m)
+        return tl.inline_asm_elementwise("lg2.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
+                                         pack=1) * 0.6931471805599453
+    return tl.log(x)
+
+
+@triton.jit
+def _jsd_terms(s, u, beta, FAST_LOG: tl.constexpr):
+    """The JSD's per-element terms from the log-probabilities ``s = log p`` (student), ``u = log q`` (teacher) and
+    the mixture ``m = beta q + (1 - beta) p`` (``0 < beta < 1``): ``p``, ``q``, ``s - log m`` and ``u - log m``, with
+    three transcendentals per element (two ``exp``, one ``log``).
+
+    Relative to the larger of the two, ``h = max(s, u)`` and ``a = min(s, u) - h <= 0``: ``log m - h =
+    log(w_h + w_l e^a)``, whose argument lies in ``[min(beta, 1 - beta), 1]``, so the differences come out as
+    ``-L`` and ``a - L`` with no cancellation between two large logs, and the log's absolute error (the hardware
+    approximation's included) stays at the scale of ``L``, not of ``log m``. Both ``-inf`` (padding): ``p = q = 0``
+    and the callers' ``where(p == 0)`` drop the terms."""
+    s_hi = s >= u
+    h = tl.maximum(s, u, propagate_nan=tl.PropagateNan.ALL)  # a NaN in either head poisons every term
+    a = tl.where(h == float("-inf"), float("-inf"), tl.minimum(s, u, propagate_nan=tl.PropagateNan.ALL) - h)
+    e_h = tl.exp(h)
+    r = tl.exp(a)
+    e_l = e_h * r
+    w_h = tl.where(s_hi, 1.0 - beta, beta)
+    log_rel = _log(w_h + (1.0 - w_h) * r, FAST_LOG)
+    p = tl.where(s_hi, e_h, e_l)
+    q = tl.where(s_hi, e_l, e_h)
+    s_m = tl.where(s_hi, -log_rel, a - log_rel)
+    u_m = tl.where(s_hi, a - log_rel, -log_rel)
+    return p, q, s_m, u_m
 
 
 @triton.jit
@@ -1040,7 +1059,7 @@ def _distill_mixture_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr,
 ):
     """``TILES [2, C, n_tiles]``: per tile ``sum q (u - log m)`` and ``sum p (s - log m)`` with ``s = log p``,
-    ``u = log q`` from the global statistics (``_log_mixture``)."""
+    ``u = log q`` from the global statistics (``_jsd_terms``)."""
     rm, rn, row_ok, mask = _program_tile(C, V, BLOCK_M, BLOCK_N, EVEN_N)
     pid_n = tl.program_id(1)
     _, z, y, _ = _distill_load(Z, Y, rm, rn, mask, stride_zm, stride_ym, softcap, t_softcap, inv_t,
@@ -1051,12 +1070,10 @@ def _distill_mixture_kernel(
         pad = tl.where(rn < V, 0.0, float("-inf"))[None, :]
         s = s + pad
         u = u + pad
-    p = tl.exp(s)
-    q = tl.exp(u)
-    log_m = _log_mixture(p, q, beta, FAST_LOG)
+    p, q, s_m, u_m = _jsd_terms(s, u, beta, FAST_LOG)
     stat = rm.to(tl.int64) * n_tiles + pid_n
-    tl.store(TILES + stat, tl.sum(tl.where(q == 0.0, 0.0, q * (u - log_m)), axis=1), mask=row_ok)
-    tl.store(TILES + plane + stat, tl.sum(tl.where(p == 0.0, 0.0, p * (s - log_m)), axis=1), mask=row_ok)
+    tl.store(TILES + stat, tl.sum(tl.where(q == 0.0, 0.0, q * u_m), axis=1), mask=row_ok)
+    tl.store(TILES + plane + stat, tl.sum(tl.where(p == 0.0, 0.0, p * s_m), axis=1), mask=row_ok)
 
 
 @triton.jit
@@ -1082,18 +1099,16 @@ def _distill_grad_kernel(
                                    SOFTCAP, T_SOFTCAP, TEMPERATURE)
     # -- the divergence's gradient with respect to the tempered logits (p = 0: no 0 * inf) --
     s = _row_log_probs(z, RM_Z, RLS_Z, rm, row_ok)
-    p = tl.exp(s)
-    if KIND != 1:
-        u = _row_log_probs(y, RM_Y, RLS_Y, rm, row_ok)
     if KIND == 0:
-        g = p - tl.exp(u)
+        g = tl.exp(s) - tl.exp(_row_log_probs(y, RM_Y, RLS_Y, rm, row_ok))
     else:
         e = tl.load(RE + rm, mask=row_ok, other=0.0)[:, None]
         if KIND == 1:
+            p = tl.exp(s)
             g = tl.where(p == 0.0, 0.0, p * ((z - y) - e))
         else:
-            log_m = _log_mixture(p, tl.exp(u), beta, FAST_LOG)
-            g = tl.where(p == 0.0, 0.0, (1.0 - beta) * p * ((s - log_m) - e))
+            p, _, s_m, _ = _jsd_terms(s, _row_log_probs(y, RM_Y, RLS_Y, rm, row_ok), beta, FAST_LOG)
+            g = tl.where(p == 0.0, 0.0, (1.0 - beta) * p * (s_m - e))
     g = g * tl.load(KD + rm, mask=row_ok, other=0.0)[:, None]
     # -- the cross-entropy's on the untempered logits --
     if CE:

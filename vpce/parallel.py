@@ -74,6 +74,8 @@ __all__ = [
     "PendingStats",
     "HiddenGradReduce",
     "gather_sequence",
+    "start_gather_sequence",
+    "PendingGather",
     "enter_vocab_parallel",
     "from_dtensors",
     "all_gather_tensor",
@@ -489,9 +491,28 @@ def sum_over_ranks(local: torch.Tensor, shard: VocabShard) -> torch.Tensor:
 
 def gather_sequence(hidden: torch.Tensor, shard: VocabShard) -> torch.Tensor:
     """Every rank's ``[N / world, D]`` slice concatenated along dim 0 (no autograd: see ``HiddenGradReduce``)."""
+    return start_gather_sequence(hidden, shard).wait()
+
+
+class PendingGather:
+    """An all-gather in flight (``start_gather_sequence``): ``wait()`` orders the current stream after it and
+    returns the gathered tensor."""
+
+    def __init__(self, out: torch.Tensor, work):
+        self.out, self.work = out, work
+
+    def wait(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        return self.out
+
+
+def start_gather_sequence(hidden: torch.Tensor, shard: VocabShard) -> PendingGather:
+    """``gather_sequence`` without ordering the current stream after it yet, so that work queued before ``wait()``
+    (the distillation's first student GEMM, under the teacher's gather) runs beside the collective."""
     out = hidden.new_empty((hidden.shape[0] * shard.world,) + tuple(hidden.shape[1:]))
-    all_gather_tensor(out, hidden, group=shard.group)
-    return out
+    return PendingGather(out, all_gather_tensor(out, hidden, group=shard.group, async_op=True))
 
 
 class HiddenGradReduce:
