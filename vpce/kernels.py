@@ -868,27 +868,24 @@ def _log(x, FAST_LOG: tl.constexpr):
 @triton.jit
 def _jsd_terms(s, u, beta, FAST_LOG: tl.constexpr):
     """The JSD's per-element terms from the log-probabilities ``s = log p`` (student), ``u = log q`` (teacher) and
-    the mixture ``m = beta q + (1 - beta) p`` (``0 < beta < 1``): ``p``, ``q``, ``s - log m`` and ``u - log m``, with
-    three transcendentals per element (two ``exp``, one ``log``).
+    the mixture ``m = beta q + (1 - beta) p`` (``0 < beta < 1``): ``p``, ``q``, ``s - log m`` and ``u - log m``,
+    with four transcendentals per element (three ``exp``, one ``log``).
 
-    Relative to the larger of the two, ``h = max(s, u)`` and ``a = min(s, u) - h <= 0``: ``log m - h =
-    log(w_h + w_l e^a)``, whose argument lies in ``[min(beta, 1 - beta), 1]``, so the differences come out as
-    ``-L`` and ``a - L`` with no cancellation between two large logs, and the log's absolute error (the hardware
-    approximation's included) stays at the scale of ``L``, not of ``log m``. Both ``-inf`` (padding): ``p = q = 0``
-    and the callers' ``where(p == 0)`` drop the terms."""
-    s_hi = s >= u
-    h = tl.maximum(s, u, propagate_nan=tl.PropagateNan.ALL)  # a NaN in either head poisons every term
-    a = tl.where(h == float("-inf"), float("-inf"), tl.minimum(s, u, propagate_nan=tl.PropagateNan.ALL) - h)
-    e_h = tl.exp(h)
-    r = tl.exp(a)
-    e_l = e_h * r
-    w_h = tl.where(s_hi, 1.0 - beta, beta)
-    log_rel = _log(w_h + (1.0 - w_h) * r, FAST_LOG)
-    p = tl.where(s_hi, e_h, e_l)
-    q = tl.where(s_hi, e_l, e_h)
-    s_m = tl.where(s_hi, -log_rel, a - log_rel)
-    u_m = tl.where(s_hi, a - log_rel, -log_rel)
-    return p, q, s_m, u_m
+    Relative to the larger of the two log-probabilities (``d = u - s``, ``a = -|d|``): ``log m`` minus the larger
+    is ``-L = log(w + (1 - w) e^a)`` with ``w`` the larger one's mixture weight, an argument in
+    ``[min(beta, 1 - beta), 1]``; the larger's difference is ``L`` and the smaller's ``a + L``. No cancellation
+    between two large logs, and the log's absolute error (the hardware approximation's included) stays at the
+    scale of ``L``, not of ``log m``: on one H200, a bf16 chunk of 4096 x 64128 logits, the JSD's error against
+    float64 was torch eager fp32's (2.4e-7 / 2.2e-7), against 1.5e-6 with ``log m`` taken directly. A NaN in
+    either head gives NaN terms; ``-inf`` in both (padding) gives ``p = q = 0``, whose terms the callers drop."""
+    d = u - s
+    a = -tl.abs(d)
+    u_hi = d > 0
+    w = tl.where(u_hi, beta, 1.0 - beta)
+    big = -_log(w + (1.0 - w) * tl.exp(a), FAST_LOG)
+    s_m = tl.where(u_hi, a + big, big)
+    u_m = tl.where(u_hi, big, a + big)
+    return tl.exp(s), tl.exp(u), s_m, u_m
 
 
 @triton.jit
