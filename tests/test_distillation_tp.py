@@ -104,7 +104,7 @@ def triton_cases(world: int) -> list[dict]:
     """The Triton backend in fp32 (the CPU interpreter without CUDA): the fast route's dX summed in forward (hidden
     replicated, and sequence parallel with its own gather), the lean route, the JSD's second exchange, an
     all-padding last rank (fast and lean), several chunks (``memory_budget``: GiB of both logit buffers, 6 or 14
-    tokens here), chunks in two half-chunks whose exchanges overlap (``_triton_rank_main``)."""
+    tokens here; 16 + 8 in the two-chunk case), the default budget's one chunk under sequence parallelism."""
     fp32 = dict(dtype=torch.float32, backend="triton")
     even, uneven = [40] * world, [53, 30, 45][:world]
     return [dict(fp32, **c) for c in [
@@ -118,18 +118,13 @@ def triton_cases(world: int) -> list[dict]:
              opts=dict(divergence="reverse_kl", teacher_softcap=4.0, memory_budget=2e-6)),
         dict(name="sp-jsd-none-lean", sizes=uneven, sp=True, reduction="none", bias=True,
              opts=dict(divergence="jsd", beta=0.7, temperature=0.8)),
-        dict(name="halves-jsd-mean-ce", sizes=uneven, bias=True,
+        dict(name="two-chunks-jsd-mean-ce-bias", sizes=uneven, bias=True,
              opts=dict(divergence="jsd", beta=0.4, ce_weight=0.3, memory_budget=16 * 2 * 53 * 4 / 2**30)),
-        dict(name="halves-sp-fkl-sum", sizes=even, sp=True, reduction="sum", opts=dict(divergence="forward_kl")),
+        dict(name="sp-fkl-sum-one-chunk", sizes=even, sp=True, reduction="sum", opts=dict(divergence="forward_kl")),
     ]]
 
 
 def _triton_rank_main(rank, world):
-    from vpce import distill_triton
-
-    # chunks split in half-chunks on multiples of 4 rows in this rank's own process (128 by default, a GPU
-    # kernel's row block): the 24 tokens of a default budget go as 12 + 12, a budget of 16 tokens as 8 + 8, 4 + 4
-    distill_triton.ROW_ALIGN = 4
     return [r for case in triton_cases(world) for r in _check_case(rank, world, dist.group.WORLD, case)]
 
 

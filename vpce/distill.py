@@ -278,36 +278,16 @@ def _mixture_sums(z1, y, st: DistillStats, o: DistillOptions) -> torch.Tensor:
     return torch.stack([_weighted(q, u - log_m), _weighted(p, s - log_m)])
 
 
-class ChunkExchange:
-    """The exchange of a chunk's statistics, in flight: this shard's ``packed [R, c]`` (``rows_layout``) goes out
-    in one all-gather (KLs) or two (JSD: ``mixture_sums(stats)`` gives this shard's ``[K_q, K_p]`` partial sums
-    ``[2, c]`` from the first exchange's statistics) under a group. ``advance()`` finishes the JSD's first
-    exchange and starts its second; ``wait()`` returns the chunk's global ``DistillStats``. Several can be in
-    flight (the Triton fast route's two half-chunks), started, advanced and waited for in the same order on every
-    rank. Both backends go through here."""
-
-    def __init__(self, packed: torch.Tensor, mixture_sums, o: DistillOptions, call: Call):
-        self.o, self.call, self.mixture_sums = o, call, mixture_sums
-        self.first = parallel.start_stats_exchange(packed, 0, call.shard, call.poison, combine=_combiner(o))
-        self.stats = self.second = None
-
-    def advance(self) -> "ChunkExchange":
-        if self.o.kind == "jsd" and self.second is None:
-            self.stats = self.first.wait()
-            self.second = parallel.start_stats_exchange(self.mixture_sums(self.stats), 0, self.call.shard,
-                                                        combine=_sum_over_ranks)
-        return self
-
-    def wait(self) -> DistillStats:
-        if self.o.kind != "jsd":
-            return self.first.wait()
-        k_q, k_p = self.advance().second.wait()
-        return self.stats._replace(e=k_p, k_q=k_q)
-
-
 def exchange_chunk_stats(packed: torch.Tensor, mixture_sums, o: DistillOptions, call: Call) -> DistillStats:
-    """``ChunkExchange`` started and finished at once."""
-    return ChunkExchange(packed, mixture_sums, o, call).wait()
+    """The chunk's global statistics from this shard's ``packed [R, c]`` (``rows_layout``): one all-gather
+    (KLs) or two (JSD: ``mixture_sums(stats)`` gives this shard's ``[K_q, K_p]`` partial sums ``[2, c]`` from the
+    first exchange's statistics) under a group, on every rank. Both backends go through here, so their
+    collectives are the same ones in the same order."""
+    st = parallel.start_stats_exchange(packed, 0, call.shard, call.poison, combine=_combiner(o)).wait()
+    if o.kind != "jsd":
+        return st
+    k_q, k_p = parallel.start_stats_exchange(mixture_sums(st), 0, call.shard, combine=_sum_over_ranks).wait()
+    return st._replace(e=k_p, k_q=k_q)
 
 
 def _chunk_stats(z1, y, tg: TokenTargets, sl: slice, o: DistillOptions, call: Call, acc, device) -> DistillStats:

@@ -40,8 +40,8 @@ from __future__ import annotations
 import torch
 
 from . import kernels
-from .distill import ChunkExchange, DistillOptions, DistillRows, heads, local_stats, row_weights, rows_layout, \
-    token_loss
+from .distill import DistillOptions, DistillRows, exchange_chunk_stats, heads, local_stats, row_weights, \
+    rows_layout, token_loss
 from .gemm import addmm_out_, logits_into, mm_into, mm_out
 from .grads import FastGrads, add_block, pad_rows
 from .parallel import HiddenGradReduce, gather_sequence, start_gather_sequence
@@ -90,9 +90,9 @@ def _kernel_options(o: DistillOptions) -> dict:
     return dict(softcap=o.softcap, t_softcap=o.teacher_softcap, inv_t=o.inv_t)
 
 
-def _start_stats(z, y, t_local, tg: TokenTargets, sl: slice, o: DistillOptions, call: Call) -> ChunkExchange:
-    """The statistics pass over a (half-)chunk's logits and its exchange, started (``z`` None: this shard's rows
-    are all padding)."""
+def _chunk_stats(z, y, t_local, tg: TokenTargets, sl: slice, o: DistillOptions, call: Call):
+    """The chunk's global ``DistillStats`` (``z`` None: this shard's rows are all padding); the exchanges are
+    ``distill.exchange_chunk_stats``'s."""
     c = sl.stop - sl.start
     dev = tg.idx.device
     if z is None:
@@ -106,17 +106,7 @@ def _start_stats(z, y, t_local, tg: TokenTargets, sl: slice, o: DistillOptions, 
             return torch.zeros(2, c, dtype=torch.float32, device=dev)
         return kernels.distill_mixture(z, y, st.m_z, st.log_s_z, st.m_y, st.log_s_y, beta=o.beta,
                                        **_kernel_options(o))
-    return ChunkExchange(packed, mixture_sums, o, call)
-
-
-def _parts(sl: slice, sharded: bool) -> list[tuple[slice, slice]]:
-    """A chunk's ``(tokens, rows of its buffers)`` parts: under a group two halves (split on ``ROW_ALIGN``), so
-    that the first half's statistics exchange runs beside the second half's GEMMs; else the chunk whole."""
-    c = sl.stop - sl.start
-    h = c // 2 // ROW_ALIGN * ROW_ALIGN
-    if not sharded or h == 0:
-        return [(sl, slice(0, c))]
-    return [(slice(sl.start, sl.start + h), slice(0, h)), (slice(sl.start + h, sl.stop), slice(h, c))]
+    return exchange_chunk_stats(packed, mixture_sums, o, call)
 
 
 def _grad_(z, y, t_local, rows: DistillRows, kd, ce, o: DistillOptions):
@@ -125,17 +115,17 @@ def _grad_(z, y, t_local, rows: DistillRows, kd, ce, o: DistillOptions):
 
 
 class _Logits:
-    """Both heads' logits of a (half-)chunk into its buffer rows (cuBLAS); under sequence parallelism the teacher's
-    gathered hidden is waited for at its first GEMM (``finish``: where no GEMM ran)."""
+    """Both heads' logits of a chunk into its buffers (cuBLAS); under sequence parallelism the teacher's gathered
+    hidden is waited for at its first GEMM (``finish``: where no GEMM ran)."""
 
     def __init__(self, hidden, t_hidden, t_gather, w, b, tw, tb):
         self.hidden, self.t_hidden, self.t_gather = hidden, t_hidden, t_gather
         self.w, self.b, self.tw, self.tb = w, b, tw, tb
 
-    def __call__(self, z: torch.Tensor, y: torch.Tensor, part: slice):
-        logits_into(z, self.hidden[part], self.w, self.b)
+    def __call__(self, z: torch.Tensor, y: torch.Tensor, sl: slice):
+        logits_into(z, self.hidden[sl], self.w, self.b)
         self.finish()
-        logits_into(y, self.t_hidden[part], self.tw, self.tb)
+        logits_into(y, self.t_hidden[sl], self.tw, self.tb)
 
     def finish(self):
         if self.t_gather is not None:
@@ -163,10 +153,9 @@ def distill_forward(hidden, weight, bias, t_hidden, t_weight, t_bias, tg: TokenT
     chunk = min(max(n, 1), _chunk(_budget(o, fast, shard.columns_per_rank, d), shard.columns_per_rank, dtype))
     zbuf, ybuf = (_buffer(chunk * v if n else 0, dtype, dev) for _ in range(2))
     gemms = _Logits(hidden, t_hidden, t_gather, w, b, tw, tb)
-    if n and v > 0:  # the first part's GEMMs go first: the host sets up the rest beside them
+    if n and v > 0:  # the first chunk's GEMMs go first: the host sets up the rest beside them
         c = min(n, chunk)
-        part, r = _parts(slice(0, c), shard.sharded)[0]
-        gemms(_view(zbuf, c, v)[r], _view(ybuf, c, v)[r], part)
+        gemms(_view(zbuf, c, v), _view(ybuf, c, v), slice(0, c))
     t_local = tg.local_columns()
     loss_tok = torch.empty(n, dtype=torch.float32, device=dev)
     rows = DistillRows.empty(n, o, torch.float32, dev) if keep else None
@@ -184,27 +173,19 @@ def distill_forward(hidden, weight, bias, t_hidden, t_weight, t_bias, tg: TokenT
         z = y = None
         if v > 0:
             z, y = _view(zbuf, c, v), _view(ybuf, c, v)
-        parts = _parts(sl, shard.sharded)
-        started = []
-        for k, (part, r) in enumerate(parts):
-            if v > 0 and (c0 > 0 or k > 0):
-                gemms(z[r], y[r], part)
-            started.append(_start_stats(None if z is None else z[r], None if y is None else y[r], t_local[part], tg,
-                                        part, o, call))
-        for x in started:  # the JSD's second exchanges, each started before any is waited for
-            x.advance()
-        for (part, r), x in zip(parts, started):
-            st = x.wait()
-            loss_tok[part] = tg.token_loss(token_loss(st, o), part)
-            if keep:
-                rows.store(part, DistillRows.of(st, o))
-            if fast and v > 0:
-                kd, ce = row_weights(unit[part], o)
-                _grad_(z[r], y[r], t_local[part], DistillRows.of(st, o), kd, ce, o)
+        if v > 0 and c0 > 0:
+            gemms(z, y, sl)
+        st = _chunk_stats(z, y, t_local[sl], tg, sl, o, call)
+        loss_tok[sl] = tg.token_loss(token_loss(st, o), sl)
+        if keep:
+            rows.store(sl, DistillRows.of(st, o))
         if not fast:
             continue
-        if v > 0 and dx is not None:
-            mm_into(dx[sl], z, w)
+        if v > 0:
+            kd, ce = row_weights(unit[sl], o)
+            _grad_(z, y, t_local[sl], DistillRows.of(st, o), kd, ce, o)
+            if dx is not None:
+                mm_into(dx[sl], z, w)
         if reduce_dx is not None:  # overlaps this chunk's dW GEMM and the next chunk
             reduce_dx.add(sl)
         if v > 0 and needs[1]:
