@@ -214,8 +214,8 @@ def test_uniform_history_takes_the_speculative_route(dtype, case):
 # -- (b), (c): a misprediction, and a partly uniform gradient: exact through the gated recompute ------------------
 
 @pytest.mark.parametrize("dtype,case", [(torch.float32, "ce-all"), (torch.float32, "ce-class-weight"),
-                                        (torch.float32, "lp-T0.7-cap4"), (torch.float16, "ce-all"),
-                                        (torch.float16, "lp-T0.7-cap4")], ids=lambda x: str(x))
+                                        (torch.float32, "lp-T0.7-cap4"), (torch.float16, "ce-all")],
+                         ids=lambda x: str(x))
 def test_misprediction_is_exact_and_the_next_call_goes_lean(dtype, case):
     site = site_of(case, dtype)
     site(uniform(site.p, 0.5))
@@ -276,9 +276,11 @@ def test_blocks_without_a_non_zero_upstream_gradient_are_skipped(monkeypatch):
 
 # -- (d): NaN and inf in the upstream gradient, as the lean route ---------------------------------------------------
 
-@pytest.mark.parametrize("case,bad", [("ce-all", math.nan), ("lp-plain", math.nan), ("ce-all", math.inf)],
-                         ids=["ce-nan", "lp-nan", "ce-inf"])
-def test_non_finite_upstream_gradient_matches_the_lean_route(case, bad, monkeypatch):
+@pytest.mark.parametrize("case,bad,where", [
+    ("ce-all", math.nan, ("at a kept token", "everywhere it counts", "at an ignored token")),
+    ("lp-plain", math.nan, ("at a kept token",)),
+    ("ce-all", math.inf, ("at a kept token", "everywhere it counts"))], ids=["ce-nan", "lp-nan", "ce-inf"])
+def test_non_finite_upstream_gradient_matches_the_lean_route(case, bad, where, monkeypatch):
     """A NaN in ``g`` gives the lean route's NaN pattern (a kept token's row of dX, all of dW and db; nothing from
     an ignored token), and an inf the same non-finite entries."""
     site = site_of(case, torch.float32)
@@ -287,6 +289,7 @@ def test_non_finite_upstream_gradient_matches_the_lean_route(case, bad, monkeypa
     cases = {"at a kept token": (uniform(site.p, 0.5), int(kept[5])),
              "everywhere it counts": (torch.where(keep, bad, 0.0), None),
              "at an ignored token": (uniform(site.p, 0.5), int((~keep).nonzero()[0]))}
+    cases = {name: cases[name] for name in where}
     results = {}
     monkeypatch.setattr(speculation.Record, "predict", lambda self: True)  # as after a uniform history, every call
     for speculate in (True, False):
@@ -306,7 +309,8 @@ def test_non_finite_upstream_gradient_matches_the_lean_route(case, bad, monkeypa
             assert torch.equal(torch.isfinite(a), torch.isfinite(b)), f"{name}: {what} not finite elsewhere"
             fin = torch.isfinite(b)
             assert rel_err(a[fin], b[fin]) <= 2e-5, f"{name}: {what} {describe(a[fin], b[fin])}"
-    assert not torch.isnan(results[True, "at an ignored token"][1]).any()
+    if "at an ignored token" in cases:
+        assert not torch.isnan(results[True, "at an ignored token"][1]).any()
 
 
 # -- the general case: never uniform, always lean after the first call --------------------------------------------
