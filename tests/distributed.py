@@ -18,11 +18,18 @@ import sys
 import traceback
 from datetime import timedelta
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from vpce.bench.launch_env import free_port, set_collective_env
+
+#: For the Triton backend on CPU (gloo) ranks: they run through the interpreter, which ``conftest`` turns on only
+#: without CUDA; with CUDA the NCCL tests cover the same paths.
+cpu_triton = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="the Triton backend on CPU ranks needs TRITON_INTERPRET=1 (with CUDA the NCCL "
+                                       "tests cover it)")
 
 
 def _entry(fn, rank, world, port, out, args, backend, preloaded):

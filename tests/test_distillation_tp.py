@@ -15,10 +15,9 @@ import torch
 import torch.distributed as dist
 
 import vpce
-from distributed import run_ranks
+from distributed import cpu_triton, run_ranks
 from problems import leaf
 from test_distillation import make_pair
-from vpce.kernels import INTERPRET
 from vpce.reference import reference_distillation, rel_err
 
 TIMEOUT = 120  # seconds for a whole spawn; a hung collective fails the test
@@ -128,8 +127,7 @@ def _triton_rank_main(rank, world):
     return [r for case in triton_cases(world) for r in _check_case(rank, world, dist.group.WORLD, case)]
 
 
-@pytest.mark.skipif(not INTERPRET, reason="the Triton backend on CPU ranks needs TRITON_INTERPRET=1 "
-                    "(with CUDA the NCCL tests cover it)")
+@cpu_triton
 def test_triton_sharded_equals_oracle():
     """2 ranks, the Triton backend in fp32: within 1e-5 (loss) / 2e-5 (gradients) of float64."""
     for rank, results in enumerate(run_ranks(_triton_rank_main, 2, timeout=TIMEOUT)):

@@ -15,8 +15,7 @@ import torch
 import torch.distributed as dist
 
 import vpce
-from distributed import run_ranks
-from vpce.kernels import INTERPRET
+from distributed import cpu_triton, run_ranks
 from vpce.reference import reference, rel_err
 from problems import VARIANTS, leaf, make_problem
 
@@ -179,8 +178,7 @@ def _triton_chunked_main(rank, world):
     return out
 
 
-@pytest.mark.skipif(not INTERPRET, reason="the Triton backend on CPU ranks needs TRITON_INTERPRET=1 "
-                    "(with CUDA the NCCL tests cover it)")
+@cpu_triton
 @pytest.mark.parametrize("world", [2, 3])
 def test_triton_chunked_sharded_equals_oracle(world):
     for rank, results in enumerate(run_ranks(_triton_chunked_main, world)):

@@ -114,24 +114,6 @@ def _grad_(z, y, t_local, rows: DistillRows, kd, ce, o: DistillOptions):
     kernels.distill_grad_(z, y, z, t_local, rows, kd, ce, kind=_KIND[o.kind], beta=o.beta, **_kernel_options(o))
 
 
-class _Logits:
-    """Both heads' logits of a chunk into its buffers (cuBLAS); under sequence parallelism the teacher's gathered
-    hidden is waited for at its first GEMM (``finish``: where no GEMM ran)."""
-
-    def __init__(self, hidden, t_hidden, t_gather, w, b, tw, tb):
-        self.hidden, self.t_hidden, self.t_gather = hidden, t_hidden, t_gather
-        self.w, self.b, self.tw, self.tb = w, b, tw, tb
-
-    def __call__(self, z: torch.Tensor, y: torch.Tensor, sl: slice):
-        logits_into(z, self.hidden[sl], self.w, self.b)
-        self.finish()
-        logits_into(y, self.t_hidden[sl], self.tw, self.tb)
-
-    def finish(self):
-        if self.t_gather is not None:
-            self.t_hidden, self.t_gather = self.t_gather.wait(), None
-
-
 def distill_forward(hidden, weight, bias, t_hidden, t_weight, t_bias, tg: TokenTargets, o: DistillOptions,
                     call: Call):
     """Per-token loss ``[N]`` (weighted, 0 on ignored tokens), and what backward needs: the fast route's unscaled
@@ -152,10 +134,13 @@ def distill_forward(hidden, weight, bias, t_hidden, t_weight, t_bias, tg: TokenT
     fast, keep = plan.route == "fast", plan.route == "lean"
     chunk = min(max(n, 1), _chunk(_budget(o, fast, shard.columns_per_rank, d), shard.columns_per_rank, dtype))
     zbuf, ybuf = (_buffer(chunk * v if n else 0, dtype, dev) for _ in range(2))
-    gemms = _Logits(hidden, t_hidden, t_gather, w, b, tw, tb)
-    if n and v > 0:  # the first chunk's GEMMs go first: the host sets up the rest beside them
-        c = min(n, chunk)
-        gemms(_view(zbuf, c, v), _view(ybuf, c, v), slice(0, c))
+    first = min(n, chunk) if v > 0 else 0  # the first chunk's GEMMs go first, the host's set-up runs beside them
+    if first:
+        logits_into(_view(zbuf, first, v), hidden[:first], w, b)
+    if t_gather is not None:  # the teacher's slices, gathered beside the first student GEMM
+        t_hidden = t_gather.wait()
+    if first:
+        logits_into(_view(ybuf, first, v), t_hidden[:first], tw, tb)
     t_local = tg.local_columns()
     loss_tok = torch.empty(n, dtype=torch.float32, device=dev)
     rows = DistillRows.empty(n, o, torch.float32, dev) if keep else None
@@ -173,8 +158,9 @@ def distill_forward(hidden, weight, bias, t_hidden, t_weight, t_bias, tg: TokenT
         z = y = None
         if v > 0:
             z, y = _view(zbuf, c, v), _view(ybuf, c, v)
-        if v > 0 and c0 > 0:
-            gemms(z, y, sl)
+            if c0 > 0:
+                logits_into(z, hidden[sl], w, b)
+                logits_into(y, t_hidden[sl], tw, tb)
         st = _chunk_stats(z, y, t_local[sl], tg, sl, o, call)
         loss_tok[sl] = tg.token_loss(token_loss(st, o), sl)
         if keep:
@@ -192,7 +178,6 @@ def distill_forward(hidden, weight, bias, t_hidden, t_weight, t_bias, tg: TokenT
             dw = mm_out(z.t(), hidden[sl], torch.float32) if dw is None else addmm_out_(dw, z.t(), hidden[sl])
         if v > 0 and db is not None:
             db += z.sum(0, dtype=torch.float32)
-    gemms.finish()
     if not fast:
         return loss_tok, rows, None
     if needs[1] and dw is None:  # no chunk ran (no tokens, or an all-padding shard)

@@ -1130,7 +1130,7 @@ def _distill_blocks(x: torch.Tensor) -> tuple[int, int, int]:
 
 
 def _fast_log(x: torch.Tensor) -> bool:
-    """The JSD kernels' ``log`` through PTX's ``lg2.approx`` (``_log_mixture``): compiled NVIDIA GPUs only."""
+    """The JSD kernels' ``log`` through PTX's ``lg2.approx`` (``_log``): compiled NVIDIA GPUs only."""
     return x.is_cuda and not INTERPRET and torch.version.hip is None
 
 
