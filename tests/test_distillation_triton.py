@@ -136,6 +136,35 @@ def test_confident_logits():
         check_fp32(x, divergence=divergence, beta=beta, ce_weight=0.3)
 
 
+@pytest.mark.parametrize("kl", [0, 1, 2])
+def test_combined_heads_equal_the_torch_combine(kl):
+    """``kernels.combine_distill_heads`` (one launch) against ``vpce.distill``'s torch ops, on 1-3 ranks: random
+    statistics, a rank whose rows are all padding (max -inf), a row NaN on one rank (NaN out), a poison scalar."""
+    from vpce import kernels
+    from vpce.distill import _combine_heads
+
+    gen = torch.Generator().manual_seed(kl)
+    for world in (1, 3):
+        r, c = 5, 37
+        every = torch.randn(world, r, c, generator=gen) * 4
+        every[:, (1, 3)] = every[:, (1, 3)].abs() + 0.5  # sums of exp
+        if world > 1:
+            every[1, (0, 2)] = -math.inf  # an all-padding shard: max -inf, sums 0
+            every[1, (1, 3, 4)] = 0.0
+        every[0, 2, 7] = math.nan
+        for poison in (None, torch.zeros(()), torch.full((), math.nan)):
+            want = _combine_heads(every, kl=kl, poison=poison)
+            got = kernels.combine_distill_heads(every.to(DEV), kl=kl, poison=None if poison is None else poison.to(DEV))
+            for i, (g, w) in enumerate(zip(got, want)):
+                if w is None:
+                    assert g is None, (world, i)
+                    continue
+                g = g.cpu()
+                assert torch.equal(torch.isnan(g), torch.isnan(w)), f"world={world} kl={kl} out {i}: NaN pattern"
+                fin = ~torch.isnan(w)
+                assert torch.allclose(g[fin], w[fin], rtol=2e-6, atol=1e-6), f"world={world} kl={kl} out {i}"
+
+
 def test_edge_cases():
     """Empty batch and every token ignored (0 with zero gradients), a teacher bias of -inf on some columns (finite
     and exact), NaN in the teacher (propagates), bitwise-equal reruns, no-grad equal to the loss with grad."""

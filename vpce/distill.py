@@ -245,17 +245,25 @@ def _combine_head(m_all: torch.Tensor, x_all: torch.Tensor, w_all: torch.Tensor 
     return m, torch.log(s), None if w_all is None else (w_all * rescale).sum(0) / s
 
 
-def _combiner(o: DistillOptions):
+KL_HEAD = {"jsd": 0, "forward_kl": 1, "reverse_kl": 2}  # whose softmax weights the KL's sum: none, teacher, student
+
+
+def _combine_heads(every: torch.Tensor, *, kl: int, poison=None):
+    """Both heads' ``(m_z, log_s_z, m_y, log_s_y, e)`` from every rank's packed rows (``e``: the KL's expectation,
+    under the teacher's softmax for ``kl`` 1, the student's for 2; None for 0)."""
+    m_z, log_s_z, e_z = _combine_head(every[:, 0], every[:, 1], every[:, 4] if kl == 2 else None, poison)
+    m_y, log_s_y, e_y = _combine_head(every[:, 2], every[:, 3], every[:, 4] if kl == 1 else None, poison)
+    return m_z, log_s_z, m_y, log_s_y, e_y if kl == 1 else e_z
+
+
+def _combiner(o: DistillOptions, combine_heads, combine_ce):
     ce_at, _ = rows_layout(o)
 
     def combine(every: torch.Tensor, _n_sums: int, poison) -> DistillStats:
         """Every rank's packed statistics ``[W, R, C]`` -> ``DistillStats`` (the JSD's sums still to come)."""
-        w_z = every[:, 4] if o.kind == "reverse_kl" else None
-        w_y = every[:, 4] if o.kind == "forward_kl" else None
-        m_z, log_s_z, e_z = _combine_head(every[:, 0], every[:, 1], w_z, poison)
-        m_y, log_s_y, e_y = _combine_head(every[:, 2], every[:, 3], w_y, poison)
-        ce = parallel.combine_rank_stats(every[:, ce_at:ce_at + 3], 0, poison) if o.ce_weight > 0 else None
-        return DistillStats(m_z, log_s_z, m_y, log_s_y, e_y if o.kind == "forward_kl" else e_z, None, ce)
+        heads = combine_heads(every, kl=KL_HEAD[o.kind], poison=poison)
+        ce = combine_ce(every[:, ce_at:ce_at + 3], 0, poison) if o.ce_weight > 0 else None
+        return DistillStats(*heads, None, ce)
     return combine
 
 
@@ -278,12 +286,15 @@ def _mixture_sums(z1, y, st: DistillStats, o: DistillOptions) -> torch.Tensor:
     return torch.stack([_weighted(q, u - log_m), _weighted(p, s - log_m)])
 
 
-def exchange_chunk_stats(packed: torch.Tensor, mixture_sums, o: DistillOptions, call: Call) -> DistillStats:
+def exchange_chunk_stats(packed: torch.Tensor, mixture_sums, o: DistillOptions, call: Call,
+                         combine_heads=_combine_heads, combine_ce=parallel.combine_rank_stats) -> DistillStats:
     """The chunk's global statistics from this shard's ``packed [R, c]`` (``rows_layout``): one all-gather
     (KLs) or two (JSD: ``mixture_sums(stats)`` gives this shard's ``[K_q, K_p]`` partial sums ``[2, c]`` from the
     first exchange's statistics) under a group, on every rank. Both backends go through here, so their
-    collectives are the same ones in the same order."""
-    st = parallel.start_stats_exchange(packed, 0, call.shard, call.poison, combine=_combiner(o)).wait()
+    collectives are the same ones in the same order. The Triton backend combines with one-launch kernels
+    (``vpce.kernels.combine_distill_heads``, ``combine_rank_stats``) instead of these torch ops."""
+    st = parallel.start_stats_exchange(packed, 0, call.shard, call.poison,
+                                       combine=_combiner(o, combine_heads, combine_ce)).wait()
     if o.kind != "jsd":
         return st
     k_q, k_p = parallel.start_stats_exchange(mixture_sums(st), 0, call.shard, combine=_sum_over_ranks).wait()

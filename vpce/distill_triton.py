@@ -40,7 +40,7 @@ from __future__ import annotations
 import torch
 
 from . import kernels
-from .distill import DistillOptions, DistillRows, exchange_chunk_stats, heads, local_stats, row_weights, \
+from .distill import KL_HEAD, DistillOptions, DistillRows, exchange_chunk_stats, heads, local_stats, row_weights, \
     rows_layout, token_loss
 from .gemm import addmm_out_, logits_into, mm_into, mm_out
 from .grads import FastGrads, add_block, pad_rows
@@ -58,7 +58,6 @@ ROW_ALIGN = 128       # chunks of at least this many tokens are a multiple of it
 
 scale_cast = kernels.scale_cast
 
-_KL = {"forward_kl": 1, "reverse_kl": 2, "jsd": 0}      # the stats kernel's weighted sum
 _KIND = {"forward_kl": 0, "reverse_kl": 1, "jsd": 2}    # the gradient kernel's divergence
 
 
@@ -99,14 +98,15 @@ def _chunk_stats(z, y, t_local, tg: TokenTargets, sl: slice, o: DistillOptions, 
         packed = local_stats(None, None, tg, sl, o, c, torch.float32, dev)
     else:
         packed = torch.empty(rows_layout(o)[1], c, dtype=torch.float32, device=dev)
-        kernels.distill_stats(z, y, t_local, packed, kl=_KL[o.kind], ce=o.ce_weight > 0, **_kernel_options(o))
+        kernels.distill_stats(z, y, t_local, packed, kl=KL_HEAD[o.kind], ce=o.ce_weight > 0, **_kernel_options(o))
 
     def mixture_sums(st):
         if z is None:
             return torch.zeros(2, c, dtype=torch.float32, device=dev)
         return kernels.distill_mixture(z, y, st.m_z, st.log_s_z, st.m_y, st.log_s_y, beta=o.beta,
                                        **_kernel_options(o))
-    return exchange_chunk_stats(packed, mixture_sums, o, call)
+    return exchange_chunk_stats(packed, mixture_sums, o, call, combine_heads=kernels.combine_distill_heads,
+                                combine_ce=kernels.combine_rank_stats)
 
 
 def _grad_(z, y, t_local, rows: DistillRows, kd, ce, o: DistillOptions):

@@ -845,12 +845,14 @@ def gated_weight_grad_(dw: torch.Tensor | None, db: torch.Tensor | None, p: torc
 #   that holds it;
 # * ``_distill_reduce_kernel``: per row over its tiles, the packed ``[R, C]`` statistics of ``vpce.distill``
 #   (each head rescaled to its row max; plain sums for the JSD's mixture partials);
+# * ``_combine_distill_kernel``: every rank's packed statistics ``[W, R, C]`` combined into both heads' global
+#   max, ``log S`` and the KL's softmax expectation (``vpce.distill``'s ``_combine_head``, in one launch);
 # * ``_distill_mixture_kernel``: the JSD's second pass, per tile ``sum q (u - log m)`` and ``sum p (s - log m)``
 #   from the global log-softmax statistics;
 # * ``_distill_grad_kernel``: the student's ``dL/dx`` (``vpce.distill``'s formulas, per-row weights folded in),
 #   written in the logits' dtype over the student's logits in place.
 
-__all__ += ["distill_stats", "distill_mixture", "distill_grad_", "distill_block_align"]
+__all__ += ["distill_stats", "combine_distill_heads", "distill_mixture", "distill_grad_", "distill_block_align"]
 
 
 @triton.jit
@@ -1040,6 +1042,36 @@ def _distill_reduce_kernel(TILES, OUT, C, T, plane, SUMS: tl.constexpr, KL: tl.c
             tl.store(OUT + (CE_AT + 1) * C + rows, s, mask=ok)
 
 
+@triton.jit
+def _combine_distill_kernel(EVERY, OUT, POISON, C, W, R, KL: tl.constexpr, HAS_POISON: tl.constexpr,
+                            BLOCK_C: tl.constexpr):
+    """``EVERY [W, R, C]`` (each rank's packed rows: student max, sum; teacher max, sum; [the KL's weighted sum])
+    -> ``OUT [5, C]``: per head ``M = max_r m_r`` (plus the poison), ``log S`` with ``S = sum_r s_r e^{m_r - M}``,
+    and for the KL's head (``KL`` 1: the teacher's, forward; 2: the student's, reverse) ``E = sum_r w_r e^{m_r - M}
+    / S`` in row 4. Ranks in order; a rank with ``m_r = -inf`` adds 0; NaN propagates."""
+    rows = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    ok = rows < C
+    for head in tl.static_range(2):
+        m = tl.full([BLOCK_C], float("-inf"), tl.float32)
+        for w in range(0, W):
+            m = tl.maximum(m, tl.load(EVERY + (w * R + 2 * head) * C + rows, mask=ok, other=0.0),
+                           propagate_nan=tl.PropagateNan.ALL)
+        if HAS_POISON:
+            m = m + tl.load(POISON)
+        safe = tl.where(m == float("-inf"), 0.0, m)
+        s = tl.zeros([BLOCK_C], tl.float32)
+        e = tl.zeros([BLOCK_C], tl.float32)
+        for w in range(0, W):
+            r = tl.exp(tl.load(EVERY + (w * R + 2 * head) * C + rows, mask=ok, other=0.0) - safe)
+            s += tl.load(EVERY + (w * R + 2 * head + 1) * C + rows, mask=ok, other=0.0) * r
+            if KL == 2 - head:
+                e += tl.load(EVERY + (w * R + 4) * C + rows, mask=ok, other=0.0) * r
+        tl.store(OUT + 2 * head * C + rows, m, mask=ok)
+        tl.store(OUT + (2 * head + 1) * C + rows, tl.log(s), mask=ok)
+        if KL == 2 - head:
+            tl.store(OUT + 4 * C + rows, e / s, mask=ok)
+
+
 @triton.heuristics({"EVEN_N": lambda a: a["V"] % a["BLOCK_N"] == 0})
 @triton.jit
 def _distill_mixture_kernel(
@@ -1174,6 +1206,20 @@ def distill_stats(z, y, t_local, packed, *, kl: int, ce: bool, softcap, t_softca
     block_c = 16 if INTERPRET or not z.is_cuda else 64
     _distill_reduce_kernel[(triton.cdiv(c, block_c),)](tiles, packed, c, n_tiles, c * n_tiles, SUMS=0, KL=kl, CE=ce,
                                                         CE_AT=ce_at, BLOCK_C=block_c, BLOCK_T=32, num_warps=4)
+
+
+def combine_distill_heads(every: torch.Tensor, *, kl: int, poison: torch.Tensor | None = None):
+    """Every rank's packed distillation statistics ``[W, R, C]`` -> ``(m_z, log_s_z, m_y, log_s_y, e)`` ``[C]``
+    each in one launch (``e`` None without a KL: ``kl`` 0 for the JSD, 1 forward, 2 reverse); the formulas of
+    ``vpce.distill``'s torch combine."""
+    w, r, c = every.shape
+    out = torch.empty(5, c, dtype=torch.float32, device=every.device)
+    if c:
+        block_c = 16 if INTERPRET or not every.is_cuda else 256
+        _combine_distill_kernel[(triton.cdiv(c, block_c),)](every.contiguous(), out, out if poison is None else poison,
+                                                            c, w, r, KL=kl, HAS_POISON=poison is not None,
+                                                            BLOCK_C=block_c, num_warps=4)
+    return out[0], out[1], out[2], out[3], out[4] if kl else None
 
 
 def distill_mixture(z, y, m_z, log_s_z, m_y, log_s_y, *, beta: float, softcap, t_softcap, inv_t) -> torch.Tensor:
