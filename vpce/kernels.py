@@ -55,15 +55,29 @@ __all__ = ["logits_tiles", "stored_logits", "target_logits", "reduce_tiles", "co
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
+LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)  # log2(e)
+LN2: tl.constexpr = tl.constexpr(0.6931471805599453)    # ln(2)
+
+
+@triton.jit
+def _exp(x):
+    """``e^x`` as one multiply and the hardware ``ex2`` (results below 2^-126 flush to 0): ``tl.exp`` adds a range
+    test and two predicated multiplies per element to keep such denormals, five instructions instead of two on
+    sm_90, in kernels that are short of issue slots (the JSD's mixture pass, the statistics passes)."""
+    return tl.exp2(x * LOG2E)
+
 
 @triton.jit
 def _softcap(x, softcap):
     """``softcap * tanh(x / softcap)`` and its derivative ``sech^2``, both from ``e = exp(-2|u|)``: no
-    cancellation in the derivative where the cap saturates (``1 - tanh^2`` would lose it all)."""
-    u = x / softcap
-    e = tl.exp(-2.0 * tl.abs(u))
-    th = (1.0 - e) / (1.0 + e)
-    return softcap * tl.where(u >= 0, th, -th), 4.0 * e / ((1.0 + e) * (1.0 + e))
+    cancellation in the derivative where the cap saturates (``1 - tanh^2`` would lose it all). One division,
+    ``1 / (1 + e)``, serves both (Triton's fp32 ``/`` is the two-ulp ``div.full``), and ``x / softcap`` is a
+    multiply: three divisions per element made the soft cap the slowest option of the bandwidth passes."""
+    u = x * (1.0 / softcap)
+    e = _exp(-2.0 * tl.abs(u))
+    r = 1.0 / (1.0 + e)
+    th = (1.0 - e) * r
+    return softcap * tl.where(u >= 0, th, -th), 4.0 * e * (r * r)
 
 
 @triton.jit
@@ -201,7 +215,7 @@ def _epilogue(
         if HAS_CD:
             cd = tl.load(CD + rm, mask=row_ok, other=0.0)
         # off the target p needs no more than z's own precision; the target's entry comes from q (_dlogits)
-        p = tl.exp(acc - lse_row[:, None])
+        p = _exp(acc - lse_row[:, None])
         zc = p
         if HAS_CB:
             zc = acc - tl.load(RM + rm, mask=row_ok, other=0.0)[:, None]
@@ -216,7 +230,7 @@ def _epilogue(
         if TARGET_APART:  # ZT comes from target_logits: the rounded target logit takes no part, not even the max
             z = tl.where(hit, float("-inf"), z)
         m_t = tl.max(z, axis=1)
-        e = tl.exp(z - tl.where(m_t == float("-inf"), 0.0, m_t)[:, None])  # an all -inf row gives 0, not NaN
+        e = _exp(z - tl.where(m_t == float("-inf"), 0.0, m_t)[:, None])  # an all -inf row gives 0, not NaN
         stat = rm.to(tl.int64) * n_tiles + pid_n
         tl.store(TILE_M + stat, m_t, mask=row_ok)
         if TARGET_APART:
@@ -499,7 +513,7 @@ def _reduce_tiles_kernel(TM, TS, TZ, TEZ, ZT, OUT, C, T, SUM_Z: tl.constexpr, SU
         msk = ok[:, None] & (cols < T)[None, :]
         offs = base[:, None] + cols[None, :]
         mt = tl.load(TM + offs, mask=msk, other=float("-inf"))
-        r = tl.where(msk, tl.exp(mt - m_safe[:, None]), 0.0)  # NaN in m_t (or s_t) stays NaN
+        r = tl.where(msk, _exp(mt - m_safe[:, None]), 0.0)  # NaN in m_t (or s_t) stays NaN
         s2 += tl.load(TS + offs, mask=msk, other=0.0) * r
         if SUM_Z:
             z2 += tl.load(TZ + offs, mask=msk, other=0.0)
@@ -548,13 +562,13 @@ def _combine_rank_stats_kernel(EVERY, OUT, POISON, C, W, R, N_SUMS: tl.constexpr
     safe = tl.where(m == float("-inf"), 0.0, m)
     x = tl.zeros([BLOCK_C], tl.float32)
     for w in range(0, W):
-        r = tl.exp(tl.load(EVERY + w * R * C + rows, mask=ok, other=0.0) - safe)
+        r = _exp(tl.load(EVERY + w * R * C + rows, mask=ok, other=0.0) - safe)
         x += tl.load(EVERY + (w * R + 1) * C + rows, mask=ok, other=0.0) * r
-    e_t = tl.exp(t - safe)
+    e_t = _exp(t - safe)
     s = x + e_t
     log_s = tl.log(s)
     d = m - t
-    nll = tl.where(d <= 20.0, _log1p(x * tl.exp(tl.minimum(d, 20.0))), d + log_s)
+    nll = tl.where(d <= 20.0, _log1p(x * _exp(tl.minimum(d, 20.0))), d + log_s)
     tl.store(OUT + rows, m, mask=ok)
     tl.store(OUT + C + rows, log_s, mask=ok)
     tl.store(OUT + 2 * C + rows, nll, mask=ok)
@@ -567,7 +581,7 @@ def _combine_rank_stats_kernel(EVERY, OUT, POISON, C, W, R, N_SUMS: tl.constexpr
     for j in tl.static_range(N_W):
         acc = tl.zeros([BLOCK_C], tl.float32)
         for w in range(0, W):
-            r = tl.exp(tl.load(EVERY + w * R * C + rows, mask=ok, other=0.0) - safe)
+            r = _exp(tl.load(EVERY + w * R * C + rows, mask=ok, other=0.0) - safe)
             acc += tl.load(EVERY + (w * R + 3 + N_SUMS + j) * C + rows, mask=ok, other=0.0) * r
         acc += tl.where(e_t == 0.0, 0.0, e_t * t)  # the target's term of sum_j exp(z_j - M) z_j
         tl.store(OUT + (4 + N_SUMS + j) * C + rows, acc / s, mask=ok)
@@ -575,7 +589,7 @@ def _combine_rank_stats_kernel(EVERY, OUT, POISON, C, W, R, N_SUMS: tl.constexpr
     if SUM_SQ:
         acc = e_t * e_t
         for w in range(0, W):
-            r = tl.exp(tl.load(EVERY + w * R * C + rows, mask=ok, other=0.0) - safe)
+            r = _exp(tl.load(EVERY + w * R * C + rows, mask=ok, other=0.0) - safe)
             acc += tl.load(EVERY + (w * R + row) * C + rows, mask=ok, other=0.0) * (r * r)
         tl.store(OUT + (row + 1) * C + rows, tl.log(acc) - 2.0 * log_s, mask=ok)
         row += 1
@@ -855,26 +869,29 @@ def gated_weight_grad_(dw: torch.Tensor | None, db: torch.Tensor | None, p: torc
 __all__ += ["distill_stats", "combine_distill_heads", "distill_mixture", "distill_grad_", "distill_block_align"]
 
 
+
+
 @triton.jit
-def _log(x, FAST_LOG: tl.constexpr):
-    """``log x``. ``FAST_LOG`` (compiled for NVIDIA GPUs): PTX's hardware ``lg2.approx.f32``, the same class of
-    approximation as the ``ex2.approx`` that ``tl.exp`` compiles to, instead of libdevice's ``logf`` (about 40
+def _log2(x, FAST_LOG: tl.constexpr):
+    """``log2 x``. ``FAST_LOG`` (compiled for NVIDIA GPUs): PTX's hardware ``lg2.approx.f32``, the same class of
+    approximation as the ``ex2.approx`` that ``tl.exp2`` compiles to, instead of libdevice's (about 40
     instructions per element on sm_90), which held the JSD's mixture pass to 1.3 TB/s against the statistics pass's
     3 TB/s (one H200, session 7)."""
     if FAST_LOG:
         return tl.inline_asm_elementwise("lg2.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
-                                         pack=1) * 0.6931471805599453
-    return tl.log(x)
+                                         pack=1)
+    return tl.log2(x)
 
 
 @triton.jit
 def _jsd_terms(s, u, beta, FAST_LOG: tl.constexpr):
-    """The JSD's per-element terms from the log-probabilities ``s = log p`` (student), ``u = log q`` (teacher) and
-    the mixture ``m = beta q + (1 - beta) p`` (``0 < beta < 1``): ``p``, ``q``, ``s - log m`` and ``u - log m``,
-    with four transcendentals per element (three ``exp``, one ``log``).
+    """The JSD's per-element terms from the base-2 log-probabilities ``s = log2 p`` (student), ``u = log2 q``
+    (teacher) and the mixture ``m = beta q + (1 - beta) p`` (``0 < beta < 1``): ``p``, ``q``, ``s - log2 m`` and
+    ``u - log2 m``, with four transcendentals per element (three ``exp2``, one ``log2``) and no conversion
+    between bases (the callers scale the sums by ``ln 2``).
 
-    Relative to the larger of the two log-probabilities (``d = u - s``, ``a = -|d|``): ``log m`` minus the larger
-    is ``-L = log(w + (1 - w) e^a)`` with ``w`` the larger one's mixture weight, an argument in
+    Relative to the larger of the two log-probabilities (``d = u - s``, ``a = -|d|``): ``log2 m`` minus the
+    larger is ``-L = log2(w + (1 - w) 2^a)`` with ``w`` the larger one's mixture weight, an argument in
     ``[min(beta, 1 - beta), 1]``; the larger's difference is ``L`` and the smaller's ``a + L``. No cancellation
     between two large logs, and the log's absolute error (the hardware approximation's included) stays at the
     scale of ``L``, not of ``log m``: on one H200, a bf16 chunk of 4096 x 64128 logits, the JSD's error against
@@ -884,23 +901,27 @@ def _jsd_terms(s, u, beta, FAST_LOG: tl.constexpr):
     a = -tl.abs(d)
     u_hi = d > 0
     w = tl.where(u_hi, beta, 1.0 - beta)
-    big = -_log(w + (1.0 - w) * tl.exp(a), FAST_LOG)
+    w_lo = tl.where(u_hi, 1.0 - beta, beta)
+    big = -_log2(tl.fma(w_lo, tl.exp2(a), w), FAST_LOG)
     s_m = tl.where(u_hi, a + big, big)
     u_m = tl.where(u_hi, big, a + big)
-    return tl.exp(s), tl.exp(u), s_m, u_m
+    return tl.exp2(s), tl.exp2(u), s_m, u_m
 
 
 @triton.jit
 def _max_exp(z):
     """Row max of a tile and ``exp(z - max)`` (a row of ``-inf`` gives 0, not NaN)."""
     m = tl.max(z, axis=1)
-    return m, tl.exp(z - tl.where(m == float("-inf"), 0.0, m)[:, None])
+    return m, _exp(z - tl.where(m == float("-inf"), 0.0, m)[:, None])
 
 
 @triton.jit
-def _row_log_probs(x, RM, RLS, rm, row_ok):
-    """``x - M - log S`` with the rows' global max ``M`` and ``log S`` (the log-softmax of a tile)."""
-    return (x - tl.load(RM + rm, mask=row_ok, other=0.0)[:, None]) - tl.load(RLS + rm, mask=row_ok, other=0.0)[:, None]
+def _row_log2_probs(x, RM, RLS, rm, row_ok):
+    """``(x - M) log2(e) - log2 S`` with the rows' global max ``M`` and ``log S``: a tile's log-softmax in base 2
+    (``exp2`` of it is the softmax, with no multiply per element), one ``fma`` per element."""
+    m = tl.load(RM + rm, mask=row_ok, other=0.0)[:, None]
+    ls2 = (tl.load(RLS + rm, mask=row_ok, other=0.0) * LOG2E)[:, None]
+    return tl.fma(x - m, LOG2E, -ls2)
 
 
 @triton.jit
@@ -995,7 +1016,7 @@ def _tiles_softmax(TM, TS, TW, base, ok, T, HAS_W: tl.constexpr, BLOCK_C: tl.con
         cols = t0 + tl.arange(0, BLOCK_T)
         msk = ok[:, None] & (cols < T)[None, :]
         offs = base[:, None] + cols[None, :]
-        r = tl.where(msk, tl.exp(tl.load(TM + offs, mask=msk, other=float("-inf")) - safe[:, None]), 0.0)
+        r = tl.where(msk, _exp(tl.load(TM + offs, mask=msk, other=float("-inf")) - safe[:, None]), 0.0)
         s2 += tl.load(TS + offs, mask=msk, other=0.0) * r  # NaN in m_t or s_t stays NaN
         if HAS_W:
             w2 += tl.load(TW + offs, mask=msk, other=0.0) * r
@@ -1062,7 +1083,7 @@ def _combine_distill_kernel(EVERY, OUT, POISON, C, W, R, KL: tl.constexpr, HAS_P
         s = tl.zeros([BLOCK_C], tl.float32)
         e = tl.zeros([BLOCK_C], tl.float32)
         for w in range(0, W):
-            r = tl.exp(tl.load(EVERY + (w * R + 2 * head) * C + rows, mask=ok, other=0.0) - safe)
+            r = _exp(tl.load(EVERY + (w * R + 2 * head) * C + rows, mask=ok, other=0.0) - safe)
             s += tl.load(EVERY + (w * R + 2 * head + 1) * C + rows, mask=ok, other=0.0) * r
             if KL == 2 - head:
                 e += tl.load(EVERY + (w * R + 4) * C + rows, mask=ok, other=0.0) * r
@@ -1093,16 +1114,16 @@ def _distill_mixture_kernel(
     pid_n = tl.program_id(1)
     _, z, y, _ = _distill_load(Z, Y, rm, rn, mask, stride_zm, stride_ym, softcap, t_softcap, inv_t,
                                SOFTCAP, T_SOFTCAP, TEMPERATURE)
-    s = _row_log_probs(z, RM_Z, RLS_Z, rm, row_ok)
-    u = _row_log_probs(y, RM_Y, RLS_Y, rm, row_ok)
+    s = _row_log2_probs(z, RM_Z, RLS_Z, rm, row_ok)
+    u = _row_log2_probs(y, RM_Y, RLS_Y, rm, row_ok)
     if not EVEN_N:
         pad = tl.where(rn < V, 0.0, float("-inf"))[None, :]
         s = s + pad
         u = u + pad
     p, q, s_m, u_m = _jsd_terms(s, u, beta, FAST_LOG)
     stat = rm.to(tl.int64) * n_tiles + pid_n
-    tl.store(TILES + stat, tl.sum(tl.where(q == 0.0, 0.0, q * u_m), axis=1), mask=row_ok)
-    tl.store(TILES + plane + stat, tl.sum(tl.where(p == 0.0, 0.0, p * s_m), axis=1), mask=row_ok)
+    tl.store(TILES + stat, tl.sum(tl.where(q == 0.0, 0.0, q * u_m), axis=1) * LN2, mask=row_ok)
+    tl.store(TILES + plane + stat, tl.sum(tl.where(p == 0.0, 0.0, p * s_m), axis=1) * LN2, mask=row_ok)
 
 
 @triton.jit
@@ -1127,22 +1148,22 @@ def _distill_grad_kernel(
     z1, z, y, dcap = _distill_load(Z, Y, rm, rn, mask, stride_zm, stride_ym, softcap, t_softcap, inv_t,
                                    SOFTCAP, T_SOFTCAP, TEMPERATURE)
     # -- the divergence's gradient with respect to the tempered logits (p = 0: no 0 * inf) --
-    s = _row_log_probs(z, RM_Z, RLS_Z, rm, row_ok)
+    s = _row_log2_probs(z, RM_Z, RLS_Z, rm, row_ok)
     if KIND == 0:
-        g = tl.exp(s) - tl.exp(_row_log_probs(y, RM_Y, RLS_Y, rm, row_ok))
+        g = tl.exp2(s) - tl.exp2(_row_log2_probs(y, RM_Y, RLS_Y, rm, row_ok))
     else:
         e = tl.load(RE + rm, mask=row_ok, other=0.0)[:, None]
         if KIND == 1:
-            p = tl.exp(s)
+            p = tl.exp2(s)
             g = tl.where(p == 0.0, 0.0, p * ((z - y) - e))
         else:
-            p, _, s_m, _ = _jsd_terms(s, _row_log_probs(y, RM_Y, RLS_Y, rm, row_ok), beta, FAST_LOG)
-            g = tl.where(p == 0.0, 0.0, (1.0 - beta) * p * (s_m - e))
+            p, _, s_m, _ = _jsd_terms(s, _row_log2_probs(y, RM_Y, RLS_Y, rm, row_ok), beta, FAST_LOG)
+            g = tl.where(p == 0.0, 0.0, (1.0 - beta) * p * tl.fma(s_m, LN2, -e))
     g = g * tl.load(KD + rm, mask=row_ok, other=0.0)[:, None]
     # -- the cross-entropy's on the untempered logits --
     if CE:
         t = tl.load(TL + rm, mask=row_ok, other=-1)
-        p1 = tl.exp(_row_log_probs(z1, RM1, RLS1, rm, row_ok))
+        p1 = tl.exp2(_row_log2_probs(z1, RM1, RLS1, rm, row_ok))
         p1 = tl.where(rn[None, :] == t[:, None], -tl.load(RQ1 + rm, mask=row_ok, other=0.0)[:, None], p1)
         g = g + tl.load(CEW + rm, mask=row_ok, other=0.0)[:, None] * p1
     if SOFTCAP:
