@@ -883,7 +883,7 @@ def _log2(x, FAST_LOG: tl.constexpr):
 
 
 @triton.jit
-def _jsd_terms(s, u, beta, FAST_LOG: tl.constexpr):
+def _jsd_terms(s, u, beta, FAST_LOG: tl.constexpr, CLAMP: tl.constexpr):
     """The JSD's per-element terms from the base-2 log-probabilities ``s = log2 p`` (student), ``u = log2 q``
     (teacher) and the mixture ``m = beta q + (1 - beta) p`` (``0 < beta < 1``): ``p``, ``q``, ``s - log2 m`` and
     ``u - log2 m``, with four transcendentals per element (three ``exp2``, one ``log2``) and no conversion
@@ -895,9 +895,17 @@ def _jsd_terms(s, u, beta, FAST_LOG: tl.constexpr):
     between two large logs, and the log's absolute error (the hardware approximation's included) stays at the
     scale of ``L``, not of ``log m``: on one H200, a bf16 chunk of 4096 x 64128 logits, the JSD's error against
     float64 was torch eager fp32's (2.4e-7 / 2.2e-7), against 1.5e-6 with ``log m`` taken directly. A NaN in
-    either head gives NaN terms; ``-inf`` in both (padding) gives ``p = q = 0``, whose terms the callers drop."""
+    either head gives NaN terms; ``-inf`` in both (padding) gives ``p = q = 0``, whose terms the callers drop.
+
+    ``CLAMP`` (for the sums of both heads' terms, where a NaN in either head reaches them through ``p`` or ``q``):
+    ``a`` is clamped at ``-1e30`` (``tl.maximum`` returns the number where the other operand is NaN), so a head at
+    ``-inf`` or both (padding) give finite differences beside a zero probability and every term ``p (s - log2 m)``
+    is 0 there without a guard. Not for the student's gradient, which uses no ``q``: a NaN in the teacher reaches it
+    only through ``a``."""
     d = u - s
     a = -tl.abs(d)
+    if CLAMP:
+        a = tl.maximum(a, -1e30)
     u_hi = d > 0
     w = tl.where(u_hi, beta, 1.0 - beta)
     w_lo = tl.where(u_hi, 1.0 - beta, beta)
@@ -1119,10 +1127,10 @@ def _distill_mixture_kernel(
         pad = tl.where(rn < V, 0.0, float("-inf"))[None, :]
         s = s + pad
         u = u + pad
-    p, q, s_m, u_m = _jsd_terms(s, u, beta, FAST_LOG)
+    p, q, s_m, u_m = _jsd_terms(s, u, beta, FAST_LOG, True)  # no guards: the terms are 0 where p or q is
     stat = rm.to(tl.int64) * n_tiles + pid_n
-    tl.store(TILES + stat, tl.sum(tl.where(q == 0.0, 0.0, q * u_m), axis=1) * LN2, mask=row_ok)
-    tl.store(TILES + plane + stat, tl.sum(tl.where(p == 0.0, 0.0, p * s_m), axis=1) * LN2, mask=row_ok)
+    tl.store(TILES + stat, tl.sum(q * u_m, axis=1) * LN2, mask=row_ok)
+    tl.store(TILES + plane + stat, tl.sum(p * s_m, axis=1) * LN2, mask=row_ok)
 
 
 @triton.jit
@@ -1156,7 +1164,7 @@ def _distill_grad_kernel(
             p = tl.exp2(s)
             g = tl.where(p == 0.0, 0.0, p * ((z - y) - e))
         else:
-            p, _, s_m, _ = _jsd_terms(s, _row_log2_probs(y, RM_Y, RLS_Y, rm, row_ok), beta, FAST_LOG)
+            p, _, s_m, _ = _jsd_terms(s, _row_log2_probs(y, RM_Y, RLS_Y, rm, row_ok), beta, FAST_LOG, False)
             g = tl.where(p == 0.0, 0.0, (1.0 - beta) * p * tl.fma(s_m, LN2, -e))
     g = g * tl.load(KD + rm, mask=row_ok, other=0.0)[:, None]
     # -- the cross-entropy's on the untempered logits --
