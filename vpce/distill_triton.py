@@ -182,9 +182,7 @@ def distill_forward(hidden, weight, bias, t_hidden, t_weight, t_bias, tg: TokenT
         return loss_tok, rows, None
     if needs[1] and dw is None:  # no chunk ran (no tokens, or an all-padding shard)
         dw = torch.zeros(v, d, dtype=torch.float32, device=dev)
-    if reduce_dx is not None:
-        dx = reduce_dx.finish()
-    return loss_tok, None, FastGrads(dx, dw, db)
+    return loss_tok, None, FastGrads(dx, dw, db, reduce_dx)  # dX's sum awaited in backward, after dW's cast
 
 
 def distill_recompute_grads(hidden, weight, bias, t_hidden, t_weight, t_bias, tg: TokenTargets, rows: DistillRows,

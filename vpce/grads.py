@@ -21,11 +21,20 @@ __all__ = ["FastGrads", "finish_fast_grads", "check_main_grad", "pad_rows", "wei
 
 class FastGrads(NamedTuple):
     """The fast route's gradients, formed in forward at unit upstream scale (fp32, fp64 for fp64 inputs); dW and
-    db over the shard's valid rows. Each is None where not needed."""
+    db over the shard's valid rows. Each is None where not needed.
+
+    ``dx_sum``: dX's sum over the tensor-parallel group, still in flight (``vpce.parallel.HiddenGradReduce``);
+    ``summed()`` waits for it. Backward waits only after dW's scale and cast, which the last chunk's all-reduce
+    runs beside: in forward it would wait behind the last dW GEMM, which holds every SM until it ends."""
 
     dx: torch.Tensor | None
     dw: torch.Tensor | None
     db: torch.Tensor | None
+    dx_sum: object | None = None
+
+    def summed(self) -> tuple:
+        """``(dx, dw, db)`` with dX summed over the group (this rank's rows of it under sequence parallelism)."""
+        return self.dx if self.dx_sum is None else self.dx_sum.finish(), self.dw, self.db
 
 
 def check_main_grad(weight: torch.Tensor):
@@ -70,13 +79,16 @@ def finish_fast_grads(grads: FastGrads, g: torch.Tensor, dtype: torch.dtype, row
                       main_weight: torch.Tensor | None,
                       scale_cast: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]):
     """Scale the held gradients by the upstream gradient ``g`` (0-d, with ``1/count`` for ``mean``) and return them
-    in ``dtype``, dW padded to ``rows`` or added into ``main_weight.main_grad``."""
-    dx, dw, db = grads
-    dx = None if dx is None else scale_cast(dx, g, dtype)
+    in ``dtype``, dW padded to ``rows`` or added into ``main_weight.main_grad``. dW first: dX's sum over the group
+    may still be running (``FastGrads.dx_sum``)."""
+    _, dw, db, _ = grads
     db = None if db is None else pad_rows(db.mul_(g), rows, dtype)
     if main_weight is not None:  # fp32 straight into main_grad, never rounded
-        return dx, weight_grad_to_main(main_weight, None if dw is None else dw.mul_(g).float()), db
-    return dx, None if dw is None else pad_rows(scale_cast(dw, g, dtype), rows, dtype), db
+        dw = weight_grad_to_main(main_weight, None if dw is None else dw.mul_(g).float())
+    elif dw is not None:
+        dw = pad_rows(scale_cast(dw, g, dtype), rows, dtype)
+    dx = grads.summed()[0]
+    return None if dx is None else scale_cast(dx, g, dtype), dw, db
 
 
 def add_block(gz: torch.Tensor, h: torch.Tensor, w_block: torch.Tensor, vs: slice, tok: slice, *, dx, dx_acc, dw, db,

@@ -57,7 +57,7 @@ def _forward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target: Ten
     loss_tok, rows, fast = backend_module(backend).cross_entropy(hidden, weight, bias, tg, opts, call)
     empty = lambda: hidden.new_empty(0, dtype=accumulation_dtype(hidden.dtype))  # noqa: E731 - fresh per output
     rows = rows if rows is not None else (empty(), empty(), empty())
-    grads = fast if fast is not None else (None, None, None)
+    grads = fast.summed() if fast is not None else (None, None, None)
     return (tg.reduce(loss_tok, opts.reduction), tg.denominator(loss_tok.dtype), *rows,
             *(empty() if g is None else g for g in grads))
 
@@ -192,7 +192,7 @@ def _distill_forward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], t_h
                                                           call)
     empty = lambda: hidden.new_empty(0, dtype=accumulation_dtype(hidden.dtype))  # noqa: E731 - fresh per output
     rows = tuple(empty() if r is None else r for r in rows) if rows is not None else tuple(empty() for _ in range(8))
-    grads = fast if fast is not None else (None, None, None)
+    grads = fast.summed() if fast is not None else (None, None, None)
     return (tg.reduce(loss_tok, o.reduction), tg.denominator(loss_tok.dtype), *rows,
             *(empty() if g is None else g for g in grads))
 

@@ -272,9 +272,7 @@ def _formed_grads(hidden, w, b, tl_local, stats: _ChunkStats, p, chunk: int, cal
             db += pc.sum(0, dtype=torch.float32)
     if needs[1] and dw is None:  # no chunk ran (no tokens, or all-padding shard)
         dw = torch.zeros(v, d, dtype=torch.float32, device=dev)
-    if reduce_dx is not None:
-        dx = reduce_dx.finish()
-    return FastGrads(dx, dw, db)
+    return FastGrads(dx, dw, db, reduce_dx)  # dX's sum awaited in backward, after dW's cast
 
 
 def _first_chunk(hidden, w, b, chunk_opts: LossOptions, call: Call):
@@ -426,11 +424,12 @@ def speculative_grads(held: FastGrads, hidden, weight, bias, tg: TokenTargets, r
                     kernels.gated_scale_(acc, zero, mispredicted)  # NaN in dW_unit stays NaN, as the lean route's
             _gated_recompute(hidden.contiguous(), weight[:v], None if bias is None else bias[:v], tg, rows,
                              coefficients(r), flags, chunk, softcap, inv_t, dw, db)
-    dx = None if held.dx is None else kernels.row_scale_cast(held.dx, gk, dtype)
     if main_weight is not None and dw is not None:
         dw = weight_grad_to_main(main_weight, dw.mul_(last))
     elif dw is not None:
         dw = pad_rows(kernels.scale_cast(dw, last, dtype), n_rows, dtype)
+    dx = held.summed()[0]  # after dW's cast: dX's sum over the group runs beside it
+    dx = None if dx is None else kernels.row_scale_cast(dx, gk, dtype)
     return dx, dw, None if db is None else pad_rows(db.mul_(last), n_rows, dtype), uniform
 
 
