@@ -288,6 +288,37 @@ def test_quack_rows_call_quack_and_its_failure_is_a_row(monkeypatch):
     assert rows["quack-base-frozen"]["floor_ms"] == record["floor"]["frozen_ms"], (rows, record)
 
 
+def test_main_grad_row_and_chunked_floor(monkeypatch):
+    """The lean row with ``accumulate_main_grad`` (on CPU: the torch backend in its place): the harness gives the
+    weight a zeroed fp32 ``main_grad`` before the first step, checks that as dW (as exact as the plain row's) and
+    finds no ``w.grad``. A floor over token chunks (forced here: 3 chunks of 16 tokens, the last one short) says so
+    in its label and record, and its rows are divided by it."""
+    import functools
+
+    from vpce.bench import runner
+    from vpce.bench.harness import Env, Settings, Shape
+    from vpce.bench.methods import METHODS, _vpce
+    from vpce.bench.report import Progress
+
+    name = "vpce-triton-lean-main-grad"
+    monkeypatch.setitem(METHODS, name, dataclasses.replace(
+        METHODS[name], needs_cuda=False,
+        build=functools.partial(_vpce, backend="torch", memory_budget="lean", accumulate_main_grad=True)))
+    monkeypatch.setattr(runner, "_floor_chunks", lambda n, v, env: 3)
+    env = Env(device=torch.device("cpu"), dtype=torch.float32)
+    settings = Settings(warmup=1, min_reps=1, max_reps=1, rep_time_s=0.0)
+    record, rows = runner.run_shape(Shape(name="tiny", n=16, d=32, v=96), env, ["floor", "vpce-torch", name],
+                                    settings, Progress(enabled=False))
+    rows = {r["method"]: r for r in rows if r["mode"] != "no-grad"}
+    r, plain = rows[name], rows["vpce-torch"]
+    assert r["status"] == "ok" and plain["status"] == "ok", (r, plain)
+    assert r["dw_err"] < 1e-5 and r["dx_err"] < 1e-5 and r["loss_err"] < 1e-6, r
+    assert r["dw_err"] == pytest.approx(plain["dw_err"], rel=0.5, abs=1e-7), (r, plain)
+    floor = record["floor"]
+    assert floor["chunks"] == 3 and rows["floor"]["label"] == "floor: 3 GEMMs (over 3 token chunks)", rows["floor"]
+    assert r["floor_ms"] == floor["total_ms"] > 0, (r, floor)
+
+
 def test_profile_on_cpu(tmp_path):
     """``--profile`` on a CPU profiles CPU ops: a table per phase and per op for each row, the GEMMs where they
     belong (torch eager: logits, dX and dW; frozen: no dW), a row that cannot run said as missing."""

@@ -11,7 +11,8 @@ What is measured, per shape (``N`` tokens, hidden size ``D``, vocab ``V``) and p
   logits ``X @ W.T``, ``dX = G @ W`` and ``dW = G.T @ X`` with a random ``G [N, V]``, each timed like the rows;
   the floor is their sum, and "x floor" is a row's time over it. The frozen-weight rows are compared with the
   logits and dX GEMMs ("x 2 GEMMs"), the no-grad forward rows with the logits GEMM alone ("x GEMM"); the JSON's
-  ``floor_gemms`` says which floor a row is divided by.
+  ``floor_gemms`` says which floor a row is divided by. Where ``G`` and the logits do not fit in free device
+  memory, each GEMM runs over equal token chunks (``runner.measure_floor``; the floor record's ``chunks``).
 * **Time.** One step is ``x.grad = w.grad = None; loss = f(x, w, y); loss.backward()``. The first call compiles
   or autotunes and is the one checked for accuracy; ``--warmup`` more synchronized calls estimate the step's
   cost; then enough steps to fill ``--rep-time`` seconds (at least ``--reps``, at most 200) run back to back, each
@@ -29,7 +30,8 @@ What is measured, per shape (``N`` tokens, hidden size ``D``, vocab ``V``) and p
   path, and its chunked path with default options, ``-accurate``, ``-balanced`` and ``-ar1``); ``liger``; ``cce``
   and ``cce-exact`` (``filter_eps=None``); ``quack`` (quack-kernels' ``chunked_linear_cross_entropy``,
   ``chunk_size=4096``) and ``quack-base`` (``use_scaled_exp=False``); ``megatron`` and ``megatron-fused`` (tp=1,
-  on a process group of this one process); ``vpce-triton`` (default memory budget), ``vpce-triton-lean``;
+  on a process group of this one process); ``vpce-triton`` (default memory budget), ``vpce-triton-lean``,
+  ``vpce-triton-lean-main-grad`` (dW into an fp32 ``weight.main_grad``, as Megatron);
   ``vpce-torch``; vpce with loss options and ``linear_log_probs`` (on the device's backend: Triton on CUDA, torch
   on a CPU); the frozen-lm_head rows ``torch-frozen``, ``compile-frozen``, ``quack-frozen``,
   ``quack-base-frozen``, ``vpce-triton-frozen`` and ``vpce-torch-frozen`` (``w.requires_grad=False``, as LoRA:

@@ -16,7 +16,8 @@ first (checked) step is lean and the timed steps, after the warmup's, are specul
 ``vpce-logprobs-grpo`` (per-token advantages) stays lean: the general case.
 
 vpce's rows call ``vpce.linear_cross_entropy`` (or ``vpce.linear_log_probs``) as a user does: ``vpce-triton`` and
-``vpce-triton-lean`` (``memory_budget="lean"``) name the Triton backend and need CUDA; ``vpce-torch`` names the
+``vpce-triton-lean`` (``memory_budget="lean"``; ``vpce-triton-lean-main-grad`` with ``accumulate_main_grad``: see
+``Method.main_grad``) name the Triton backend and need CUDA; ``vpce-torch`` names the
 torch backend; the loss-option rows (label smoothing, z-loss, soft cap, token weights) and the log-prob rows use
 the backend that fits the device (Triton on CUDA, torch elsewhere; their labels say which).
 
@@ -85,6 +86,10 @@ class Method:
     frozen: bool = False
     """The lm_head is frozen (``w.requires_grad=False``, as in LoRA fine-tuning): the step computes the loss and
     ``dX`` only, and is timed against the two-GEMM floor (logits + dX); there is no ``dW`` to check."""
+    main_grad: bool = False
+    """The weight's gradient goes into an fp32 ``w.main_grad`` (``accumulate_main_grad=True``, as megatron-core's
+    gradient-accumulation fusion): the harness gives the weight that buffer before the first step, zeroed, so it is
+    live before the memory is measured, as Megatron's gradient buffer is; the dW checked is ``w.main_grad``."""
     distill: tuple[str, float | None] | None = None
     """A distillation row (``--distill``): the ``(divergence, beta)`` it computes, as ``linear_distillation_loss``
     names them; its errors are checked against the float64 reference of that divergence. None: a cross-entropy
@@ -113,10 +118,10 @@ def device_backend(env: Env) -> str:
 
 # -- vpce ---------------------------------------------------------------------------------------------------------
 
-def _vpce(env: Env, *, backend: str, memory_budget: str = "auto") -> LossFn:
+def _vpce(env: Env, *, backend: str, memory_budget: str = "auto", accumulate_main_grad: bool = False) -> LossFn:
     from .. import linear_cross_entropy
     return functools.partial(linear_cross_entropy, backend=backend, memory_budget=memory_budget,
-                             **env.vpce_layout())
+                             accumulate_main_grad=accumulate_main_grad, **env.vpce_layout())
 
 
 def _vpce_variant(env: Env, **options) -> LossFn:
@@ -317,6 +322,9 @@ _ROWS = [
     Method(name="vpce-triton-lean", label="vpce triton lean",
            build=functools.partial(_vpce, backend="triton", memory_budget="lean"), package="vpce",
            needs_cuda=True, tp=True),
+    Method(name="vpce-triton-lean-main-grad", label="vpce triton lean, dW into fp32 main_grad (Megatron)",
+           build=functools.partial(_vpce, backend="triton", memory_budget="lean", accumulate_main_grad=True),
+           package="vpce", needs_cuda=True, main_grad=True),
     Method(name="vpce-torch", label="vpce torch", build=functools.partial(_vpce, backend="torch"), package="vpce",
            no_grad=True, tp=True),
     *[Method(name=f"vpce-{key}", label=f"vpce {{backend}} {label}", build=functools.partial(_vpce_variant, **opts),

@@ -95,7 +95,8 @@ def _floor_text(floor: dict, flops: float) -> str:
     tflops = flops / (floor["total_ms"] * 1e-3) / 1e12
     teacher = f"teacher logits {floor['teacher_logits_ms']:.2f} + " if "teacher_logits_ms" in floor else ""
     return (f"{floor['total_ms']:.2f} ms = {teacher}logits {floor['logits_ms']:.2f} + dX {floor['dx_ms']:.2f} + dW "
-            f"{floor['dw_ms']:.2f} ms ({tflops:.3g} TFLOP/s)")
+            f"{floor['dw_ms']:.2f} ms ({tflops:.3g} TFLOP/s)"
+            + (f", each GEMM over {floor['chunks']} token chunks" if floor.get("chunks", 1) > 1 else ""))
 
 
 def _shape_title(record: dict) -> str:

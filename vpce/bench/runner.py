@@ -123,16 +123,32 @@ def measure_floor(shape: Shape, prob: Problem, env: Env, settings: Settings, agr
 
     A distillation problem (``prob.xt``) adds the teacher's logits GEMM ``[N, D_T] @ [D_T, V]``
     (``teacher_logits_ms``) to ``total_ms``, the floor of its rows, and has no ``frozen_ms``.
+
+    Where ``G`` and the logits ``[N, V]`` would not fit in the device's free memory (the Llama-3-8B head at
+    N = 262144 needs 134 GB for them), each GEMM runs over ``chunks`` equal token chunks (the fewest, a power of
+    2, that fit; ``chunks`` in the result): the same FLOP in GEMMs of at least ``N / chunks`` rows, and dW as
+    ``chunks`` GEMMs of ``K = N / chunks`` without their sum (at N = 131072, one GEMM and 2 chunks of N/2 time
+    the same: the floor's GEMMs take time in proportion to N at these sizes, docs/benchmarks.md).
     """
-    gen = torch.Generator(device=env.device).manual_seed(settings.seed + 1)
-    g = torch.randn(prob.x.shape[0], prob.w.shape[0], device=env.device, generator=gen).to(env.dtype)
     x, w, xt, wt = prob.x, prob.w, prob.xt, prob.wt
-    gemms = {"logits_ms": lambda: torch.mm(x, w.t()),   # [N, D] @ [D, V]
-             "dx_ms": lambda: torch.mm(g, w),           # [N, V] @ [V, D]
-             "dw_ms": lambda: torch.mm(g.t(), x)}       # [V, N] @ [N, D]
+    n, v = x.shape[0], w.shape[0]
+    chunks = _floor_chunks(n, v, env)
+    rows = -(-n // chunks)
+    cuts = [slice(a, min(n, a + rows)) for a in range(0, n, rows)]
+    gen = torch.Generator(device=env.device).manual_seed(settings.seed + 1)
+    g = torch.randn(rows, v, device=env.device, generator=gen).to(env.dtype)
+
+    def each(gemm):
+        def run():
+            for c in cuts:
+                gemm(c)  # its output freed before the next chunk's
+        return run
+    gemms = {"logits_ms": each(lambda c: torch.mm(x[c], w.t())),                # [N, D] @ [D, V]
+             "dx_ms": each(lambda c: torch.mm(g[: c.stop - c.start], w)),       # [N, V] @ [V, D]
+             "dw_ms": each(lambda c: torch.mm(g[: c.stop - c.start].t(), x[c]))}  # [V, N] @ [N, D]
     if xt is not None:
-        gemms = {"teacher_logits_ms": lambda: torch.mm(xt, wt.t()), **gemms}  # [N, D_T] @ [D_T, V]
-    out = {}
+        gemms = {"teacher_logits_ms": each(lambda c: torch.mm(xt[c], wt.t())), **gemms}  # [N, D_T] @ [D_T, V]
+    out = {"chunks": chunks}
     for key, fn in gemms.items():
         fn()
         out[key] = measure(fn, env.device, settings, agree).median
@@ -144,11 +160,27 @@ def measure_floor(shape: Shape, prob: Problem, env: Env, settings: Settings, agr
     return out
 
 
+def _floor_chunks(n: int, v: int, env: Env) -> int:
+    """Token chunks of the floor's GEMMs: 1, or the fewest (a power of 2) whose ``G`` (drawn in fp32) and logits
+    ``[N / chunks, V]`` take at most 90 % of the device's free memory."""
+    if not env.cuda:
+        return 1
+    free, _ = torch.cuda.mem_get_info(env.device)
+    elem = torch.finfo(env.dtype).bits // 8
+    need = n * v * max(4 + elem, 2 * elem)
+    chunks = 1
+    while need / chunks > 0.9 * free and chunks < n:
+        chunks *= 2
+    return chunks
+
+
 def floor_phase(row: dict, shape: Shape, prob: Problem, env: Env, settings: Settings, agree_time=None) -> Phase:
     """The floor row's one phase: ``measure_floor``, kept in ``row["_floor"]`` for the shape record."""
     def floor():
         out = measure_floor(shape, prob, env, settings, agree_time)
         row.update(ms=out["total_ms"], floor_ms=out["total_ms"], x_floor=1.0, reps=None, _floor=out)
+        if out["chunks"] > 1:
+            row["label"] += f" (over {out['chunks']} token chunks)"
     return floor
 
 
@@ -211,7 +243,8 @@ def fwd_bwd_phases(row: dict, method: Method, env: Env, settings: Settings, prob
     ``ref_dx(ref.dhidden)`` (default: all of it) and ``w.grad`` against ``ref.dweight``; ``row["_dx_sq"]`` and
     ``row["_dw_sq"]`` keep the squared errors, which combine over ranks. ``ref`` is the reference, or the shape's
     ``References``, asked in the row's second phase for the one of ``method.distill``. A frozen row's weight does
-    not require grad: its ``w.grad`` must stay None, and there is no ``dW`` error. ``x_in`` (default ``prob.x``)
+    not require grad: its ``w.grad`` must stay None, and there is no ``dW`` error; a ``Method.main_grad`` row's
+    ``w.grad`` must stay None too, and its ``dW`` is ``w.main_grad``. ``x_in`` (default ``prob.x``)
     is the hidden input (under ``--sp`` this rank's slice), ``extra`` (default ``prob.extra``) the loss function's
     arguments after the targets (the teacher's, under ``--sp`` its hidden slice); ``agree_time`` is passed on to
     ``measure``.
@@ -237,16 +270,20 @@ def fwd_bwd_phases(row: dict, method: Method, env: Env, settings: Settings, prob
     def first_step():
         live.x = x = x_in.detach().clone().requires_grad_()
         live.w = w = prob.w.detach().clone().requires_grad_(not method.frozen)
+        if method.main_grad:
+            w.main_grad = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
         live.step = make_step(live.fn, x, w, prob.y, *extra)
         loss = live.step()
         synchronize(env.device)
-        if method.frozen and w.grad is not None:
-            raise RuntimeError("the frozen weight got a gradient")
+        if (method.frozen or method.main_grad) and w.grad is not None:
+            raise RuntimeError("the frozen weight got a gradient" if method.frozen else
+                               "the weight got a .grad beside its main_grad")
         ref = live.ref
         if method.plain:
             _record_loss(row, loss, ref)
             row["_dx_sq"] = sq_err(x.grad, live.ref_dx)
-            row["_dw_sq"] = None if method.frozen else sq_err(w.grad, ref.dweight)
+            dw = w.main_grad if method.main_grad else w.grad
+            row["_dw_sq"] = None if method.frozen else sq_err(dw, ref.dweight)
             row["dx_err"], row["dw_err"] = err_from_sq(row["_dx_sq"]), err_from_sq(row["_dw_sq"])
         else:
             row["loss"] = float(loss)
