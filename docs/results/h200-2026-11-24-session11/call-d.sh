@@ -1,0 +1,6 @@
+# session 11, call D (nvidia-h200, two commands; recipe of launch/quack_wheels.sh): quack 0.6.5 + liger-kernel 0.8.5
+# onto the machine, then the long-context peer rows. Command 1 (carry .whl-quack/call1):
+#   mkdir -p /tmp/quack && cp .whl-quack/call1/nvidia_cutlass_dsl_libs_cu13-4.7.1-*.whl.part-aa /tmp/quack/
+# Command 2 (carry .whl-quack/call2, the liger wheel copied into .whl-quack/call2/wheels/):
+Q=/tmp/quack; W=nvidia_cutlass_dsl_libs_cu13-4.7.1-cp312-cp312-manylinux_2_28_x86_64.whl; cat $Q/$W.part-aa .whl-quack/call2/$W.part-ab .whl-quack/call2/$W.part-ac > $Q/$W && echo "20c14e16125cb8e36bc9947a9f0a57a660f44651365337b911c84abde4967f5f  $Q/$W" | sha256sum -c --quiet && python3 -m pip install -q --no-index --no-deps --no-compile --target $Q/site-packages .whl-quack/call2/wheels/*.whl && python3 -m zipfile -e $Q/$W $Q/site-packages && export PYTHONPATH=$Q/site-packages:$Q/site-packages/nvidia_cutlass_dsl/dsl_packages && python3 -c "import quack.linear_cross_entropy, liger_kernel; print('imports ok')"
+timeout 480 python -m vpce.bench --shapes llama3-8b-128k,llama3-8b-256k --methods floor,liger,quack,quack-base,vpce-triton-lean --skip-no-grad --reps 3 --rep-time 0 --out $OUT/lp > $OUT/longpeers.log 2>&1
