@@ -43,7 +43,7 @@ from . import kernels
 from .distill import KL_HEAD, DistillOptions, DistillRows, exchange_chunk_stats, heads, local_stats, row_weights, \
     rows_layout, token_loss
 from .gemm import addmm_out_, logits_into, mm_into, mm_out
-from .grads import FastGrads, add_block, pad_rows
+from .grads import FastGrads, add_block, pad_rows, written_rows
 from .parallel import HiddenGradReduce, gather_sequence, start_gather_sequence
 from .routing import Call
 from .targets import TokenTargets
@@ -214,8 +214,8 @@ def distill_recompute_grads(hidden, weight, bias, t_hidden, t_weight, t_bias, tg
         if need_dw:
             dw = torch.zeros(n_rows, d, dtype=torch.float32, device=dev)
     else:
-        dx = torch.zeros(n, d, dtype=torch.float32, device=dev) if need_dx else None
-        dw = torch.zeros(n_rows, d, dtype=dtype, device=dev) if need_dw else None
+        dx = written_rows(n, d, n if v else 0, torch.float32, dev) if need_dx else None
+        dw = written_rows(n_rows, d, v if n else 0, dtype, dev) if need_dw else None
     for n0 in range(0, n if v else 0, nb):
         n1 = min(n, n0 + nb)
         tok = slice(n0, n1)

@@ -44,7 +44,7 @@ import torch
 from . import kernels
 from .formulas import Coefficients, RowStats, ce_coefficients, ce_token_outputs, logprob_coefficients
 from .gemm import addmm_out_, logits_into, mm_into, mm_out
-from .grads import FastGrads, add_block, pad_rows, weight_grad, weight_grad_to_main
+from .grads import FastGrads, add_block, pad_rows, weight_grad, weight_grad_to_main, written_rows
 from .options import LogProbOptions, LossOptions
 from .parallel import HiddenGradReduce, RankStats, gather_sequence, start_stats_exchange
 from .routing import Call
@@ -209,8 +209,8 @@ def recompute_grads(hidden, weight, bias, tg: TokenTargets, rows: RowStats, coef
         if need_dw and not into_main:
             dw = torch.zeros(n_rows, d, dtype=torch.float32, device=hidden.device)
     else:
-        dx = torch.zeros(n, d, dtype=torch.float32, device=hidden.device) if need_dx else None
-        dw = torch.zeros(n_rows, d, dtype=dtype, device=hidden.device) if need_dw and not into_main else None
+        dx = written_rows(n, d, n if v else 0, torch.float32, hidden.device) if need_dx else None
+        dw = written_rows(n_rows, d, v if n else 0, dtype, hidden.device) if need_dw and not into_main else None
     for n0 in range(0, n if v else 0, nb):
         n1 = min(n, n0 + nb)
         h, tok = hidden[n0:n1], slice(n0, n1)
