@@ -21,8 +21,8 @@ Under sequence parallelism the fast route gathers both heads' hidden slices itse
 teacher's (the larger, at ``D_t``) beside the first chunk's student GEMM.
 
 Backward scales the held fp32 gradients by the upstream gradient (``grads.finish_fast_grads``). Memory: the two
-buffers (``FAST_GIB`` together by default, at most the fp32 dW accumulator's size), their tile statistics, the
-fp32 dX and dW.
+buffers (``FAST_GIB`` together by default, at most ``DW_SHARE`` times the fp32 dW accumulator's size: in bf16
+chunks of at most 1.5 D tokens), their tile statistics, the fp32 dX and dW.
 
 Lean route (``reduction="none"``, ``memory_budget="lean"``): forward is steps 1-3 over chunks of ``LEAN_GIB``,
 keeping each token's ``DistillRows``. Backward recomputes both heads' logits block by block with cuBLAS and runs
@@ -50,8 +50,11 @@ from .targets import TokenTargets
 
 __all__ = ["distill_forward", "distill_recompute_grads", "scale_cast", "FAST_GIB", "LEAN_GIB"]
 
-FAST_GIB = 1.0        # both logit buffers of the fast route together (at most the fp32 dW accumulator's size)
-MIN_GIB = 0.25        # ... and their floor when that accumulator is smaller
+FAST_GIB = 1.5        # both logit buffers of the fast route together, ...
+DW_SHARE = 1.5        # ... at most this times the fp32 dW accumulator's size (every chunk's dW GEMM reads and
+                      # writes that accumulator: one H200, the JSD step 138.00 ms in 2048-token chunks against
+                      # 134.94 ms in 3072-token chunks, docs/benchmarks.md session 11)
+MIN_GIB = 0.25        # ... and their floor when that accumulator is small
 LEAN_GIB = 0.4        # both buffers of the lean route's forward chunks and backward blocks
 LEAN_TOKEN_BLOCK = 4096  # tokens per block of the lean backward's token-major order (N > V_local)
 ROW_ALIGN = 128       # chunks of at least this many tokens are a multiple of it (GEMM tiles)
@@ -72,7 +75,7 @@ def _budget(o: DistillOptions, fast: bool, cols: int, d: int) -> float:
     if isinstance(o.memory_budget, float):
         return o.memory_budget
     if fast:
-        return min(FAST_GIB, max(MIN_GIB, cols * d * 4 / 2**30))
+        return min(FAST_GIB, max(MIN_GIB, DW_SHARE * cols * d * 4 / 2**30))
     return LEAN_GIB
 
 
