@@ -184,3 +184,31 @@ def test_triton_chunked_sharded_equals_oracle(world):
     for rank, results in enumerate(run_ranks(_triton_chunked_main, world)):
         for name, errs in results:
             assert max(errs) < 2e-5, f"world={world} rank={rank} {name}: loss/dX/dW/db rel errs {errs}"
+
+
+def test_backward_casts_dw_before_it_waits_for_the_dx_sum():
+    """The Triton fast route under a group leaves its last dX all-reduce in flight (``FastGrads.dx_sum``):
+    ``grads.finish_fast_grads`` scales and casts dW (and db) first, then waits for dX's sum, then scales dX, so
+    the collective runs beside the dW cast. A ``FastGrads`` with nothing in flight hands back its dX as it is."""
+    from vpce.grads import FastGrads, finish_fast_grads
+
+    order = []
+    dx, dw, db = torch.randn(4, 3), torch.randn(5, 3), torch.randn(5)
+
+    class InFlight:  # stands in for parallel.HiddenGradReduce, whose finish() waits for the all-reduces
+        def finish(self):
+            order.append("wait for dX")
+            return dx
+
+    def scale_cast(t, g, dtype):
+        order.append("dX" if t is dx else "dW")
+        return (t * g).to(dtype)
+
+    g = torch.tensor(0.5)
+    want_dx, want_dw, want_db = dx * g, dw * g, db * g
+    got_dx, got_dw, got_db = finish_fast_grads(FastGrads(dx, dw, db, InFlight()), g, torch.bfloat16, 6, None,
+                                               scale_cast)
+    assert order == ["dW", "wait for dX", "dX"], order
+    assert torch.equal(got_dx, want_dx.bfloat16()) and torch.equal(got_dw[:5], want_dw.bfloat16()), (got_dx, got_dw)
+    assert got_dw.shape == (6, 3) and not got_dw[5].any() and torch.equal(got_db[:5], want_db.bfloat16())
+    assert all(a is b for a, b in zip(FastGrads(dx, dw, db).summed(), (dx, dw, db)))
