@@ -81,12 +81,13 @@ def main(argv=None) -> int:
     init_process_group("nccl", device_id=torch.device("cuda", local))
     rank, tp = dist.get_rank(), dist.get_world_size()
 
+    rows = v // tp
+    v = rows * tp  # equal shards: the vocab rounded down to a multiple of tp
     torch.manual_seed(0)
     x = torch.randn(n, d, device="cuda", dtype=torch.bfloat16)
     y = torch.randint(0, v, (n,), device="cuda")
     dist.broadcast(x, 0)
     dist.broadcast(y, 0)
-    rows = v // tp
     w = (torch.randn(rows, d, device="cuda") / d**0.5).to(torch.bfloat16).requires_grad_()
     xs = (x[rank * n // tp:(rank + 1) * n // tp] if args.sp else x).clone().requires_grad_()
 
