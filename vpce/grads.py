@@ -105,9 +105,8 @@ def add_block(gz: torch.Tensor, h: torch.Tensor, w_block: torch.Tensor, vs: slic
     """One recomputed gradient block ``gz = dL/dz [tok, vs]`` of a lean backward into its results, in the order
     the caller walks (``vpce.triton_backend.recompute_grads`` says which accumulator each order keeps):
     vocab-major: the block's dW in one GEMM over all tokens, dX summed in fp32 (the first block's written, the
-    others' added); token-major: dW summed in fp32 (or
-    into ``main_grad``), dX in one GEMM when the vocab is one block (``dx_acc`` None), else summed in ``dx_acc``;
-    ``db`` summed in fp32."""
+    others' added); token-major: dW summed in fp32 (or into ``main_grad``), dX in one GEMM when the vocab is one
+    block (``dx_acc`` None), else summed in ``dx_acc``; ``db`` summed in fp32."""
     if main_grad is not None:
         addmm_out_(main_grad[vs], gz.t(), h)  # fp32 accumulation into main_grad
     elif dw is not None and token_major:
