@@ -462,8 +462,26 @@ def test_distill_header_floor_and_reference(distill_run):
     for divergence, beta, label in DIVERGENCE_OF.values():
         want = float(reference_distillation(prob.x, prob.w, prob.xt, prob.wt, divergence=divergence, beta=beta).loss)
         assert shape["ref_losses"][label] == pytest.approx(want, rel=1e-12), (label, shape["ref_losses"], want)
+    # float64 math on the bf16 logits F.linear writes: the loss error every row starting from them inherits
+    assert list(shape["gemm_logits_loss_errs"]) == list(shape["ref_losses"]), shape["gemm_logits_loss_errs"]
+    for divergence, beta, label in DIVERGENCE_OF.values():
+        s = torch.log_softmax(torch.nn.functional.linear(prob.x, prob.w).double(), -1)
+        u = torch.log_softmax(torch.nn.functional.linear(prob.xt, prob.wt).double(), -1)
+        q, p = u.exp(), s.exp()
+        if divergence == "forward_kl":
+            per = (q * (u - s)).sum(-1)
+        elif divergence == "reverse_kl":
+            per = (p * (s - u)).sum(-1)
+        else:
+            m = torch.log(beta * q + (1 - beta) * p)
+            per = beta * (q * (u - m)).sum(-1) + (1 - beta) * (p * (s - m)).sum(-1)
+        ref = shape["ref_losses"][label]
+        want = abs(float(per.mean()) - ref) / abs(ref)
+        got = shape["gemm_logits_loss_errs"][label]
+        assert 0 < got < 1e-2 and got == pytest.approx(want, rel=1e-6, abs=1e-12), (label, got, want)
     assert "## tiny-odd distillation: N=200 D=72 teacher D_T=96 V=2003" in proc.stdout, proc.stdout
     assert "= teacher logits " in proc.stdout and "float64 losses: forward KL " in proc.stdout, proc.stdout
+    assert "; loss error of float64 math on the GEMM's logits: forward KL " in proc.stdout, proc.stdout
     assert CPU_NOTE in proc.stdout.split("| method")[0], proc.stdout
 
 

@@ -62,7 +62,9 @@ beta the teacher's weight, as TRL's ``generalized_jsd_loss``) and reverse KL ``K
 * **Accuracy.** Each row against the float64 reference of its own divergence,
   ``vpce.reference.chunked_reference_distillation`` (both heads' float64 logits in token chunks, the divergence
   by its definition, its gradient by autograd, ``dW`` accumulated in float64), computed before the first row of
-  that divergence; the header shows each divergence's float64 loss.
+  that divergence; the header shows each divergence's float64 loss and, on one device, the loss error of float64
+  math on the logits the run's GEMM writes in its dtype (``harness.gemm_logits_loss``): what every row that takes
+  its logits from that GEMM (plain torch, Liger, vpce's Triton backend) inherits before its own arithmetic.
 * **Rows** (``vpce.bench.methods.DISTILL``), for ``fkl`` (forward KL), ``jsd`` (beta 0.5) and ``rkl`` (reverse
   KL): ``torch-<key>`` (plain eager: both heads' logits ``F.linear`` in the run's dtype, fp32 ``log_softmax``,
   the teacher's under ``no_grad``, the divergence written from its definition); ``liger-<key>`` (liger-kernel's
@@ -73,7 +75,8 @@ beta the teacher's weight, as TRL's ``generalized_jsd_loss``) and reverse KL ``K
 * **Output.** ``--out/bench-distill.json`` (``schema: "vpce.bench.distill/1"``; under ``--tp``
   ``bench-distill-tp<K>[-sp].json``, ``"vpce.bench.tp.distill/1"``): the schema below plus ``task:
   "distillation"``, ``distill: {teacher_dim, temperature, teacher_inputs, loss, divergences, floor}``; shapes have
-  ``d_teacher`` and ``ref_losses: {divergence: float64 loss}`` instead of ``ref_loss``; rows have ``d_teacher``,
+  ``d_teacher``, ``ref_losses: {divergence: float64 loss}`` instead of ``ref_loss`` and (one device only)
+  ``gemm_logits_loss_errs: {divergence: relative error}``; rows have ``d_teacher``,
   ``divergence``, ``beta`` and ``ref_loss``. ``--sweep`` is refused; ``--profile`` profiles ``vpce-fkl`` and
   ``vpce-jsd`` by default.
 

@@ -16,9 +16,10 @@ from typing import Any, Callable
 import torch
 
 from ..memory import PeakMemory
-from ..reference import Result, chunked_reference, chunked_reference_distillation
+from ..reference import Result, chunked_reference, chunked_reference_distillation, distillation_per_token
 
-__all__ = ["GiB", "Env", "Shape", "Settings", "Problem", "Timing", "make_problem", "reference_of", "sq_err",
+__all__ = ["GiB", "Env", "Shape", "Settings", "Problem", "Timing", "make_problem", "reference_of", "gemm_logits_loss",
+           "sq_err",
            "err_from_sq", "measure", "peak_extra_bytes", "free_memory", "synchronize"]
 
 GiB = 2**30
@@ -195,6 +196,25 @@ def reference_of(prob: Problem, settings: Settings, *, group=None, vocab_start: 
                                              shard_rows=shard_rows)
     synchronize(prob.x.device)
     return ref, time.perf_counter() - t0
+
+
+def gemm_logits_loss(prob: Problem, distill: tuple[str, float | None], settings: Settings) -> float:
+    """The mean divergence ``distill = (divergence, beta)`` of ``prob`` (one device, the whole vocab), in float64
+    from both heads' logits as the GEMM writes them in the inputs' dtype (``F.linear``, token chunks whose float64
+    ``[C, V]`` takes ``settings.ref_chunk_gib``). Plain torch and vpce's Triton backend both start from such
+    logits, so its distance from the float64 reference is the loss error they inherit before any arithmetic of
+    their own: on an H200 mostly the tensor cores' accumulation, which shrinks cuBLAS's logits as a whole by about
+    1e-9 of their size per K element (docs/benchmarks.md, session 12)."""
+    n, v = prob.x.shape[0], prob.w.shape[0]
+    rows = max(1, int(settings.ref_chunk_gib * GiB) // (8 * max(v, 1)))
+    total = torch.zeros((), dtype=torch.float64, device=prob.x.device)
+    for c0 in range(0, n, rows):
+        sl = slice(c0, c0 + rows)
+        s = torch.log_softmax(torch.nn.functional.linear(prob.x[sl], prob.w).double(), dim=-1)
+        u = torch.log_softmax(torch.nn.functional.linear(prob.xt[sl], prob.wt).double(), dim=-1)
+        total += distillation_per_token(s, u, distill[0], distill[1]).sum()
+        del s, u
+    return float(total) / max(n, 1)
 
 
 def sq_err(a: torch.Tensor | None, b: torch.Tensor, rows: int = 4096) -> tuple[float, float] | None:

@@ -111,7 +111,12 @@ def _ref_text(record: dict) -> str:
     """The float64 loss of the shape, or of each divergence measured (distillation)."""
     if "ref_losses" not in record:
         return "-" if record["ref_loss"] is None else f"{record['ref_loss']:.6f}"
-    return ", ".join(f"{k} {v:.6f}" for k, v in record["ref_losses"].items()) or "none computed"
+    text = ", ".join(f"{k} {v:.6f}" for k, v in record["ref_losses"].items()) or "none computed"
+    errs = record.get("gemm_logits_loss_errs")
+    if errs:  # one device: what the GEMM's rounded logits alone give away (harness.gemm_logits_loss)
+        text += "; loss error of float64 math on the GEMM's logits: " + ", ".join(
+            f"{k} {v:.1e}" for k, v in errs.items())
+    return text
 
 
 def format_shape(record: dict, rows: list[dict], dtype: str, device: str) -> str:

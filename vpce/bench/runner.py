@@ -28,8 +28,8 @@ from typing import Callable
 import torch
 
 from ..reference import Result
-from .harness import (GiB, Env, Problem, Settings, Shape, Timing, err_from_sq, free_memory, make_problem, measure,
-                      peak_extra_bytes, reference_of, sq_err, synchronize)
+from .harness import (GiB, Env, Problem, Settings, Shape, Timing, err_from_sq, free_memory, gemm_logits_loss,
+                      make_problem, measure, peak_extra_bytes, reference_of, sq_err, synchronize)
 from .methods import FLOOR, METHODS, Method, divergence_label
 from .peers import Unavailable
 from .report import Progress
@@ -209,13 +209,16 @@ class References:
     Only the latest is kept: the rows come grouped by divergence (table order), so each is computed once, and at
     most one reference's ``dX`` and ``dW`` are held while rows run. ``where`` are ``reference_of``'s keywords of
     the layout (under ``--tp``: the group and the shards; every rank asks for the same references in the same
-    order, so their collectives line up). ``losses`` and ``seconds`` are for the shape's record.
+    order, so their collectives line up). ``losses`` and ``seconds`` are for the shape's record, and on one
+    device (no ``group``) ``logits_errs``: each divergence's loss error from the GEMM's logits alone
+    (``harness.gemm_logits_loss``).
     """
 
     def __init__(self, prob: Problem, settings: Settings, progress: Progress | None = None, **where):
         self.prob, self.settings, self.progress, self.where = prob, settings, progress, where
         self.key, self.ref = None, None
         self.losses: dict[str, float] = {}
+        self.logits_errs: dict[str, float] = {}
         self.seconds = 0.0
 
     def of(self, distill: tuple[str, float | None] | None) -> Result:
@@ -227,6 +230,10 @@ class References:
             self.seconds += seconds
             name = "cross-entropy" if distill is None else divergence_label(distill)
             self.losses[name] = float(ref.loss)
+            if distill is not None and self.where.get("group") is None:
+                self.logits_errs[name] = abs(gemm_logits_loss(self.prob, distill, self.settings) - float(ref.loss)) \
+                    / abs(float(ref.loss))
+                free_memory(self.prob.x.device)
             if distill is not None and self.progress is not None:
                 self.progress.note(f"float64 reference of the {name} in {seconds:.1f} s (loss {float(ref.loss):.6f})")
         return self.ref
@@ -393,6 +400,7 @@ def run_shape(shape: Shape, env: Env, names: list[str], settings: Settings, prog
         progress.finish(row)
     if shape.distill:
         record["ref_losses"], record["ref_seconds"] = refs.losses, refs.seconds
+        record["gemm_logits_loss_errs"] = refs.logits_errs
 
     del prob, ref, refs
     free_memory(env.device)
