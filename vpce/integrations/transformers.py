@@ -21,8 +21,8 @@ hands them with ``lm_head.weight`` (and its bias, if any) to ``causal_lm_loss``,
 above and calls ``vpce.linear_cross_entropy`` with the family's soft cap as ``softcap=`` and its logit factor as
 ``logit_scale=`` (Granite's: ``1 / logits_scaling``, a multiplication where stock divides: the same logits up to
 one rounding). Both are read from the model at every call, as stock reads them. The returned
-``CausalLMOutputWithPast`` has ``logits=None``; ``past_key_values``, ``hidden_states`` and ``attentions`` are the
-base model's. Without ``labels`` the stock forward runs untouched (``generate`` included).
+``CausalLMOutputWithPast`` has ``logits=None``; its cache (``cache`` from transformers 5.24, ``past_key_values``
+before), ``hidden_states`` and ``attentions`` are the base model's. Without ``labels`` the stock forward runs untouched (``generate`` included).
 
 Numerics: in fp32 the loss and gradients equal stock transformers to rounding. In bf16/fp16 (or under autocast,
 where the GEMM operands are cast to the autocast dtype as ``nn.Linear`` would cast them) vpce keeps the logits and
@@ -62,6 +62,10 @@ except ImportError:  # transformers < 5: the same slicing, inline in each forwar
     def slice_logits_to_keep(hidden_states: torch.Tensor, logits_to_keep) -> torch.Tensor:
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         return hidden_states[:, keep, :]
+
+# The output's cache field: ``cache`` from transformers 5.24 (which renamed ``past_key_values``, in the forwards'
+# parameters too), ``past_key_values`` before.
+_CACHE = "cache" if "cache" in getattr(CausalLMOutputWithPast, "__dataclass_fields__", {}) else "past_key_values"
 
 __all__ = ["FAMILIES", "OPTIONS", "LogitsRule", "apply", "remove", "is_applied", "causal_lm_loss"]
 
@@ -118,11 +122,12 @@ FAMILIES = {
 #: the model and the forward's keywords; the vocab-parallel options do not apply to a whole, unsharded ``lm_head``.
 OPTIONS = ("label_smoothing", "z_loss", "backend", "memory_budget", "validate")
 
-# Parameters a supported forward may have besides ``self`` and ``**kwargs``: those of 5.x, plus ``cache_position``
-# (4.57) and Gemma's explicit ``output_*`` flags (4.57). All but ``labels`` and ``logits_to_keep`` go to the base
+# Parameters a supported forward may have besides ``self`` and ``**kwargs``: those of 5.x (``past_key_values``, named
+# ``cache`` from 5.24), plus ``cache_position`` (4.57) and Gemma's explicit ``output_*`` flags (4.57). All but ``labels`` and ``logits_to_keep`` go to the base
 # model as keywords, as the stock forward passes them.
-_KNOWN_PARAMS = {"input_ids", "attention_mask", "position_ids", "past_key_values", "inputs_embeds", "labels",
-                 "use_cache", "cache_position", "output_attentions", "output_hidden_states", "logits_to_keep"}
+_KNOWN_PARAMS = {"input_ids", "attention_mask", "position_ids", "past_key_values", "cache", "inputs_embeds",
+                 "labels", "use_cache", "cache_position", "output_attentions", "output_hidden_states",
+                 "logits_to_keep"}
 _ATTR = "_vpce_patch"
 
 
@@ -274,6 +279,6 @@ def _patched_forward(model, *args, **kwargs):
     loss_kwargs = {k: extra[k] for k in ("num_items_in_batch", "ignore_index", "shift_labels") if k in extra}
     loss = causal_lm_loss(hidden, model.lm_head.weight, call["labels"], bias=model.lm_head.bias,
                           **patch.rule.options(model), **loss_kwargs, **patch.options)
-    output = CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=outputs.past_key_values,
+    output = CausalLMOutputWithPast(loss=loss, logits=None, **{_CACHE: getattr(outputs, _CACHE)},
                                     hidden_states=outputs.hidden_states, attentions=outputs.attentions)
     return output if return_dict else output.to_tuple()
