@@ -22,7 +22,8 @@ above and calls ``vpce.linear_cross_entropy`` with the family's soft cap as ``so
 ``logit_scale=`` (Granite's: ``1 / logits_scaling``, a multiplication where stock divides: the same logits up to
 one rounding). Both are read from the model at every call, as stock reads them. The returned
 ``CausalLMOutputWithPast`` has ``logits=None``; its cache (``cache`` from transformers 5.24, ``past_key_values``
-before), ``hidden_states`` and ``attentions`` are the base model's. Without ``labels`` the stock forward runs untouched (``generate`` included).
+before), ``hidden_states`` and ``attentions`` are the base model's. Without ``labels`` the stock forward runs
+untouched (``generate`` included).
 
 Numerics: in fp32 the loss and gradients equal stock transformers to rounding. In bf16/fp16 (or under autocast,
 where the GEMM operands are cast to the autocast dtype as ``nn.Linear`` would cast them) vpce keeps the logits and
@@ -123,8 +124,8 @@ FAMILIES = {
 OPTIONS = ("label_smoothing", "z_loss", "backend", "memory_budget", "validate")
 
 # Parameters a supported forward may have besides ``self`` and ``**kwargs``: those of 5.x (``past_key_values``, named
-# ``cache`` from 5.24), plus ``cache_position`` (4.57) and Gemma's explicit ``output_*`` flags (4.57). All but ``labels`` and ``logits_to_keep`` go to the base
-# model as keywords, as the stock forward passes them.
+# ``cache`` from 5.24), plus ``cache_position`` (4.57) and Gemma's explicit ``output_*`` flags (4.57). All but
+# ``labels`` and ``logits_to_keep`` go to the base model as keywords, as the stock forward passes them.
 _KNOWN_PARAMS = {"input_ids", "attention_mask", "position_ids", "past_key_values", "cache", "inputs_embeds",
                  "labels", "use_cache", "cache_position", "output_attentions", "output_hidden_states",
                  "logits_to_keep"}
