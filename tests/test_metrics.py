@@ -11,6 +11,7 @@ across shard boundaries included, and every rank must return the same bytes.
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import vpce
 from distributed import run_ranks
@@ -223,8 +224,6 @@ def test_log_prob_extras(backend, dtype, tol):
 # -- vocab parallel: 2-3 gloo ranks, uneven shards, ties across shard boundaries -----------------------------------
 
 def _tp_metrics(rank, world, backend):
-    import torch.distributed as dist
-
     dtype = torch.float64 if backend == "torch" else torch.float32
     sizes = [23, 9, 31][:world]
     start, rows = sum(sizes[:rank]), sizes[rank]
@@ -306,3 +305,80 @@ def test_vocab_parallel(world, backend):
                                      ("entropy", ent, reduce_like_loss(wantq["entropy"], keep, red))):
                     assert rel_err(got, r) <= tol, f"sp={sp} {red} rank {rank} {name}: {rel_err(got, r):.2e}"
                 assert torch.allclose(acc.double(), reduce_like_loss(wantq["top1"], keep, red).double(), atol=1e-6)
+
+
+def boundary_tie_problem(sizes, *, dtype, n=64, d=257, seed=5) -> tuple[Problem, torch.Tensor]:
+    """Random logits with two equal lm_head rows (weight and bias) on each side of every shard boundary, large
+    enough to be the argmax of most tokens: a tie across ranks that the lower id must win (new special tokens are
+    often initialised to one vector). Targets: the lower id of the tie, the upper one, the argmax, or random; some
+    ignored. Returns the problem and the boundary's lower ids."""
+    gen = torch.Generator().manual_seed(seed)
+    v = sum(sizes)
+    hidden = torch.randn(n, d, generator=gen, dtype=torch.float64)
+    weight = torch.randn(v, d, generator=gen, dtype=torch.float64) * 0.1
+    bias = torch.randn(v, generator=gen, dtype=torch.float64) * 0.1
+    lower = torch.tensor(sizes).cumsum(0)[:-1] - 1
+    for i in lower.tolist():
+        weight[i] = weight[i + 1] = torch.randn(d, generator=gen, dtype=torch.float64)
+        bias[i] = bias[i + 1] = 0.5
+    z = hidden @ weight.t() + bias
+    top = z.argmax(-1)
+    pick = torch.rand(n, generator=gen)
+    target = torch.where(pick < 0.6, top, torch.randint(0, v, (n,), generator=gen))
+    target = torch.where(torch.isin(top, lower) & (pick < 0.25), top + 1, target)  # the tie's upper id: never top-1
+    target[::9] = -100
+    grad = torch.linspace(-1.0, 2.0, n, dtype=torch.float64)
+    return Problem(hidden.to(dtype), weight.to(dtype), target, bias.to(dtype), grad, v), lower
+
+
+def _tp_boundary_ties(rank, world, backend, sizes):
+    dtype = torch.float64 if backend == "torch" else torch.float32
+    p, _ = boundary_tie_problem(sizes, dtype=dtype)
+    start, rows = sum(sizes[:rank]), sizes[rank]
+    out = {}
+    for name, grad, kw in (("fast", True, dict(reduction="mean")), ("fast-sum", True, dict(reduction="sum")),
+                           ("lean", True, dict(memory_budget="lean")), ("none", True, dict(reduction="none")),
+                           ("no-grad", False, dict(reduction="none"))):
+        h = p.hidden.clone().requires_grad_(grad)
+        w = p.weight[start:start + rows].clone().requires_grad_(grad)
+        b = p.bias[start:start + rows].clone().requires_grad_(grad)
+        r = vpce.linear_cross_entropy(h, w, p.target, b, backend=backend, group=dist.group.WORLD,
+                                      return_token_accuracy=True, **kw)
+        if grad:
+            (r.loss * (p.grad.to(dtype) if kw.get("reduction") == "none" else 1.0)).sum().backward()
+        out[name] = r.token_accuracy.detach().numpy()
+    for grad in (False, True):
+        h = p.hidden.clone().requires_grad_(grad)
+        w = p.weight[start:start + rows].clone().requires_grad_(grad)
+        lp, top1 = vpce.linear_log_probs(h, w, p.target, p.bias[start:start + rows], backend=backend,
+                                         group=dist.group.WORLD, return_top1=True)
+        if grad:
+            (lp * p.grad.to(dtype)).sum().backward()
+        out[f"log-probs-grad{int(grad)}"] = top1.numpy()
+    return out
+
+
+@pytest.mark.skipif(CUDA, reason="gloo ranks on CPU")
+@pytest.mark.parametrize("sizes", [[102, 101], [40, 31, 47]], ids=["2-ranks", "3-ranks"])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_accuracy_ties_across_the_shard_boundary(backend, sizes):
+    """Two equal rows on each side of every shard boundary (random values, not integers): the tie's lower id is
+    the argmax, on every route, with and without gradients, as float64 ``torch.argmax`` says. (The fast route with
+    gradients once compared its fp32 target logit with the other rank's rounded logits, and lost such ties.)"""
+    p, lower = boundary_tie_problem(sizes, dtype=torch.float64)
+    want = reference_metrics(p.hidden, p.weight, p.target, p.bias)["top1"]
+    keep = p.target != -100
+    top = (p.hidden @ p.weight.t() + p.bias).argmax(-1)
+    at_tie = keep & torch.isin(top, lower)
+    assert int((at_tie & (p.target == top)).sum()) >= 3 and int((at_tie & (p.target == top + 1)).sum()) >= 2, \
+        "the problem must have targets on both ids of a boundary tie"
+    results = run_ranks(_tp_boundary_ties, len(sizes), backend, sizes, timeout=240)
+    for name, got in results[0].items():
+        for rank in range(1, len(sizes)):
+            assert (results[rank][name] == got).all(), f"{name}: rank {rank} differs from rank 0"
+        got = torch.from_numpy(got).double()
+        if name in ("fast", "fast-sum", "lean"):
+            r = reduce_like_loss(want, keep, "sum" if name == "fast-sum" else "mean")
+            assert abs(float(got) - float(r)) <= 1e-6 * max(1.0, float(r)), f"{name}: {float(got)} vs {float(r)}"
+        else:
+            assert torch.equal(got, want), f"{name}: differs at {(got != want).nonzero().flatten().tolist()}"

@@ -258,7 +258,7 @@ def _epilogue(
             if tl.max(cut.to(tl.int32), axis=0) > 0:  # only a tile the target's column splits needs the masked max
                 mb = tl.where(cut, tl.max(tl.where(rn[None, :] < before[:, None], acc, float("-inf")), axis=1), mb)
             tl.store(TILE_MB + stat, mb, mask=row_ok)
-        if not TARGET_APART:
+        if not TARGET_APART or TOP1:  # TARGET_APART: the target logit as stored, for the argmax test
             zt = tl.sum(tl.where(hit, acc, 0.0), axis=1)
             mine = row_ok & (t >= pid_n * BLOCK_N) & (t < pid_n * BLOCK_N + BLOCK_N)
             tl.store(ZT + rm, zt, mask=mine)
@@ -486,10 +486,10 @@ def _gated_scale_kernel(X, S, FLAG, numel, BLOCK: tl.constexpr):
 @triton.jit
 def _reduce_tiles_kernel(TM, TS, TZ, TEZ, ZT, OUT, C, T, SUM_Z: tl.constexpr, SUM_EZ: tl.constexpr,
                          BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr, TSQ, TMB, SUM_SQ: tl.constexpr,
-                         TOP1: tl.constexpr, ROW_SQ: tl.constexpr, ROW_MB: tl.constexpr):
+                         TOP1: tl.constexpr, ROW_SQ: tl.constexpr, ROW_MB: tl.constexpr, TTS):
     """Per row, over its ``T`` tiles: ``m = max m_t``, ``s = sum s_t exp(m_t - m)``, ``sum z``, ``sum ez_t exp(m_t
     - m)``, ``sum sq_t exp(2 (m_t - m))``, ``max mb_t``; packed with the target logit into ``OUT [k, C]`` as (m, s,
-    zt[, sum z][, sum ez][, sum sq][, max before])."""
+    zt[, sum z][, sum ez][, sum sq][, max before, target logit as stored (``TTS``)])."""
     rows = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     ok = rows < C
     base = rows.to(tl.int64) * T
@@ -539,6 +539,7 @@ def _reduce_tiles_kernel(TM, TS, TZ, TEZ, ZT, OUT, C, T, SUM_Z: tl.constexpr, SU
         tl.store(OUT + ROW_SQ * C + rows, tl.sum(sq2, 1), mask=ok)
     if TOP1:
         tl.store(OUT + ROW_MB * C + rows, tl.max(mb2, 1), mask=ok)
+        tl.store(OUT + (ROW_MB + 1) * C + rows, tl.load(TTS + rows, mask=ok, other=0.0), mask=ok)
 
 
 @triton.jit
@@ -546,7 +547,8 @@ def _combine_rank_stats_kernel(EVERY, OUT, POISON, C, W, R, N_SUMS: tl.constexpr
                                HAS_POISON: tl.constexpr, BLOCK_C: tl.constexpr, SUM_SQ: tl.constexpr,
                                TOP1: tl.constexpr):
     """``EVERY [W, R, C]`` (each rank's packed statistics: max, sum of exp but the target's, target logit, sums,
-    weighted sums, sum of squares, max before the target) -> ``OUT [R + 1, C]``: ``M``, ``log S``, ``-log p_t``,
+    weighted sums, sum of squares, max before the target, the target logit as the statistics' logits hold it) ->
+    ``OUT [R + 1 - TOP1, C]``: ``M``, ``log S``, ``-log p_t``,
     ``1 - p_t``, the summed additive statistics, the softmax expectations, ``log sum p^2``, the argmax indicator
     (the formulas of ``vpce.parallel``)."""
     rows = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -556,9 +558,11 @@ def _combine_rank_stats_kernel(EVERY, OUT, POISON, C, W, R, N_SUMS: tl.constexpr
     for w in range(0, W):
         m = tl.maximum(m, tl.load(EVERY + w * R * C + rows, mask=ok, other=0.0))
         t = tl.maximum(t, tl.load(EVERY + (w * R + 2) * C + rows, mask=ok, other=0.0))
-    m = tl.maximum(m, t)  # a rank's max may leave the target out
+    mo = m  # the max over every column but the target's (a rank's max may leave the target out)
+    m = tl.maximum(m, t)
     if HAS_POISON:
         m = m + tl.load(POISON)
+        mo = mo + tl.load(POISON)
     safe = tl.where(m == float("-inf"), 0.0, m)
     x = tl.zeros([BLOCK_C], tl.float32)
     for w in range(0, W):
@@ -593,11 +597,13 @@ def _combine_rank_stats_kernel(EVERY, OUT, POISON, C, W, R, N_SUMS: tl.constexpr
             acc += tl.load(EVERY + (w * R + row) * C + rows, mask=ok, other=0.0) * (r * r)
         tl.store(OUT + (row + 1) * C + rows, tl.log(acc) - 2.0 * log_s, mask=ok)
         row += 1
-    if TOP1:
+    if TOP1:  # judged on the logits the statistics came from: the target's as they hold it (row + 1)
         mb = tl.full([BLOCK_C], float("-inf"), tl.float32)
+        ts = tl.full([BLOCK_C], float("-inf"), tl.float32)
         for w in range(0, W):
             mb = tl.maximum(mb, tl.load(EVERY + (w * R + row) * C + rows, mask=ok, other=0.0))
-        tl.store(OUT + (row + 1) * C + rows, tl.where((t >= m) & (t > mb), 1.0, 0.0), mask=ok)
+            ts = tl.maximum(ts, tl.load(EVERY + (w * R + row + 1) * C + rows, mask=ok, other=0.0))
+        tl.store(OUT + (row + 1) * C + rows, tl.where((ts >= mo) & (ts > mb), 1.0, 0.0), mask=ok)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -689,7 +695,8 @@ def stored_logits(logits, b, t_local, *, softcap=None, inv_t=1.0, tile_m=None, t
                   before=None, block_n=None, block_m=None, num_warps=None):
     """``logits_tiles``'s epilogue over ``logits [M, V]`` that a GEMM already wrote (the inputs' dtype; ``b`` is
     added here, None if the GEMM added it): stats mode fills the same buffers as ``logits_tiles`` but ``zt``, and
-    leaves the target column out of the tile max too (``target_logits`` gives its exact logit), grad mode
+    leaves the target column out of the tile max too (``target_logits`` gives its exact logit; with ``tile_mb``,
+    ``zt`` gets the target's logit as stored, for the argmax test), grad mode
     (``rows``, ``coef``) overwrites ``logits`` with the gradient. One bandwidth-bound pass; ``block_n`` is the stats
     tile width (``tile_n``); ``block_m`` / ``num_warps`` override the launch shape (``launch/tune_kernels.py``)."""
     m, v = logits.shape
@@ -733,13 +740,16 @@ def target_logits(x, w, b, t_local, zt, *, softcap=None, inv_t=1.0):
         TEMPERATURE=inv_t != 1.0, BLOCK_M=block_m, BLOCK_K=block_k, num_warps=4)
 
 
-def reduce_tiles(tile_m, tile_s, tile_z, tile_ez, zt, tile_sq=None, tile_mb=None) -> torch.Tensor:
+def reduce_tiles(tile_m, tile_s, tile_z, tile_ez, zt, tile_sq=None, tile_mb=None, zt_stored=None) -> torch.Tensor:
     """One chunk's per-tile statistics ``[C, n_tiles]`` (and ``zt [C]``) -> this rank's packed ``[k, C]`` fp32
-    (m, s, zt[, sum z][, sum ez][, sum sq][, max before]): one launch instead of a dozen small torch ops."""
+    (m, s, zt[, sum z][, sum ez][, sum sq][, max before, target logit]): one launch instead of a dozen small torch
+    ops. With ``tile_mb`` the last row is the target logit as the tiles' logits hold it, for the argmax test:
+    ``zt_stored`` where ``zt`` was computed apart (the fast route's fp32 target logit beside rounded logits), else
+    ``zt`` itself."""
     c, t = tile_m.shape
     row_sq = 3 + (tile_z is not None) + (tile_ez is not None)
     row_mb = row_sq + (tile_sq is not None)
-    k = row_mb + (tile_mb is not None)
+    k = row_mb + 2 * (tile_mb is not None)
     out = torch.empty(k, c, dtype=torch.float32, device=tile_m.device)
     if c:
         block_c = 16 if INTERPRET or not tile_m.is_cuda else 64
@@ -748,7 +758,7 @@ def reduce_tiles(tile_m, tile_s, tile_z, tile_ez, zt, tile_sq=None, tile_mb=None
             tile_m, tile_s, pick(tile_z), pick(tile_ez), zt, out,
             c, t, SUM_Z=tile_z is not None, SUM_EZ=tile_ez is not None, BLOCK_C=block_c, BLOCK_T=32,
             TSQ=pick(tile_sq), TMB=pick(tile_mb), SUM_SQ=tile_sq is not None, TOP1=tile_mb is not None,
-            ROW_SQ=row_sq, ROW_MB=row_mb, num_warps=4)
+            ROW_SQ=row_sq, ROW_MB=row_mb, TTS=zt if zt_stored is None else zt_stored, num_warps=4)
     return out
 
 
@@ -757,8 +767,8 @@ def combine_rank_stats(every: torch.Tensor, n_sums: int, poison: torch.Tensor | 
     """Every rank's packed statistics ``[W, R, C]`` -> ``vpce.parallel.RankStats`` in one launch (the same
     formulas as ``vpce.parallel.combine_rank_stats``)."""
     w, r, c = every.shape
-    n_w = r - 3 - n_sums - sum_sq - max_before
-    out = torch.empty(r + 1, c, dtype=torch.float32, device=every.device)
+    n_w = r - 3 - n_sums - sum_sq - 2 * max_before
+    out = torch.empty(r + 1 - max_before, c, dtype=torch.float32, device=every.device)
     if c:
         block_c = 16 if INTERPRET or not every.is_cuda else 256
         _combine_rank_stats_kernel[(triton.cdiv(c, block_c),)](

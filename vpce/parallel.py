@@ -33,7 +33,9 @@ every rank combines them identically (``combine_rank_stats``)::
     T = max_r t_r,  M = max(max_r m_r, T),  X = sum_r x_r exp(m_r - M),  S = X + exp(T - M),  log S,
     nll = -log p_t = log1p(X exp(M - T)),  1 - p_t = X / S,  E[z] = (sum_r w_r exp(m_r - M) + exp(T - M) T) / S
     metrics: sum p^2 = (sum_r q_r exp(2 (m_r - M)) + exp(2 (T - M))) / S^2 (q_r: sum of exp(2 (z - m_r)) but the
-    target's),  argmax = target  <=>  T >= M and T > max_r b_r (b_r: max of the logits of a lower global id)
+    target's),  argmax = target  <=>  T' >= max_r m_r and T' > max_r b_r (b_r: max of the logits of a lower
+    global id; T': the target logit as the logits that gave m_r and b_r hold it, which the fast route rounds to
+    the inputs' dtype beside its fp32 T, so that a tie is judged on equal terms whichever rank holds each side)
 
 Keeping the target's term out of ``X`` is what makes confident tokens exact: ``-log p_t`` and ``1 - p_t`` of a
 token with ``p_t = 1 - 1e-7`` come without cancellation. A rank (or tile) whose logits are all ``-inf`` has
@@ -408,14 +410,16 @@ def combine_rank_stats(every: torch.Tensor, n_sums: int, poison: torch.Tensor | 
                        max_before: bool = False) -> RankStats:
     """Every rank's packed statistics ``[W, R, C]`` (rows: max, sum of exp but the target, target logit, ``n_sums``
     additive statistics, the weighted sums, then with ``sum_sq`` the sum of ``exp(2 (z - m_r))`` but the target's
-    and with ``max_before`` the max of the logits whose global id is below the target's) -> ``RankStats``; the
-    same bytes in the same order on every rank. (``vpce.kernels.combine_rank_stats`` is the one-launch form.)"""
-    n_w = every.shape[1] - 3 - n_sums - sum_sq - max_before
+    and with ``max_before`` the max of the logits whose global id is below the target's and the target logit as
+    those logits hold it) -> ``RankStats``; the same bytes in the same order on every rank.
+    (``vpce.kernels.combine_rank_stats`` is the one-launch form.)"""
+    n_w = every.shape[1] - 3 - n_sums - sum_sq - 2 * max_before
     m_all, x_all, t_all = every[:, 0], every[:, 1], every[:, 2]
     t = t_all.amax(0)
-    m = torch.maximum(m_all.amax(0), t)  # a rank's max may leave the target out
+    mo = m_all.amax(0)
+    m = torch.maximum(mo, t)  # a rank's max may leave the target out
     if poison is not None:
-        m = m + poison
+        m, mo = m + poison, mo + poison
     safe = torch.where(m == -math.inf, 0.0, m)
     rescale = torch.exp(m_all - safe)  # a rank with m_r = -inf contributes 0; NaN or +inf propagate
     x = (x_all * rescale).sum(0)
@@ -432,8 +436,9 @@ def combine_rank_stats(every: torch.Tensor, n_sums: int, poison: torch.Tensor | 
     if sum_sq:  # sum_j p_j^2 = (sum_r sq_r exp(2 (m_r - M)) + exp(2 (T - M))) / S^2
         log_sum_sq = torch.log((every[:, row] * rescale * rescale).sum(0) + e_t * e_t) - 2 * log_s
         row += 1
-    if max_before:  # argmax = target (ties to the lowest id): T is the max and beats every logit of a lower id
-        top1 = ((t >= m) & (t > every[:, row].amax(0))).to(m.dtype)
+    if max_before:  # argmax = target (ties to the lowest id): T' is the max and beats every logit of a lower id
+        ts = every[:, row + 1].amax(0)
+        top1 = ((ts >= mo) & (ts > every[:, row].amax(0))).to(m.dtype)
     return RankStats(m, log_s, nll, x / s, [every[:, 3 + i].sum(0) for i in range(n_sums)], expect, log_sum_sq,
                      top1)
 

@@ -77,13 +77,13 @@ def _chunk_stats(hidden, w, b, tg: TokenTargets, sl: slice, call: Call, softcap,
         del e
         if sum_z:
             packed.append(z.sum(1) if class_weight is None else torch.mv(z, class_weight))
-        if top1:  # max of the logits whose global id is below the target's
+        if top1:  # max of the logits whose global id is below the target's; the target's logit
             cols = torch.arange(z.shape[1], device=z.device)
-            weighted.append(torch.where(cols < tg.before[sl, None], z, -math.inf).amax(1))
+            weighted += [torch.where(cols < tg.before[sl, None], z, -math.inf).amax(1), zt]
     else:  # this rank's rows are all padding: no max, nothing to add
         z = None
         packed = [full(-math.inf), full(0.0), full(-math.inf)] + [full(0.0)] * (sum_z + sum_ez + sum_sq)
-        weighted = [full(-math.inf)] if top1 else []
+        weighted = [full(-math.inf)] * 2 if top1 else []
     st = exchange_softmax_stats(torch.stack(packed + weighted), 1 if sum_z else 0, call.shard, call.poison,
                                 sum_sq=sum_sq, max_before=top1)
     return z, st

@@ -116,6 +116,9 @@ class _ChunkStats:
         self.sq = torch.empty(rows, n_tiles, **f32) if sum_sq else None
         self.mb = torch.empty(rows, n_tiles, **f32) if before is not None else None
         self.before = before
+        # the fast route's target logit as P holds it (rounded, beside its fp32 ``zt``): the argmax test compares
+        # it with the other logits of P, so that ties are judged on equal terms, across ranks too
+        self.zs = torch.empty(rows, **f32) if before is not None else None
 
     def _launch(self, h, w, b, tl_local, sl: slice, r: slice, call: Call, softcap, inv_t, p, ready=False):
         """Kernel and local reduction for tokens ``sl`` into buffer rows ``r``; starts the exchange. ``ready``:
@@ -123,7 +126,7 @@ class _ChunkStats:
         n_sums = 1 if self.z is not None else 0
         cut = lambda t: None if t is None else t[r]  # noqa: E731
         if call.shard.valid_rows > 0:
-            zt = self.zt[r]
+            zt, zs = self.zt[r], None
             stats = dict(softcap=softcap, inv_t=inv_t, tile_m=self.m[r], tile_s=self.s[r], tile_z=cut(self.z),
                          tile_ez=cut(self.ez), zt=zt, class_weight=self.class_weight, tile_sq=cut(self.sq),
                          tile_mb=cut(self.mb), before=None if self.before is None else self.before[sl])
@@ -132,19 +135,22 @@ class _ChunkStats:
                 # F.linear does), one bandwidth pass takes their statistics, the target logit comes in fp32
                 if not ready:
                     logits_into(p, h[sl], w, b)
+                if self.zs is not None:
+                    zs = stats["zt"] = self.zs[r].fill_(-math.inf)  # stored by the tile that holds the target
                 kernels.stored_logits(p, None, tl_local[sl], **stats)
                 kernels.target_logits(h[sl], w, b, tl_local[sl], zt, softcap=softcap, inv_t=inv_t)  # every row
             else:
                 zt.fill_(-math.inf)  # stored by the tile that holds the target, if any
                 kernels.logits_tiles(h[sl], w, b, tl_local[sl], **stats)
             packed = kernels.reduce_tiles(self.m[r], self.s[r], cut(self.z), cut(self.ez), zt, cut(self.sq),
-                                          cut(self.mb))
+                                          cut(self.mb), zs)
         else:  # this rank's rows are all padding: no max, no target, every sum 0
-            packed = torch.zeros(3 + n_sums + (self.ez is not None) + (self.sq is not None) + (self.mb is not None),
+            top1 = 2 * (self.mb is not None)  # max before the target, the target logit
+            packed = torch.zeros(3 + n_sums + (self.ez is not None) + (self.sq is not None) + top1,
                                  sl.stop - sl.start, dtype=torch.float32, device=h.device)
             packed[0] = packed[2] = -math.inf
-            if self.mb is not None:
-                packed[-1] = -math.inf
+            if top1:
+                packed[-2:] = -math.inf
         return start_stats_exchange(packed, n_sums, call.shard, call.poison, combine=kernels.combine_rank_stats,
                                     sum_sq=self.sq is not None, max_before=self.mb is not None)
 
