@@ -725,3 +725,76 @@ def test_gpu_cuda_graph_replays_the_speculative_route(entry):
         torch.cuda.synchronize()
         for what, got, ref in zip(("dX", "dW", "db"), (x.grad, w.grad, b.grad), want[name][1]):
             assert torch.equal(got, ref), f"{name}: {what} replayed differs from the eager step"
+
+
+# -- deterministic mode: the route, and so the bits, follow the inputs alone -------------------------------------
+
+@pytest.fixture
+def deterministic(monkeypatch):
+    """``torch.use_deterministic_algorithms(True)`` for one test (with the cuBLAS workspace setting torch asks for
+    under that mode), restored after."""
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(was)
+
+
+def assert_same_bits(runs, what):
+    for i, (_, got) in enumerate(runs[1:], 1):
+        for name, x, y in zip(("out", "dX", "dW", "db"), got, runs[0][1]):
+            assert (x is None) == (y is None) and (x is None or torch.equal(x, y)), \
+                f"{what}: call {i}'s {name} differs from call 0's ({describe(x, y)})"
+
+
+@pytest.mark.parametrize("entry", ["ce", "logprob"])
+@pytest.mark.parametrize("kind", ["uniform", "per-token"])
+def test_deterministic_mode_bits_follow_the_inputs(entry, kind, deterministic):
+    """Under deterministic mode every call at a site takes the same route whatever the site's history: 5 calls with
+    the same inputs and upstream gradient, then one after a call with the other kind of gradient, give the same
+    bits, and they are exact. (Outside the mode a site's first call took the lean route and the next ones the
+    speculative route, which rounds differently.)"""
+    p = problem(torch.float32)
+    g, other = (uniform(p, 0.25), per_token(p)) if kind == "uniform" else (per_token(p), uniform(p, 1.0))
+    site = Site(p, entry)
+    runs = [site(g) for _ in range(5)]
+    site(other)
+    runs.append(site(g))
+    assert [r for r, _ in runs] == ["speculative"] * 6
+    assert_same_bits(runs, kind)
+    site.check(runs[0][1], g, kind)
+    assert speculation._SITES == {}, "deterministic mode keeps no history"
+
+
+@gpu_only
+@pytest.mark.parametrize("entry", ["ce-none", "logprob", "ce-mean"])
+@pytest.mark.parametrize("kind", ["uniform", "per-token"])
+@pytest.mark.parametrize("sync", [False, True], ids=["no-sync", "sync"])
+def test_gpu_deterministic_mode_repeated_calls(entry, kind, sync, deterministic, monkeypatch):
+    """bf16 on a GPU, several chunks: 5 calls at one call site under deterministic mode, with and without a device
+    sync between steps, bitwise equal (outputs and gradients), for uniform and per-token upstream gradients
+    (``mean``: a scalar upstream gradient, and a per-token ``token_weight``)."""
+    monkeypatch.setattr(triton_backend, "FAST_P_GIB", 0.05)
+    p = make_problem(4000, 256, 20011, dtype=torch.bfloat16, bias=True, ignore_frac=0.1, scale=3.0,
+                     reduction="none", seed=9)
+    g = uniform(p, 1.0 / 4000) if kind == "uniform" else per_token(p)
+    if entry == "ce-mean":
+        tw = per_token(p, seed=3).abs().float().cuda() if kind == "per-token" else None
+        w, b = leaf(p.weight.cuda()), leaf(p.bias.cuda())
+
+        def call():
+            h = leaf(p.hidden.cuda())
+            w.grad = b.grad = None
+            out = vpce.linear_cross_entropy(h, w, p.target.cuda(), b, vocab_size=p.vocab_size, token_weight=tw)
+            (out * 0.75).backward()
+            return speculation.route_of(out), [x.detach().cpu() for x in (out, h.grad, w.grad, b.grad)]
+    else:
+        site = Site(p, "ce" if entry == "ce-none" else "logprob")
+        call = lambda: site(g)  # noqa: E731
+    runs = []
+    for _ in range(5):
+        runs.append(call())
+        if sync:
+            torch.cuda.synchronize()
+    assert len({r for r, _ in runs}) == 1, [r for r, _ in runs]
+    assert_same_bits(runs, f"{entry} {kind}")

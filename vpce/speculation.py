@@ -53,6 +53,19 @@ exact for any ``g``, so it always takes this route (``dX`` formed in forward, 4N
 
 ``memory_budget="lean"`` keeps a call off this route; ``reset()`` forgets every call site's history;
 ``route_of(output)`` tells which route a call took.
+
+Bits. The two routes round differently (the speculative route's logits pass through ``P`` in the inputs' dtype,
+and its dX is a row scale of ``dX_unit``; the lean route recomputes them in fp32 tiles), so outside deterministic
+mode the last bits of the loss, dX and dW of a call can depend on the call site's history: a site's first call, the
+first after a change between uniform and non-uniform upstream gradients, and any call that starts before its
+previous backward's verdict has come back from the GPU (the event still pending) can take another route than the
+call after it. Both are exact to the same error bars. Under a group no call speculates, so no rank-local fact enters the decision.
+Under ``torch.use_deterministic_algorithms(True)`` the history is neither read nor written: every eligible call
+takes this route, so the same inputs and upstream gradient give the same bits on every call and in every run. A
+non-uniform upstream gradient then costs the misprediction on every call (10NDV); ``memory_budget="lean"`` pins the
+lean route (8NDV) for a caller whose gradients are never uniform. With ``memory_budget="auto"`` a call still falls
+back to the lean route where the fast route's buffers do not fit in free device memory (``"fast"`` never
+falls back), the same decision the fast route of ``reduction="mean"`` makes.
 """
 
 from __future__ import annotations
@@ -131,6 +144,8 @@ def decide(entry: str, weight: torch.Tensor, options, backend: str, sharded: boo
         return False, None
     if not (needs[1] or needs[2]):
         return True, None  # only dX: exact for any upstream gradient
+    if torch.are_deterministic_algorithms_enabled():
+        return True, None  # the same route whatever the history and the timing: bits follow the inputs alone
     key = (entry, tuple(weight.shape), weight.dtype, weight.device, options)
     rec = _record(key)
     return rec.predict(), rec
