@@ -242,11 +242,13 @@ def recompute_grads(hidden, weight, bias, tg: TokenTargets, rows: RowStats, coef
 
 
 def _formed_grads(hidden, w, b, tl_local, stats: _ChunkStats, p, chunk: int, call: Call, softcap, inv_t, cw,
-                  on_part) -> FastGrads:
+                  on_part, on_chunk=None) -> FastGrads:
     """The fast route's chunk loop: per chunk of ``chunk`` tokens the statistics (``stats.parts``, the first
     chunk's logits already in ``p``: ``_ChunkStats.first_logits``), then per part ``on_part(part, st)``, which
     stores the part's outputs and returns its gradient ``Coefficients``; the gradient overwrites ``P`` and the
-    chunk's dX rows and dW (db) go into fp32 (with ``dx_reduce == "forward"``, dX summed over the group)."""
+    chunk's dX rows and dW (db) go into fp32 (with ``dx_reduce == "forward"``, dX summed over the group).
+    ``on_chunk(sl, [(part, rows, st), ...])`` instead: the coefficients of every part at once, once the whole
+    chunk's statistics are in (a loss over whole rows, ``vpce.post_training``)."""
     shard, plan, needs = call.shard, call.plan, call.needs_grad
     n, d = hidden.shape
     dev = hidden.device
@@ -261,8 +263,13 @@ def _formed_grads(hidden, w, b, tl_local, stats: _ChunkStats, p, chunk: int, cal
     for c0 in range(0, n, chunk):
         sl = slice(c0, min(n, c0 + chunk))
         pc = None if p is None else p[: sl.stop - sl.start]
-        for part, r, st in stats.parts(hidden, w, b, tl_local, sl, call, softcap, inv_t, p=pc, ready=c0 == 0):
-            co = on_part(part, st)
+        parts = stats.parts(hidden, w, b, tl_local, sl, call, softcap, inv_t, p=pc, ready=c0 == 0)
+        if on_chunk is None:  # each part's coefficients as its statistics come (lazily: in order)
+            ready = ((part, r, st, on_part(part, st)) for part, r, st in parts)
+        else:
+            got = list(parts)
+            ready = [(part, r, st, co) for (part, r, st), co in zip(got, on_chunk(sl, got))]
+        for part, r, st, co in ready:
             if v > 0:
                 kernels.stored_logits(pc[r], None, tl_local[part], softcap=softcap, inv_t=inv_t,
                                       rows=(st.m, st.lse, st.q), coef=co, class_weight=cw)  # in place
