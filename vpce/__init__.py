@@ -4,7 +4,8 @@ Layout: ``api`` (the public functions and module, argument checks), ``routing`` 
 ``parallel`` (the agreement between ranks, shard ranges, statistics exchange, autograd-aware collectives),
 ``autograd`` (the autograd shells), ``torch_backend`` (pure-PyTorch chunked backend, the CPU path),
 ``triton_backend`` and ``kernels`` (fused GPU kernels), ``reference`` (the float64 reference), ``nn`` (torch's
-``linear_cross_entropy`` / ``LinearCrossEntropyLoss`` signatures on vpce), ``bench`` (``python -m vpce.bench``).
+``linear_cross_entropy`` / ``LinearCrossEntropyLoss`` signatures on vpce), ``post_training`` (losses of log-probs:
+any ``loss_fn``, GRPO, DPO), ``bench`` (``python -m vpce.bench``).
 """
 
 from . import nn
@@ -16,6 +17,10 @@ __all__ = ["linear_cross_entropy", "linear_log_probs", "LinearCrossEntropy", "Lo
 from .distill import linear_distillation_loss  # noqa: E402
 
 __all__ += ["linear_distillation_loss"]
+
+from .post_training import DPOOutput, GRPOOutput, linear_dpo_loss, linear_grpo_loss, linear_log_prob_loss  # noqa: E402
+
+__all__ += ["linear_log_prob_loss", "linear_grpo_loss", "GRPOOutput", "linear_dpo_loss", "DPOOutput"]
 
 from importlib import metadata as _metadata
 

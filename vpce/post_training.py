@@ -434,8 +434,9 @@ def linear_grpo_loss(hidden, weight, target, advantages, bias=None, *, old_log_p
                          f"{tuple(advantages.shape) if isinstance(advantages, torch.Tensor) else type(advantages)}")
     if beta != 0.0 and ref_log_probs is None:
         raise ValueError("ref_log_probs: expected the reference policy's [B, T] log-probs with beta != 0, got None")
-    mask = (target != ignore_index).to(torch.float32)
-    adv = advantages.detach().to(torch.float32)
+    acc = torch.float64 if getattr(hidden, "dtype", None) == torch.float64 else torch.float32
+    mask = (target != ignore_index).to(acc)
+    adv = advantages.detach().to(acc)
     adv = adv[:, None].expand(b_, t_) if adv.dim() == 1 else adv
     # each token's normalizer, known from the mask beforehand
     if loss_type == "grpo":
@@ -445,7 +446,7 @@ def linear_grpo_loss(hidden, weight, target, advantages, bias=None, *, old_log_p
     elif loss_type == "dr_grpo":
         weight_tok = mask / (b_ * (t_ if max_completion_length is None else max_completion_length))
     else:
-        items = mask.sum() if num_items_in_batch is None else torch.as_tensor(num_items_in_batch, dtype=torch.float32,
+        items = mask.sum() if num_items_in_batch is None else torch.as_tensor(num_items_in_batch, dtype=acc,
                                                                               device=mask.device)
         weight_tok = mask / items.clamp(min=1.0)
     inputs = {"adv": adv, "weight": weight_tok, "mask": mask}
@@ -468,11 +469,13 @@ def linear_grpo_loss(hidden, weight, target, advantages, bias=None, *, old_log_p
         logit_scale=logit_scale, ignore_index=ignore_index, group=group, vocab_start=vocab_start,
         vocab_size=vocab_size, sequence_parallel=sequence_parallel, backend=backend, memory_budget=memory_budget,
         validate=validate, entropy_stats=True)
-    return GRPOOutput(loss, *_grpo_metrics(logp, ent, old_log_probs, ref_log_probs, adv, mask, opts))
+    per_sequence = importance_sampling_level == "sequence" and advantages.dim() == 1
+    return GRPOOutput(loss, *_grpo_metrics(logp, ent, old_log_probs, ref_log_probs, adv, mask, opts, per_sequence))
 
 
-def _grpo_metrics(logp, ent, old, ref, adv, mask, opts):
-    """TRL's logged ``kl``, clip ratio and ``entropy`` (masked means over the tokens; detached)."""
+def _grpo_metrics(logp, ent, old, ref, adv, mask, opts, per_sequence: bool):
+    """TRL's logged ``kl``, clip ratio and ``entropy`` (masked means over the tokens; detached). ``per_sequence``
+    (sequence-level ratios, ``[B]`` advantages): the clip ratio is the mean over sequences, as TRL's."""
     logp = logp.detach()
     dtype = logp.dtype
     mask, adv = mask.to(dtype), adv.to(dtype)
@@ -491,7 +494,10 @@ def _grpo_metrics(logp, ent, old, ref, adv, mask, opts):
         clipped = (coef > opts["eps_high"]) & (adv > 0)
     else:
         clipped = ((coef < 1 - opts["eps_low"]) & (adv < 0)) | ((coef > 1 + opts["eps_high"]) & (adv > 0))
-    clip_ratio = (clipped.to(dtype) * mask).sum() / count
+    if per_sequence:
+        clip_ratio = clipped[:, :1].to(dtype).mean()
+    else:
+        clip_ratio = (clipped.to(dtype) * mask).sum() / count
     entropy = (ent.detach().to(dtype) * mask).sum() / count
     return kl, clip_ratio, entropy
 
@@ -561,8 +567,9 @@ def linear_dpo_loss(hidden, weight, target, ref_chosen_log_probs=None, ref_rejec
             if not isinstance(x, torch.Tensor) or tuple(x.shape) != (b_,):
                 raise ValueError(f"{name}: expected a tensor of shape ({b_},), got "
                                  f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
-    f32 = lambda x: x.detach().to(device=target.device, dtype=torch.float32)  # noqa: E731
-    lengths = (target != ignore_index).to(torch.float32).sum(-1).clamp(min=1.0)
+    acc = torch.float64 if getattr(hidden, "dtype", None) == torch.float64 else torch.float32
+    f32 = lambda x: x.detach().to(device=target.device, dtype=acc)  # noqa: E731
+    lengths = (target != ignore_index).to(acc).sum(-1).clamp(min=1.0)
     # interleave by pair: row b of the fused view holds chosen completion b, then rejected completion b
     pair = lambda x: x.reshape(2, b_, t_, *x.shape[2:]).transpose(0, 1).reshape(b_, 2 * t_, *x.shape[2:])  # noqa: E731
     row = lambda x: x[:, None].expand(b_, 2 * t_)  # noqa: E731  (a per-pair value, along its fused row)
