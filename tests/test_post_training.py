@@ -9,11 +9,10 @@ the same bytes.
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 import vpce
 from distributed import run_ranks
-from vpce.reference import rel_err
+from vpce.reference import rel_err, trl_dpo, trl_grpo
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
@@ -127,53 +126,6 @@ def test_general_form_bad_arguments():
 
 # -- GRPO: TRL 1.16 GRPOTrainer._compute_loss, written out -----------------------------------------------------------
 
-def trl_grpo(logp, old, ref, adv, mask, ent, *, beta, eps_low, eps_high, delta, loss_type, level,
-             max_completion_length, num_items_in_batch):
-    """The loss and logged metrics of ``GRPOTrainer._compute_loss`` (one process, no accumulation)."""
-    if adv.dim() == 1:
-        adv = adv.unsqueeze(1)
-    old = logp.detach() if old is None else old
-    log_ratio = logp - old
-    if level == "token":
-        log_w = log_ratio
-    else:
-        log_w = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
-    coef_1 = torch.exp(log_w)
-    if beta != 0.0:
-        per_token_kl = torch.exp(ref - logp) - (ref - logp) - 1
-    if loss_type == "cispo":
-        per_token_loss = -torch.clamp(coef_1, max=eps_high).detach() * adv * logp
-    else:
-        coef_2 = torch.clamp(coef_1, 1 - eps_low, 1 + eps_high)
-        if delta is not None:
-            coef_1 = torch.clamp(coef_1, max=delta)
-        per_token_loss = -torch.min(coef_1 * adv, coef_2 * adv)
-    if beta != 0.0:
-        per_token_loss = per_token_loss + beta * per_token_kl
-    if loss_type == "grpo":
-        loss = ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
-    elif loss_type == "bnpo":
-        loss = (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0)
-    elif loss_type == "dr_grpo":
-        loss = (per_token_loss * mask).sum() / (per_token_loss.size(0) * max_completion_length)
-    else:
-        loss = (per_token_loss * mask).sum() / torch.as_tensor(num_items_in_batch).clamp(min=1.0)
-
-    def global_masked_mean(x):
-        if x.shape[1] == 1:
-            return x.sum() / x.shape[0]
-        return (x * mask).sum() / mask.sum().clamp(min=1.0)
-
-    kl = global_masked_mean(per_token_kl) if beta != 0.0 else None
-    coef_1 = torch.exp(log_w)  # the metrics take the unclipped ratio
-    if loss_type == "cispo":
-        clip = global_masked_mean(((coef_1 > eps_high) & (adv > 0)).double())
-    else:
-        clip = global_masked_mean((((coef_1 < 1 - eps_low) & (adv < 0)) | ((coef_1 > 1 + eps_high) & (adv > 0)))
-                                  .double())
-    return loss, kl, clip, global_masked_mean(ent)
-
-
 GRPO_CASES = {  # id: keyword arguments of linear_grpo_loss
     "dapo": dict(loss_type="dapo", beta=0.04),
     "grpo-seq-adv": dict(loss_type="grpo", adv="B"),
@@ -255,23 +207,6 @@ def test_grpo_bad_arguments():
 
 
 # -- DPO: TRL 1.16 DPOTrainer._compute_loss, written out --------------------------------------------------------------
-
-def trl_dpo(logp_tok, ref_c, ref_r, mask, beta, loss_type):
-    logps = logp_tok.sum(1)
-    chosen_logps, rejected_logps = logps.chunk(2, dim=0)
-    chosen_scores, rejected_scores = chosen_logps - ref_c, rejected_logps - ref_r
-    delta_score = chosen_scores - rejected_scores
-    if loss_type == "sigmoid":
-        per_sequence_loss = -F.logsigmoid(beta * delta_score)
-    elif loss_type == "hinge":
-        per_sequence_loss = torch.relu(1 - beta * delta_score)
-    else:
-        chosen_mask, rejected_mask = mask.chunk(2, dim=0)
-        ipo_delta = chosen_scores / chosen_mask.sum(1).clamp(min=1.0) - rejected_scores / rejected_mask.sum(1).clamp(
-            min=1.0)
-        per_sequence_loss = (ipo_delta - 1 / (2 * beta)) ** 2
-    return per_sequence_loss.mean(), beta * chosen_scores.detach(), beta * rejected_scores.detach()
-
 
 @pytest.mark.parametrize("backend,dtype,tol,gtol", BACKENDS, ids=[b[0] for b in BACKENDS])
 @pytest.mark.parametrize("loss_type", ["sigmoid", "hinge", "ipo"])

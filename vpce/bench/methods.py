@@ -182,6 +182,78 @@ def _vpce_log_probs(env: Env, *, entropy: bool, top1: bool = False, primed: bool
     return _primed(env, fn) if primed else fn
 
 
+def _post_training_inputs(env: Env, x, w, y, cache: dict):
+    """The bench's GRPO/DPO inputs, made once per row: ``y`` as ``[B, T]`` rows of ``T = 2048`` tokens (one row
+    where ``N`` is not a multiple), per-sequence advantages of both signs, and old / reference log-probs near the
+    current ones (ratios around 1, some clipped)."""
+    from .. import linear_log_probs
+    if "y" not in cache:
+        n = y.shape[0]
+        t = 2048 if n % 2048 == 0 else n
+        gen = torch.Generator(device=y.device).manual_seed(0)
+        with torch.no_grad():
+            logp = linear_log_probs(x, w, y, backend=device_backend(env), **env.vpce_layout()).float()
+        cache["y"] = y.reshape(-1, t)
+        cache["t"] = t
+        cache["adv"] = torch.randn(n // t, generator=gen, device=y.device)
+        cache["old"] = (logp + 0.1 * torch.randn(n, generator=gen, device=y.device)).reshape(-1, t)
+        cache["ref"] = (logp + 0.1 * torch.randn(n, generator=gen, device=y.device)).reshape(-1, t)
+    return cache
+
+
+def _rows(x, c):
+    """The hidden states as ``[B, T, D]`` (a view: the gradient reaches ``x``); a sequence-parallel slice stays
+    flat."""
+    return x.view(-1, c["t"], x.shape[-1]) if x.shape[0] == c["y"].numel() else x
+
+
+def _vpce_grpo(env: Env, *, level: str) -> LossFn:
+    """``vpce.linear_grpo_loss`` as GRPOTrainer would call it: ``dapo``, ``beta=0.04``, per-sequence advantages,
+    ``old_log_probs`` given; ``level="sequence"``: GSPO."""
+    from .. import linear_grpo_loss
+    cache = {}
+
+    def fn(x, w, y):
+        c = _post_training_inputs(env, x, w, y, cache)
+        return linear_grpo_loss(_rows(x, c), w, c["y"], c["adv"], old_log_probs=c["old"], ref_log_probs=c["ref"], beta=0.04,
+                                loss_type="dapo", importance_sampling_level=level, backend=device_backend(env),
+                                **env.vpce_layout()).loss
+    return fn
+
+
+def _vpce_dpo(env: Env) -> LossFn:
+    """``vpce.linear_dpo_loss`` (sigmoid, the reference's sequence log-probs given) on ``[2B, T]`` rows: the first
+    half chosen, the second rejected."""
+    from .. import linear_dpo_loss
+    cache = {}
+
+    def fn(x, w, y):
+        c = _post_training_inputs(env, x, w, y, cache)
+        rows = c["y"].shape[0]
+        if rows % 2:
+            raise Unavailable("DPO needs an even number of 2048-token rows")
+        ref = c["ref"].sum(-1)
+        return linear_dpo_loss(_rows(x, c), w, c["y"], ref[: rows // 2], ref[rows // 2:], backend=device_backend(env),
+                               **env.vpce_layout()).loss
+    return fn
+
+
+def _vpce_log_prob_loss(env: Env) -> LossFn:
+    """``vpce.linear_log_prob_loss`` with an entropy bonus: ``-A_b log p_i - 0.01 H_i`` over ``[B, T]`` rows, the
+    mean over the non-ignored tokens (scope ``"token"``)."""
+    from .. import linear_log_prob_loss
+    cache = {}
+
+    def fn(x, w, y):
+        c = _post_training_inputs(env, x, w, y, cache)
+        count = (c["y"] != -100).sum().clamp(min=1)
+        adv = c["adv"][:, None].expand_as(c["old"])
+        return linear_log_prob_loss(_rows(x, c), w, c["y"], lambda lp, ent, a: (-a * lp - 0.01 * ent) / count,
+                                    inputs={"a": adv}, use_entropy=True, backend=device_backend(env),
+                                    **env.vpce_layout())
+    return fn
+
+
 def _vpce_none_mean(env: Env) -> LossFn:
     """``reduction="none"``, then the caller's mean over the non-ignored tokens (SFT's masked mean: the plain loss,
     checked), primed (``_primed``)."""
@@ -344,6 +416,16 @@ _ROWS = [
            package="vpce", build=functools.partial(_vpce_log_probs, entropy=True, top1=True, primed=True)),
     Method(name="vpce-trl-sft", label="vpce.integrations.trl head, entropy and is_top1 (TRL SFT), after a uniform call",
            package="vpce", build=_vpce_trl),
+    Method(name="vpce-grpo", label="vpce {backend} linear_grpo_loss (dapo, beta 0.04, old log-probs)",
+           package="vpce", build=functools.partial(_vpce_grpo, level="token"), plain=False),
+    Method(name="vpce-gspo", label="vpce {backend} linear_grpo_loss, sequence-level ratio (GSPO)", package="vpce",
+           build=functools.partial(_vpce_grpo, level="sequence"), plain=False),
+    Method(name="vpce-dpo", label="vpce {backend} linear_dpo_loss (sigmoid)", package="vpce", build=_vpce_dpo,
+           plain=False),
+    Method(name="vpce-logprob-loss", label="vpce {backend} linear_log_prob_loss with an entropy bonus",
+           package="vpce", build=_vpce_log_prob_loss, plain=False),
+    Method(name="trl-grpo", label="TRL fused LM head + entropy, then TRL's GRPO loss (dapo, beta 0.04)",
+           build=peers.trl_grpo, package="trl", plain=False),
     Method(name="vpce-metrics", label="vpce {backend} + accuracy, entropy, z-loss metrics", package="vpce",
            build=_vpce_metrics, tp=True),
     *_distill_rows(),

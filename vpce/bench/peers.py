@@ -202,6 +202,34 @@ def trl(env: Env, *, sft: bool) -> LossFn:
     return _with_note(loss, note)
 
 
+def trl_grpo(env: Env) -> LossFn:
+    """What GRPOTrainer runs: TRL's fused head for the per-token log-probs and entropy of ``[B, T]`` rows of 2048
+    tokens, then TRL's GRPO loss math on them (``vpce.reference.trl_grpo``, TRL 1.16's ``_compute_loss`` written
+    out): ``dapo``, ``beta=0.04``, per-sequence advantages, old and reference log-probs given."""
+    from ..reference import trl_grpo as grpo_math
+    kernel = trl(env, sft=True)  # the import (and its shim) checked
+    head = _import("trl.kernels.chunked_logprob", "trl").ChunkedLogProbFunction
+    cache = {}
+
+    def loss(x, w, y):
+        n = y.shape[0]
+        t = 2048 if n % 2048 == 0 else n
+        if "adv" not in cache:
+            gen = torch.Generator(device=y.device).manual_seed(0)
+            with torch.no_grad():
+                lp = head.apply(x, w, None, y.clamp(min=0), 1.0, 32768, None, 1.0, ())[0].float()
+            cache["adv"] = torch.randn(n // t, generator=gen, device=y.device)
+            cache["old"] = (lp + 0.1 * torch.randn(n, generator=gen, device=y.device)).reshape(-1, t)
+            cache["ref"] = (lp + 0.1 * torch.randn(n, generator=gen, device=y.device)).reshape(-1, t)
+        mask = (y != -100).reshape(-1, t).float()
+        out = head.apply(x, w, None, y.clamp(min=0), 1.0, 32768, None, 1.0, ("entropy",))
+        logp, ent = out[0].float().reshape(-1, t), out[1].float().reshape(-1, t)
+        return grpo_math(logp, cache["old"], cache["ref"], cache["adv"], mask, ent.detach(), beta=0.04, eps_low=0.2,
+                         eps_high=0.2, delta=None, loss_type="dapo", level="token", max_completion_length=t,
+                         num_items_in_batch=mask.sum())[0]
+    return _with_note(loss, kernel)
+
+
 # -- megatron-core ------------------------------------------------------------------------------------------------
 
 _OWN_GROUP = False  # whether megatron_tp_group created the default process group (and so shutdown destroys it)
