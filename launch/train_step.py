@@ -13,6 +13,8 @@ SwiGLU, RoPE on GPUs, no biases), trained with the loss each path gives it:
   ``loss_mask.sum()``.
 - ``vpce-per-token``: ``apply(model)``; the forward returns the ``[b, s]`` per-token loss as stock does and the loop
   is unchanged (vpce recomputes the logits in backward).
+- ``megatron-fused``: stock with ``cross_entropy_loss_fusion=True, cross_entropy_fusion_impl="native"``
+  (megatron-core's ``fused_vocab_parallel_cross_entropy``, ``torch.compile``d; GPUs only, compiles in warm-up).
 
 Run it on GPUs (one command per case; ``--out`` gets ``train_step.json`` and ``loss.png``)::
 
@@ -84,7 +86,7 @@ from demo import WordTokenizer, load_corpus  # noqa: E402 - launch/ is not a pac
 
 from vpce.bench.launch_env import set_collective_env  # noqa: E402
 
-MEGATRON_PATHS = ("megatron", "megatron-repeat", "vpce", "vpce-per-token")
+MEGATRON_PATHS = ("megatron", "megatron-repeat", "megatron-fused", "vpce", "vpce-per-token")
 HF_PATHS = ("stock", "vpce", "liger")
 
 
@@ -437,12 +439,12 @@ class MasterAdamW:
             p.grad = None
 
 
-def megatron_loss(model, path: str, ids, labels, loss_mask, position_ids):
+def megatron_loss(model, path: str, ids, labels, loss_mask, position_ids, attention_mask):
     """One micro-batch's loss as the path forms it (``pretrain_gpt``'s ``sum(losses * loss_mask) / num_tokens``)."""
     num_tokens = loss_mask.sum()
     if path == "vpce":  # apply(model, reduction="sum"): the masked sum, gradients formed in forward
-        return model(ids, position_ids, None, labels=labels, loss_mask=loss_mask) / num_tokens
-    losses = model(ids, position_ids, None, labels=labels)  # [b, s] per-token, stock or vpce-per-token
+        return model(ids, position_ids, attention_mask, labels=labels, loss_mask=loss_mask) / num_tokens
+    losses = model(ids, position_ids, attention_mask, labels=labels)  # [b, s] per-token, stock or vpce-per-token
     return torch.sum(losses.float().view(-1) * loss_mask.view(-1)) / num_tokens
 
 
@@ -450,7 +452,11 @@ def megatron_batch(win: torch.Tensor, eod: int, device: torch.device):
     ids, labels = win[:, :-1].to(device), win[:, 1:].to(device)
     loss_mask = (labels != eod).float()
     position_ids = torch.arange(ids.shape[1], device=device).expand_as(ids)
-    return ids, labels, loss_mask, position_ids
+    # causal: None lets megatron-core's local attention build its mask, on CUDA; on the CPU it is given
+    # ([1, 1, s, s], True where masked); SDPAttention ignores it
+    seq = ids.shape[1]
+    mask = None if device.type == "cuda" else torch.ones(seq, seq, dtype=torch.bool).triu(1)[None, None]
+    return ids, labels, loss_mask, position_ids, mask
 
 
 def megatron_path_model(args, shape: ModelShape, tp: int, device, path: str, seq: int):
@@ -458,7 +464,9 @@ def megatron_path_model(args, shape: ModelShape, tp: int, device, path: str, seq
 
     model = build_gpt(shape, tp, device, seq=seq, seed=args.seed, attention=args.attention,
                       sequence_parallel=args.sequence_parallel)
-    if path == "vpce":
+    if path == "megatron-fused":
+        model.config.cross_entropy_loss_fusion, model.config.cross_entropy_fusion_impl = True, "native"
+    elif path == "vpce":
         vm.apply(model, reduction="sum")
     elif path == "vpce-per-token":
         vm.apply(model)
@@ -474,10 +482,10 @@ def train_megatron_path(args, shape: ModelShape, run: RunShape, tp: int, device,
     data = windows(tokens, run.seq, run.batch, run.seed + 1)
     losses, times = [], []
     for step in range(run.steps):
-        ids, labels, loss_mask, position_ids = megatron_batch(next(data), eod, device)
+        batch = megatron_batch(next(data), eod, device)
         sync(device)
         t0 = time.perf_counter()
-        loss = megatron_loss(model, path, ids, labels, loss_mask, position_ids)
+        loss = megatron_loss(model, path, *batch)
         loss.backward()
         opt.step()
         sync(device)
@@ -493,14 +501,13 @@ def train_megatron_path(args, shape: ModelShape, run: RunShape, tp: int, device,
 def megatron_fits(args, shape: ModelShape, run: RunShape, device, path: str, tokens, eod, say):
     """``fits(seq)`` for ``find_max``: one whole step at ``seq`` on a model built once (weights, master weights
     and Adam states allocated by a first short step), OOM caught and freed."""
-    model = megatron_path_model(args, shape, 1, device, path, 1 << 20)
+    model = megatron_path_model(args, shape, 1, device, path, max(args.max_seq, run.seq))
     opt = MasterAdamW(model.parameters(), run.lr)
     state = {"model": model, "opt": opt}
 
     def step(seq):
-        ids, labels, loss_mask, position_ids = megatron_batch(next(windows(tokens, seq, run.batch, run.seed)), eod,
-                                                              device)
-        megatron_loss(state["model"], path, ids, labels, loss_mask, position_ids).backward()
+        batch = megatron_batch(next(windows(tokens, seq, run.batch, run.seed)), eod, device)
+        megatron_loss(state["model"], path, *batch).backward()
         state["opt"].step()
         sync(device)
 
@@ -545,6 +552,9 @@ def run_megatron(args, rank: int, world: int, device: torch.device, say) -> dict
               "config": {"model": asdict(shape), "run": asdict(run), "padded_vocab": rows,
                          "attention": args.attention, "sequence_parallel": bool(args.sequence_parallel and world > 1),
                          "dtype": "bf16 weights, fp32 master weights" if device.type == "cuda" else "fp32"}}
+    if args.sequence_parallel and world > 1 and device.type != "cuda":
+        raise SystemExit("--sequence-parallel: megatron-core's sequence-parallel collectives allocate on CUDA; "
+                         "expected GPUs, got the CPU")
     cm = megatron_on_cpu() if device.type != "cuda" else contextlib.nullcontext()
     with cm:
         if args.find_max_seq:
@@ -674,7 +684,7 @@ def train_hf_path(args, shape: ModelShape, run: RunShape, device, path: str, tok
 def hf_fits(args, shape: ModelShape, run: RunShape, device, path: str, tokens, eod, say):
     """``fits(seq)`` for ``find_max``: the step Trainer takes (bf16 autocast over fp32 weights, AdamW), written out
     so that an OOM can be caught between steps; the model and the optimizer states are built once."""
-    model = hf_patch(build_llama(shape, 1 << 20, args.seed, device), path, args.liger_all)
+    model = hf_patch(build_llama(shape, max(args.max_seq, run.seq), args.seed, device), path, args.liger_all)
     opt = torch.optim.AdamW(model.parameters(), lr=run.lr, betas=(0.9, 0.95), weight_decay=0.0)
     state = {"model": model, "opt": opt}
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
