@@ -67,7 +67,6 @@ import argparse
 import contextlib
 import gc
 import json
-import math
 import os
 import platform
 import subprocess
@@ -291,7 +290,9 @@ def find_max(fits, start: int, cap: int, granule: int) -> tuple[int, list]:
 
 
 def is_oom(err: BaseException) -> bool:
-    return isinstance(err, torch.cuda.OutOfMemoryError) or "out of memory" in str(err)
+    """torch's OutOfMemoryError, or a library's allocation failure reported as a RuntimeError (cuBLAS)."""
+    return isinstance(err, torch.cuda.OutOfMemoryError) or any(s in str(err) for s in ("out of memory",
+                                                                                          "ALLOC_FAILED"))
 
 
 # -- Megatron-core -----------------------------------------------------------------------------------------------

@@ -41,7 +41,8 @@ def _module():
 def _run(cmd: list[str]) -> subprocess.CompletedProcess:
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert run.returncode == 0, f"exit {run.returncode}\n--- stdout\n{run.stdout[-3000:]}\n--- stderr\n{run.stderr[-4000:]}"
+    assert run.returncode == 0, (f"exit {run.returncode}\n--- stdout\n{run.stdout[-3000:]}\n"
+                                 f"--- stderr\n{run.stderr[-4000:]}")
     return run
 
 
