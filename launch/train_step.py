@@ -21,9 +21,9 @@ Run it on GPUs (one command per case; ``--out`` gets ``train_step.json`` and ``l
     torchrun --standalone --nproc-per-node 1 launch/train_step.py megatron --out train-out/megatron-tp1
     torchrun --standalone --nproc-per-node 2 launch/train_step.py megatron --out train-out/megatron-tp2
     torchrun --standalone --nproc-per-node 2 launch/train_step.py megatron --vocab 256000 --out train-out/mg-tp2-256k
-    python launch/train_step.py hf --out train-out/hf
+    CUDA_VISIBLE_DEVICES=0 python launch/train_step.py hf --out train-out/hf
     torchrun --standalone --nproc-per-node 1 launch/train_step.py megatron --find-max-seq --out train-out/mg-max
-    python launch/train_step.py hf --find-max-seq --out train-out/hf-max
+    CUDA_VISIBLE_DEVICES=0 python launch/train_step.py hf --find-max-seq --out train-out/hf-max
 
 Hugging Face (``hf``): ``LlamaForCausalLM`` from a config (no download), trained with ``transformers.Trainer`` on
 one device, bf16 autocast over fp32 weights (``TrainingArguments(bf16=True)``): ``stock``; ``vpce``
@@ -35,8 +35,10 @@ so it runs last.
 What is measured, per path, after ``--warmup`` steps: tokens/s (``batch * seq`` per step over the mean step time,
 each step timed between device synchronizations), peak allocated memory per rank (``torch.cuda.max_memory_allocated``
 over the whole run: weights, fp32 master weights, Adam states, activations, the loss), and the loss at every step.
-The JSON also holds, for every path, the largest per-step |loss - loss of the first path|; the ``megatron-repeat``
-row is the noise floor the ``vpce`` rows are read against.
+The JSON also holds, for every path, the largest, the mean and the first step's |loss - loss of the first path|;
+the ``megatron-repeat`` row is the noise floor the ``vpce`` rows are read against. Where Megatron's own path is
+deterministic on the device, the repeat is identical and the floor is zero; vpce's curve then differs from it by
+rounding alone, from step 1: Megatron rounds the logits to bf16 before its fp32 softmax, vpce keeps them in fp32.
 
 Precision (Megatron): bf16 weights and activations, fp32 master weights and AdamW states (what megatron-core's
 ``Float16OptimizerWithFloat16Params`` keeps), written out in ``MasterAdamW``: megatron-core's DDP and optimizer
@@ -227,6 +229,8 @@ def summarize(runs: dict, run: RunShape, tokens_per_step: int) -> dict:
         diffs = [abs(a - b) for a, b in zip(r["losses"], first)]
         out[name] = {**r, "mean_step_ms": 1e3 * mean, "tokens_per_s": tokens_per_step / mean,
                      "max_abs_loss_diff_vs_first": max(diffs) if diffs else 0.0,
+                     "mean_abs_loss_diff_vs_first": sum(diffs) / len(diffs) if diffs else 0.0,
+                     "step1_abs_loss_diff_vs_first": diffs[0] if diffs else 0.0,
                      "final_loss": r["losses"][-1] if r["losses"] else None}
     return out
 
@@ -628,8 +632,9 @@ def hf_examples(tokens, eod: int, run: RunShape, count: int, seq: int | None = N
 
 
 def hf_available_paths(paths, device, say) -> list[str]:
+    """The paths that can run here, ``liger`` last (it patches the Llama classes for the rest of the process)."""
     keep = []
-    for path in paths:
+    for path in sorted(paths, key=lambda p: p == "liger"):
         if path == "liger":
             try:
                 import liger_kernel.transformers  # noqa: F401
@@ -798,6 +803,9 @@ def main(argv=None) -> None:
     out_dir = Path(args.out)
     if args.stack == "hf":
         rank, world = 0, 1
+        if torch.cuda.device_count() > 1:  # Trainer would wrap the model in nn.DataParallel over all of them
+            raise SystemExit(f"hf: expected one visible GPU, got {torch.cuda.device_count()}; run it with "
+                             f"CUDA_VISIBLE_DEVICES=0")
         device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
         if device.type == "cpu":
             torch.set_num_threads(1)
