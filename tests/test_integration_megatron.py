@@ -317,8 +317,8 @@ def _case_gpt(rank, world, tied):
          ).sum().backward()
         sums[reduction + " grads"] = _grads(model)
 
-    vm.apply(model)
-    out["is_applied"] = vm.is_applied(model)
+    vm.apply([model])  # Megatron-LM's list of model chunks
+    out["is_applied"] = vm.is_applied(model) and vm.is_applied([model])
     got = model(ids, pos, causal, labels=labels)
     got.backward(grad)
     out["per-token loss"] = rel_err(got, per_token)

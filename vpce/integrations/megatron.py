@@ -239,7 +239,8 @@ def apply(model, *, vocab_size=None, reduction="none", **options):
     """Make ``model``'s own forward compute its language-model loss with vpce; returns ``model``.
 
     Args:
-        model: a megatron-core ``GPTModel``, or a wrapper of one (``.module``: DDP, ``Float16Module``).
+        model: a megatron-core ``GPTModel``, or a wrapper of one (``.module``: DDP, ``Float16Module``), or a list of
+            them (Megatron-LM's model chunks: each is patched; chunks without the output layer are left as they are).
         vocab_size: the real vocab size, when the model was built with a padded one (Megatron-LM's
             ``args.vocab_size`` vs ``args.padded_vocab_size``): rows past it are left out of the softmax and get
             zero gradient. Default: every row, the loss Megatron itself computes.
@@ -250,6 +251,11 @@ def apply(model, *, vocab_size=None, reduction="none", **options):
 
     Calling ``apply`` again replaces the settings; ``remove`` restores the original forward.
     """
+    if isinstance(model, (list, tuple)):
+        inners = [_unwrap(m) for m in model]  # every chunk checked before any is patched
+        for m in inners:
+            apply(m, vocab_size=vocab_size, reduction=reduction, **options)
+        return model
     inner = _unwrap(model)
     if reduction not in ("none", "sum", "mean"):
         raise ValueError(f"reduction: expected 'none', 'sum' or 'mean', got {reduction!r}")
@@ -300,12 +306,18 @@ def apply(model, *, vocab_size=None, reduction="none", **options):
 
 
 def is_applied(model) -> bool:
-    """Whether ``apply`` has patched ``model`` (and ``remove`` has not undone it)."""
+    """Whether ``apply`` has patched ``model`` (every one of a list) and ``remove`` has not undone it."""
+    if isinstance(model, (list, tuple)):
+        return all(is_applied(m) for m in model)
     return getattr(_unwrap(model), _ATTR, None) is not None
 
 
 def remove(model):
-    """Undo ``apply``: ``model``'s forward computes Megatron's own loss again; returns ``model``."""
+    """Undo ``apply``: ``model``'s forward (each of a list's) computes Megatron's own loss again; returns ``model``."""
+    if isinstance(model, (list, tuple)):
+        for m in model:
+            remove(m)
+        return model
     inner = _unwrap(model)
     patch = getattr(inner, _ATTR, None)
     if patch is None:
