@@ -29,8 +29,10 @@ Hugging Face (``hf``): ``LlamaForCausalLM`` from a config (no download), trained
 one device, bf16 autocast over fp32 weights (``TrainingArguments(bf16=True)``): ``stock``; ``vpce``
 (``vpce.integrations.transformers.apply``); ``liger`` (``apply_liger_kernel_to_llama(fused_linear_cross_entropy=True,
 rope=False, rms_norm=False, swiglu=False)``: only the loss is swapped, as for vpce; ``--liger-all`` swaps all four)
-where liger-kernel is installed and a GPU is present. Liger patches the Llama classes for the rest of the process,
-so it runs last.
+where liger-kernel is installed and a GPU is present. On GPUs each path runs in a process of its own (``--isolate``),
+so that no memory, Trainer state or Liger class patch carries over; the parent merges the reports. In one process
+(``--no-isolate``) Liger runs last, since it patches the Llama classes for the rest of the process. Each path's
+``start_gib_per_rank`` (memory allocated before its model is built) shows anything an earlier path left behind.
 
 What is measured, per path, after ``--warmup`` steps: tokens/s (``batch * seq`` per step over the mean step time,
 each step timed between device synchronizations), peak allocated memory per rank (``torch.cuda.max_memory_allocated``
@@ -190,6 +192,10 @@ def sync(device: torch.device) -> None:
 
 
 def reset_memory(device: torch.device) -> None:
+    """Free what the previous path left (megatron-core's global buffer included) and restart the peak counter."""
+    ps = sys.modules.get("megatron.core.parallel_state")
+    if ps is not None and getattr(ps, "_GLOBAL_MEMORY_BUFFER", None) is not None:
+        ps._GLOBAL_MEMORY_BUFFER.buffer.clear()
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -198,6 +204,11 @@ def reset_memory(device: torch.device) -> None:
 
 def peak_bytes(device: torch.device) -> int | None:
     return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+
+
+def allocated_bytes(device: torch.device) -> int | None:
+    """Allocated now: at a path's start it should be ~0 (a larger value is memory an earlier path left behind)."""
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else None
 
 
 def describe(device: torch.device) -> dict:
@@ -482,6 +493,7 @@ def train_megatron_path(args, shape: ModelShape, run: RunShape, tp: int, device,
     from megatron.core import parallel_state as ps
 
     reset_memory(device)
+    start = allocated_bytes(device)
     model = megatron_path_model(args, shape, tp, device, path, run.seq)
     opt = MasterAdamW(model.parameters(), run.lr, ps.get_tensor_model_parallel_group())
     data = windows(tokens, run.seq, run.batch, run.seed + 1)
@@ -500,7 +512,7 @@ def train_megatron_path(args, shape: ModelShape, run: RunShape, tp: int, device,
             say(f"  {path:>15} step {step + 1:4d}/{run.steps} | loss {losses[-1]:.5f} | {1e3 * times[-1]:7.1f} ms")
     peak = peak_bytes(device)
     del model, opt, loss
-    return {"losses": losses, "step_s": times, "peak_bytes": peak}
+    return {"losses": losses, "step_s": times, "peak_bytes": peak, "start_bytes": start}
 
 
 def megatron_fits(args, shape: ModelShape, run: RunShape, device, path: str, tokens, eod, say):
@@ -580,7 +592,9 @@ def run_megatron(args, rank: int, world: int, device: torch.device, say) -> dict
         for path in paths:
             r = train_megatron_path(args, shape, run, world, device, path, tokens, eod, say)
             peaks = gather_peaks(r.pop("peak_bytes"), world, device)
-            runs[path] = {**r, "peak_gib_per_rank": [p / 2**30 for p in peaks] if peaks else None}
+            starts = gather_peaks(r.pop("start_bytes"), world, device)
+            runs[path] = {**r, "peak_gib_per_rank": [p / 2**30 for p in peaks] if peaks else None,
+                          "start_gib_per_rank": [p / 2**30 for p in starts] if starts else None}
     report["paths"] = summarize(runs, run, run.seq * run.batch)
     return report
 
@@ -652,6 +666,7 @@ def train_hf_path(args, shape: ModelShape, run: RunShape, device, path: str, tok
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     reset_memory(device)
+    start = allocated_bytes(device)
     model = hf_patch(build_llama(shape, run.seq, args.seed, device), path, args.liger_all)
     times, losses = [], []
 
@@ -684,7 +699,8 @@ def train_hf_path(args, shape: ModelShape, run: RunShape, device, path: str, tok
     trainer.train()
     peak = peak_bytes(device)
     del trainer, model
-    return {"losses": losses, "step_s": times, "peak_gib_per_rank": [peak / 2**30] if peak is not None else None}
+    return {"losses": losses, "step_s": times, "peak_gib_per_rank": [peak / 2**30] if peak is not None else None,
+            "start_gib_per_rank": [start / 2**30] if start is not None else None}
 
 
 def hf_fits(args, shape: ModelShape, run: RunShape, device, path: str, tokens, eod, say):
@@ -732,9 +748,21 @@ def run_hf(args, device: torch.device, out_dir: Path, say) -> dict:
     paths = hf_available_paths(args.paths or list(HF_PATHS), device, say)
     say(f"transformers LlamaForCausalLM on one {device.type} device: V={shape.vocab}, h={shape.hidden}, "
         f"{shape.layers} layers, {'tied' if shape.tied else 'untied'}; seq {run.seq} x {run.batch}; paths {paths}")
+    isolate = args.isolate if args.isolate is not None else device.type == "cuda"
+    isolate = isolate and len(paths) > 1
     report = {"stack": "hf", "world": 1, "env": describe(device),
               "config": {"model": asdict(shape), "run": asdict(run), "liger_all": args.liger_all,
-                         "dtype": "bf16 autocast, fp32 weights" if device.type == "cuda" else "fp32"}}
+                         "dtype": "bf16 autocast, fp32 weights" if device.type == "cuda" else "fp32",
+                         "one_process_per_path": isolate}}
+    if isolate:  # each path in a fresh process: no memory, Trainer state or Liger patch carried between them
+        children = {path: run_child(args, path, out_dir / f"path-{path}") for path in paths}
+        if args.find_max_seq:
+            report["find_max_seq"] = {path: c["find_max_seq"][path] for path, c in children.items()}
+        else:
+            keep = ("losses", "step_s", "peak_gib_per_rank", "start_gib_per_rank")
+            runs = {path: {k: c["paths"][path][k] for k in keep} for path, c in children.items()}
+            report["paths"] = summarize(runs, run, run.seq * run.batch)
+        return report
     if args.find_max_seq:
         report["find_max_seq"] = {}
         for path in paths:
@@ -749,6 +777,21 @@ def run_hf(args, device: torch.device, out_dir: Path, say) -> dict:
     runs = {path: train_hf_path(args, shape, run, device, path, tokens, eod, out_dir, say) for path in paths}
     report["paths"] = summarize(runs, run, run.seq * run.batch)
     return report
+
+
+def run_child(args, path: str, out: Path) -> dict:
+    """This script on one path in a fresh process (same flags); its report."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), args.stack, "--out", str(out), "--paths", path,
+           "--no-isolate", "--max-seq", str(args.max_seq), "--seq-granule", str(args.seq_granule),
+           "--log-every", str(args.log_every)]
+    for name in ("vocab", "hidden", "layers", "heads", "kv_heads", "ffn", "seq", "batch", "steps", "warmup", "lr",
+                 "seed"):
+        if getattr(args, name) is not None:
+            cmd += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    cmd += [f"--{flag.replace('_', '-')}" for flag in ("tiny", "tied", "liger_all", "find_max_seq")
+            if getattr(args, flag)]
+    subprocess.run(cmd, check=True)
+    return json.loads((out / "train_step.json").read_text())
 
 
 # -- main --------------------------------------------------------------------------------------------------------
@@ -783,6 +826,8 @@ def parse(argv=None):
     p.add_argument("--attention", choices=("sdpa", "local"), default="sdpa", help="megatron core attention")
     p.add_argument("--sequence-parallel", action="store_true", help="megatron, tp > 1: SP with SequenceParallelNorm")
     p.add_argument("--liger-all", action="store_true", help="hf: Liger's rope, rms_norm and swiglu kernels too")
+    p.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
+                   help="hf: run each path in a process of its own (default: on GPUs)")
     p.add_argument("--find-max-seq", action="store_true", help="find each path's longest sequence (one process)")
     p.add_argument("--max-seq", type=int, default=1 << 18, help="--find-max-seq: largest sequence tried")
     p.add_argument("--seq-granule", type=int, default=512, help="--find-max-seq: bisection stops at this step")

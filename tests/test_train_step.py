@@ -5,7 +5,8 @@
   ``vpce-per-token``: ``apply(model)``), tied embeddings. Both are fp32 on the CPU, so the repeat is bit-identical
   and vpce's loss stays within ``REL_TOL`` of Megatron's at every step (it differs by rounding only: vpce sums over
   vocab shards and token chunks in another order).
-- transformers: a Llama trained by ``Trainer`` with the stock loss and with ``vpce.integrations.transformers``.
+- transformers: a Llama trained by ``Trainer`` with the stock loss and with ``vpce.integrations.transformers``, each
+  in a process of its own (``--isolate``, the default on GPUs), the parent merging their reports.
 - ``find_max``: doubling then bisection, against a fake device with a known capacity.
 
 Every run is a subprocess with a timeout, so that a hung collective fails the test instead of hanging CI.
@@ -78,7 +79,7 @@ def test_megatron_tp2_vpce_matches_megatron(tmp_path):
 def test_transformers_trainer_vpce_matches_stock(tmp_path):
     pytest.importorskip("transformers")
     out = tmp_path / "hf"
-    _run([sys.executable, str(SCRIPT), "hf", "--tiny", "--paths", "stock,vpce", "--out", str(out)])
+    _run([sys.executable, str(SCRIPT), "hf", "--tiny", "--isolate", "--paths", "stock,vpce", "--out", str(out)])
     report = json.loads((out / "train_step.json").read_text())
     _check_paths(report, ["stock", "vpce"], "stock", report["config"]["run"]["steps"])
 
