@@ -304,6 +304,28 @@ def find_max(fits, start: int, cap: int, granule: int) -> tuple[int, list]:
     return lo, trials
 
 
+def oom_guarded(step, cleanup, device: torch.device, say, label: str, batch: int):
+    """``fits(seq)`` for ``find_max``: ``step(seq)`` runs one whole step; an out-of-memory error there is caught,
+    ``cleanup()`` drops what the step left (gradients), memory is freed, and ``fits`` returns False. Any other error
+    goes through."""
+
+    def fits(seq: int) -> bool:
+        ok = True
+        try:
+            step(seq)
+        except RuntimeError as err:  # torch.cuda.OutOfMemoryError is one
+            if not is_oom(err):
+                raise
+            ok = False  # the traceback (and the step's tensors it holds) is gone once the except block ends
+        if not ok:
+            cleanup()
+        reset_memory(device)
+        say(f"  {label:>15} seq {seq:7d} x {batch}: {'fits' if ok else 'out of memory'}")
+        return ok
+
+    return fits
+
+
 def is_oom(err: BaseException) -> bool:
     """torch's OutOfMemoryError, or a library's allocation failure reported as a RuntimeError (cuBLAS)."""
     return isinstance(err, torch.cuda.OutOfMemoryError) or any(s in str(err) for s in ("out of memory",
@@ -528,25 +550,13 @@ def megatron_fits(args, shape: ModelShape, run: RunShape, device, path: str, tok
         state["opt"].step()
         sync(device)
 
+    def cleanup():
+        state["opt"].zero_grad()
+        for m in state["opt"].master:
+            m.grad = None
+
     step(min(run.seq, 256))  # allocate the optimizer states
-
-    def fits(seq):
-        ok = True
-        try:
-            step(seq)
-        except (torch.cuda.OutOfMemoryError, RuntimeError) as err:
-            if not is_oom(err):
-                raise
-            ok = False
-        if not ok:
-            state["opt"].zero_grad()
-            for m in state["opt"].master:
-                m.grad = None
-        reset_memory(device)
-        say(f"  {path:>15} seq {seq:7d} x {run.batch}: {'fits' if ok else 'out of memory'}")
-        return ok
-
-    return fits, state
+    return oom_guarded(step, cleanup, device, say, path, run.batch), state
 
 
 def run_megatron(args, rank: int, world: int, device: torch.device, say) -> dict:
@@ -721,23 +731,8 @@ def hf_fits(args, shape: ModelShape, run: RunShape, device, path: str, tokens, e
         state["opt"].zero_grad(set_to_none=True)
         sync(device)
 
-    step(min(run.seq, 256))
-
-    def fits(seq):
-        ok = True
-        try:
-            step(seq)
-        except (torch.cuda.OutOfMemoryError, RuntimeError) as err:
-            if not is_oom(err):
-                raise
-            ok = False
-        if not ok:
-            state["opt"].zero_grad(set_to_none=True)
-        reset_memory(device)
-        say(f"  {path:>15} seq {seq:7d} x {run.batch}: {'fits' if ok else 'out of memory'}")
-        return ok
-
-    return fits, state
+    step(min(run.seq, 256))  # allocate the optimizer states
+    return oom_guarded(step, lambda: state["opt"].zero_grad(set_to_none=True), device, say, path, run.batch), state
 
 
 def run_hf(args, device: torch.device, out_dir: Path, say) -> dict:

@@ -99,3 +99,30 @@ def test_find_max_doubles_then_bisects(capacity):
     assert best <= want and (best > want - 128 or best == 65536), (capacity, best, trials)
     assert best == 0 or best % 128 == 0 or best in (512 * 2**k for k in range(8)), (best, trials)
     assert len(trials) <= 8 + 9, f"{len(trials)} trials: {trials}"
+
+
+def test_out_of_memory_is_caught_and_the_search_goes_on():
+    """``oom_guarded``: an OOM raised inside a step (as torch raises it) is a "does not fit", after ``cleanup``;
+    the search around it ends at the capacity; any other error goes through."""
+    import torch
+
+    mod = _module()
+    capacity, cleaned, held = 3000, [], []
+
+    def step(seq):
+        held.append(torch.empty(seq))  # what a step holds when it fails
+        if seq > capacity:
+            raise torch.cuda.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {seq} bytes")
+        held.clear()
+
+    fits = mod.oom_guarded(step, lambda: (cleaned.append(len(held)), held.clear()), torch.device("cpu"),
+                           lambda line: None, "fake", 1)
+    best, trials = mod.find_max(fits, start=512, cap=65536, granule=128)
+    assert 3000 - 128 < best <= 3000, (best, trials)
+    assert len(cleaned) == sum(not ok for _, ok in trials) and all(n == 1 for n in cleaned), cleaned
+
+    def broken(seq):
+        raise RuntimeError("CUBLAS_STATUS_EXECUTION_FAILED")  # not an allocation failure
+
+    with pytest.raises(RuntimeError, match="EXECUTION_FAILED"):
+        mod.oom_guarded(broken, lambda: None, torch.device("cpu"), lambda line: None, "fake", 1)(512)
