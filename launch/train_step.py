@@ -60,7 +60,7 @@ bisection down to ``--seq-granule`` tokens; ``torch.cuda.OutOfMemoryError`` is c
 goes on.
 
 On a machine without CUDA everything runs on the CPU, with gloo between torchrun's processes, in fp32, with RoPE
-replaced by learned absolute positions (megatron-core's RoPE moves its frequencies to CUDA), and megatron-core's two
+replaced by learned absolute positions (megatron-core's RoPE moves its frequencies to CUDA), and megatron-core's
 other CUDA-only pieces stood in for by ``megatron_on_cpu`` (only here, never in the package). ``--tiny`` picks a
 configuration that trains in seconds there (tests/test_train_step.py runs it).
 """
@@ -337,11 +337,17 @@ def is_oom(err: BaseException) -> bool:
 
 @contextlib.contextmanager
 def megatron_on_cpu():
-    """Stand-ins for megatron-core's two CUDA-only pieces that its attention and TP layers touch on the way, so that
-    a ``GPTModel`` runs on CPU gloo ranks with dropout off: ``GlobalMemoryBuffer.get_tensor`` allocates on the CPU,
-    and the CUDA RNG tracker's ``fork`` is a null context. For tests and the CPU path of this script only."""
+    """Stand-ins for the CUDA-only pieces of megatron-core that a ``GPTModel`` touches on the way, so that it runs
+    on CPU gloo ranks with dropout off: ``GlobalMemoryBuffer.get_tensor`` allocates on the CPU, and the CUDA RNG
+    tracker's ``fork`` is a null context (the attention needs only these two); under sequence parallelism, the
+    gather and reduce-scatter of ``tensor_parallel.mappings`` also put their outputs on
+    ``torch.cuda.current_device()``, which answers ``"cpu"`` here. Only on a machine without CUDA, for tests and the
+    CPU path of this script; never in the package."""
     from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
     from megatron.core.utils import GlobalMemoryBuffer
+
+    if torch.cuda.is_available():
+        raise RuntimeError("megatron_on_cpu: expected a machine without CUDA")
 
     def get_tensor(self, tensor_shape, dtype, name, mem_alloc_context=None):
         return torch.empty(tensor_shape, dtype=dtype)
@@ -349,12 +355,13 @@ def megatron_on_cpu():
     def fork(self, name=None):
         return contextlib.nullcontext()
 
-    saved = GlobalMemoryBuffer.get_tensor, CudaRNGStatesTracker.fork
+    saved = GlobalMemoryBuffer.get_tensor, CudaRNGStatesTracker.fork, torch.cuda.current_device
     GlobalMemoryBuffer.get_tensor, CudaRNGStatesTracker.fork = get_tensor, fork
+    torch.cuda.current_device = lambda: "cpu"
     try:
         yield
     finally:
-        GlobalMemoryBuffer.get_tensor, CudaRNGStatesTracker.fork = saved
+        GlobalMemoryBuffer.get_tensor, CudaRNGStatesTracker.fork, torch.cuda.current_device = saved
 
 
 class SDPAttention(torch.nn.Module):
@@ -579,9 +586,6 @@ def run_megatron(args, rank: int, world: int, device: torch.device, say) -> dict
               "config": {"model": asdict(shape), "run": asdict(run), "padded_vocab": rows,
                          "attention": args.attention, "sequence_parallel": bool(args.sequence_parallel and world > 1),
                          "dtype": "bf16 weights, fp32 master weights" if device.type == "cuda" else "fp32"}}
-    if args.sequence_parallel and world > 1 and device.type != "cuda":
-        raise SystemExit("--sequence-parallel: megatron-core's sequence-parallel collectives allocate on CUDA; "
-                         "expected GPUs, got the CPU")
     cm = megatron_on_cpu() if device.type != "cuda" else contextlib.nullcontext()
     with cm:
         if args.find_max_seq:

@@ -13,11 +13,13 @@ vocab case is checked against the float64 oracle over the gathered weight instea
 
 The ``gpt-*`` cases run a whole megatron-core ``GPTModel`` (local spec, 2 layers, megatron-core's own attention) on
 the ranks, through ``launch/train_step.py``'s ``build_gpt`` and ``megatron_on_cpu`` (CPU stand-ins for its global
-memory buffer and CUDA RNG fork; dropout is off): ``forward(input_ids, position_ids, attention_mask,
-labels=labels)`` of the stock model against the same model after ``vpce.integrations.megatron.apply``: the loss and
-the gradient of every parameter, untied and tied, with ``reduction="sum"``/``"mean"`` and ``loss_mask``, a padded
-vocab (against the stock model built with the real vocab and the same weights), and ``main_grad``; ``labels=None``
-still gives the stock logits, and ``remove`` gives the stock model back.
+memory buffer, its CUDA RNG fork and, under SP, the current device; dropout is off): ``forward(input_ids,
+position_ids, attention_mask, labels=labels)`` of the stock model against the same model after
+``vpce.integrations.megatron.apply``: the loss and the gradient of every parameter, untied and tied, with
+``reduction="sum"``/``"mean"`` and ``loss_mask``, a padded vocab (against the stock model built with the real vocab
+and the same weights), ``main_grad``, and sequence parallelism (Megatron's own SP model and vpce's, each against the
+model without SP and the same weights); ``labels=None`` still gives the stock logits, and ``remove`` gives the stock
+model back.
 
 One spawn of ranks per tp size runs every case (megatron-core takes seconds to import); each case is its own test.
 The tp=2 ranks also run the docs' snippet (docs/integrations.md, Megatron-core) as written, in a process group of
@@ -48,8 +50,8 @@ SEQ_PER_RANK, BATCH, D, ROWS = 5, 3, 24, 29  # ROWS: vocab rows per rank (odd, s
 TOL = 2e-6  # fp32 against fp32 (megatron) or against float64 (oracle)
 CASES = {
     2: ["replicated", "sequence-parallel", "padded-vocab", "padded-vocab-sp", "tied-embedding", "main-grad",
-        "loss-mask", "gpt-untied", "gpt-tied", "gpt-padded-vocab", "gpt-main-grad", "errors", "apply-errors",
-        "doc-snippet"],
+        "loss-mask", "gpt-untied", "gpt-tied", "gpt-padded-vocab", "gpt-main-grad", "gpt-sequence-parallel",
+        "errors", "apply-errors", "doc-snippet"],
     4: ["replicated", "sequence-parallel", "padded-vocab-sp"],
 }
 
@@ -268,11 +270,11 @@ def _train_step():
     return sys.modules[name]
 
 
-def _gpt(world, *, tied, rows=GPT_VOCAB, seed=20):
+def _gpt(world, *, tied, rows=GPT_VOCAB, seed=20, sequence_parallel=False):
     ts = _train_step()
     shape = ts.ModelShape(vocab=GPT_VOCAB, hidden=D, layers=2, heads=4, kv_heads=2, ffn=2 * D, tied=tied)
     return ts.build_gpt(shape, world, torch.device("cpu"), seq=GPT_SEQ, seed=seed, attention="local",
-                        padded_vocab=rows)
+                        padded_vocab=rows, sequence_parallel=sequence_parallel)
 
 
 def _gpt_batch(seed):
@@ -404,6 +406,44 @@ def _case_gpt_main_grad(rank, world):
     return out
 
 
+def _case_gpt_sp(rank, world):
+    """Sequence parallelism (train_step's SequenceParallelNorm: torch's norm, its weight gradient all-reduced over
+    the group as finalize_model_grads does): Megatron's own SP model and the same model after apply, each against
+    the model without SP and the same weights."""
+    import vpce.integrations.megatron as vm
+    from megatron.core import parallel_state as ps
+
+    group = ps.get_tensor_model_parallel_group()
+    ref, sp = _gpt(world, tied=False), _gpt(world, tied=False, sequence_parallel=True)
+    out = {"same weights": all(torch.equal(a, b) for a, b in zip(ref.parameters(), sp.parameters()))}
+    ids, pos, causal, labels, loss_mask, grad = _gpt_batch(26)
+    want = ref(ids, pos, causal, labels=labels)
+    want.backward(grad)
+    stock = _grads(ref)
+
+    def reduced(model):
+        grads = _grads(model)
+        for name, g in grads.items():
+            if getattr(model.get_parameter(name), "sequence_parallel", False):
+                dist.all_reduce(g, group=group)
+        return grads
+
+    for label in ("megatron SP", "vpce SP"):
+        if label == "vpce SP":
+            vm.apply(sp)
+        got = sp(ids, pos, causal, labels=labels)
+        got.backward(grad)
+        out[f"{label}: loss"] = rel_err(got, want)
+        out.update(_compare_grads(reduced(sp), stock, f"{label}: grads"))
+    vm.apply(sp, reduction="sum")
+    loss = sp(ids, pos, causal, labels=labels, loss_mask=loss_mask)
+    loss.backward()
+    out["vpce SP, sum with loss_mask: loss"] = rel_err(loss, (want.detach() * loss_mask).sum())
+    ref(ids, pos, causal, labels=labels).backward(loss_mask)
+    out.update(_compare_grads(reduced(sp), _grads(ref), "vpce SP, sum with loss_mask: grads"))
+    return out
+
+
 def _case_apply_errors(rank, world):
     import vpce.integrations.megatron as vm
 
@@ -442,6 +482,7 @@ def _main(rank, world, cases):
         "gpt-tied": lambda: _case_gpt(rank, world, tied=True),
         "gpt-padded-vocab": lambda: _case_gpt_padded(rank, world),
         "gpt-main-grad": lambda: _case_gpt_main_grad(rank, world),
+        "gpt-sequence-parallel": lambda: _case_gpt_sp(rank, world),
         "apply-errors": lambda: _case_apply_errors(rank, world),
     }
     with _train_step().megatron_on_cpu():
