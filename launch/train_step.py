@@ -48,7 +48,9 @@ allocate their buffers on CUDA only and gradient-accumulation fusion needs apex'
 used here; every path gets the same loop. Sequence parallelism: the local spec's torch norm refuses it, and apex's
 and TE's norms (the ones megatron-core accepts under SP) are not installable without a CUDA toolchain and network,
 so ``--sequence-parallel`` uses ``SequenceParallelNorm``: torch's norm whose weight gradient the loop all-reduces
-over the tensor-parallel group, which is what megatron-core's ``finalize_model_grads`` does for those norms.
+over the tensor-parallel group, which is what megatron-core's ``finalize_model_grads`` does for those norms. On the
+CPU (tp=2, ``--tiny``, 8 steps) its losses equal those without SP bit for bit, for Megatron's loss and for vpce's;
+tests/test_integration_megatron.py checks the gradients of every parameter under SP against the model without it.
 
 Attention: ``--attention sdpa`` (default) replaces the local spec's ``DotProductAttention``, which materializes the
 ``[b, heads, s, s]`` scores, with ``torch.nn.functional.scaled_dot_product_attention`` (causal; flash on GPUs), so
