@@ -599,7 +599,8 @@ def run_megatron(args, rank: int, world: int, device: torch.device, say) -> dict
                 reset_memory(device)
                 fits, state = megatron_fits(args, shape, run, device, path, tokens, eod, say)
                 best, trials = find_max(fits, run.seq, args.max_seq, args.seq_granule)
-                report["find_max_seq"][path] = {"max_seq": best, "batch": run.batch, "trials": trials}
+                report["find_max_seq"][path] = {"max_seq": best, "batch": run.batch, "trials": trials,
+                                                "capped": best >= args.max_seq}
                 say(f"{path}: longest sequence that fits: {best} x {run.batch}")
                 state.clear()
                 del fits
@@ -770,7 +771,8 @@ def run_hf(args, device: torch.device, out_dir: Path, say) -> dict:
             reset_memory(device)
             fits, state = hf_fits(args, shape, run, device, path, tokens, eod, say)
             best, trials = find_max(fits, run.seq, args.max_seq, args.seq_granule)
-            report["find_max_seq"][path] = {"max_seq": best, "batch": run.batch, "trials": trials}
+            report["find_max_seq"][path] = {"max_seq": best, "batch": run.batch, "trials": trials,
+                                            "capped": best >= args.max_seq}
             say(f"{path}: longest sequence that fits: {best} x {run.batch}")
             state.clear()
             del fits
@@ -883,7 +885,8 @@ def main(argv=None) -> None:
                   f" | final loss {r['final_loss']:.5f} | max |loss - {next(iter(report['paths']))}| "
                   f"{r['max_abs_loss_diff_vs_first']:.2e}")
         for name, r in report.get("find_max_seq", {}).items():
-            print(f"{name:>16}: longest sequence {r['max_seq']} x {r['batch']}")
+            capped = f" (the --max-seq cap: raise it to go further)" if r.get("capped") else ""
+            print(f"{name:>16}: longest sequence {r['max_seq']} x {r['batch']}{capped}")
         print(f"wrote {out_dir / 'train_step.json'} ({report['wall_s']:.0f} s)")
 
 
