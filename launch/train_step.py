@@ -885,7 +885,7 @@ def main(argv=None) -> None:
                   f" | final loss {r['final_loss']:.5f} | max |loss - {next(iter(report['paths']))}| "
                   f"{r['max_abs_loss_diff_vs_first']:.2e}")
         for name, r in report.get("find_max_seq", {}).items():
-            capped = f" (the --max-seq cap: raise it to go further)" if r.get("capped") else ""
+            capped = " (the --max-seq cap: raise it to go further)" if r.get("capped") else ""
             print(f"{name:>16}: longest sequence {r['max_seq']} x {r['batch']}{capped}")
         print(f"wrote {out_dir / 'train_step.json'} ({report['wall_s']:.0f} s)")
 
