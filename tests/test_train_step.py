@@ -5,8 +5,9 @@
   ``vpce-per-token``: ``apply(model)``), tied embeddings. Both are fp32 on the CPU, so the repeat is bit-identical
   and vpce's loss stays within ``REL_TOL`` of Megatron's at every step (it differs by rounding only: vpce sums over
   vocab shards and token chunks in another order).
-- transformers: a Llama trained by ``Trainer`` with the stock loss and with ``vpce.integrations.transformers``, each
-  in a process of its own (``--isolate``, the default on GPUs), the parent merging their reports.
+- transformers: a Llama trained by ``Trainer`` with the stock loss and with ``vpce.integrations.transformers``; and
+  ``--isolate`` (the default on GPUs): each path in a child process of its own, with the same flags, and the
+  children's reports merged (children faked here: one process per path costs a transformers import each).
 - ``find_max``: doubling then bisection, against a fake device with a known capacity.
 
 Every run is a subprocess with a timeout, so that a hung collective fails the test instead of hanging CI.
@@ -79,7 +80,7 @@ def test_megatron_tp2_vpce_matches_megatron(tmp_path):
 def test_transformers_trainer_vpce_matches_stock(tmp_path):
     pytest.importorskip("transformers")
     out = tmp_path / "hf"
-    _run([sys.executable, str(SCRIPT), "hf", "--tiny", "--isolate", "--paths", "stock,vpce", "--out", str(out)])
+    _run([sys.executable, str(SCRIPT), "hf", "--tiny", "--paths", "stock,vpce", "--out", str(out)])
     report = json.loads((out / "train_step.json").read_text())
     _check_paths(report, ["stock", "vpce"], "stock", report["config"]["run"]["steps"])
 
@@ -126,3 +127,34 @@ def test_out_of_memory_is_caught_and_the_search_goes_on():
 
     with pytest.raises(RuntimeError, match="EXECUTION_FAILED"):
         mod.oom_guarded(broken, lambda: None, torch.device("cpu"), lambda line: None, "fake", 1)(512)
+
+
+def test_isolate_runs_each_path_in_a_child_with_the_same_flags(tmp_path, monkeypatch):
+    mod = _module()
+    args = mod.parse(["hf", "--tiny", "--isolate", "--paths", "stock,vpce", "--out", str(tmp_path), "--seq", "48",
+                      "--tied", "--lr", "0.01"])
+    args.seed = 7
+    commands, real_run = [], mod.subprocess.run
+
+    def fake_run(cmd, **kwargs):
+        if str(mod.__file__) not in cmd:  # describe(): git, uname
+            return real_run(cmd, **kwargs)
+        commands.append(cmd)
+        out = Path(cmd[cmd.index("--out") + 1])
+        path = cmd[cmd.index("--paths") + 1]
+        losses = [3.0, 2.0] if path == "stock" else [3.0, 2.5]
+        out.mkdir(parents=True)
+        (out / "train_step.json").write_text(json.dumps({"paths": {path: {
+            "losses": losses, "step_s": [0.1, 0.2], "peak_gib_per_rank": [1.0], "start_gib_per_rank": [0.0]}}}))
+
+    monkeypatch.setattr(mod.subprocess, "run", fake_run)
+    import torch
+    report = mod.run_hf(args, torch.device("cpu"), tmp_path, lambda line: None)
+    assert [c[c.index("--paths") + 1] for c in commands] == ["stock", "vpce"]
+    for cmd in commands:
+        assert cmd[2:3] == ["hf"] and "--no-isolate" in cmd and "--tiny" in cmd and "--tied" in cmd, cmd
+        assert cmd[cmd.index("--seq") + 1] == "48" and cmd[cmd.index("--seed") + 1] == "7", cmd
+        assert cmd[cmd.index("--lr") + 1] == "0.01", cmd
+    assert report["config"]["one_process_per_path"] is True
+    assert report["paths"]["vpce"]["max_abs_loss_diff_vs_first"] == 0.5, report["paths"]["vpce"]
+    assert report["paths"]["stock"]["tokens_per_s"] == pytest.approx(48 * 2 / 0.15), report["paths"]["stock"]
