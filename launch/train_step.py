@@ -119,8 +119,10 @@ class ModelShape:
 class RunShape:
     """How each path trains."""
 
-    seq: int = 4096
-    """Tokens per sequence."""
+    seq: int = 8192
+    """Tokens per sequence. At 8192 x 1 the stock loss's fp32 logits (N * V / tp * 4 bytes: 4 GiB for V = 128256 at
+    tp=1) are 4x what vpce holds in their place (its fp32 weight gradient, V / tp * D * 4 bytes, from forward to
+    backward on its fast route); the gap grows with N."""
     batch: int = 1
     """Sequences per step (micro-batch; no accumulation)."""
     steps: int = 200
