@@ -388,7 +388,8 @@ class SDPAttention(torch.nn.Module):
         if attention_bias is not None or packed_seq_params is not None:
             raise ValueError("SDPAttention: expected no attention_bias and no packed_seq_params")
         sq, b, heads, hn = query.shape
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, hn]
+        # [b, heads, s, hn], dense: the flash kernel then takes them as they are
+        q, k, v = (t.permute(1, 2, 0, 3).contiguous() for t in (query, key, value))
         if k.shape[1] != heads:  # GQA: each key/value head serves heads / groups query heads
             k, v = (t.repeat_interleave(heads // t.shape[1], dim=1) for t in (k, v))
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale)
