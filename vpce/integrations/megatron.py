@@ -48,13 +48,14 @@ pipeline stage without the output layer; inference) goes to the original method 
 prediction (``mtp_num_layers``) is refused: its extra heads would still materialize their logits.
 
 Reductions. ``reduction="none"`` (the default) returns Megatron's ``[b, s]`` per-token loss, so that
-``pretrain_gpt``'s ``loss_func`` (``sum(losses * loss_mask)``) is unchanged. The gradients then need the
-per-token upstream gradient that arrives only in backward, so vpce recomputes the logits there (8NDV instead of
-6NDV, still without holding them); at tp=1 on the Triton backend its speculative route (docs/api.md) costs 6NDV
-instead once a step's upstream gradient is the same on every token (a loss_mask of ones). ``reduction="sum"`` returns ``sum(loss * loss_mask)`` over the micro-batch, with
-``forward``'s own ``loss_mask=`` keyword (the one ``pretrain_gpt`` passes for MTP; all ones when absent) as vpce's
-``token_weight``: one scalar, whose gradients vpce forms in forward (6NDV, the fast route). ``loss_func`` then
-takes the returned tensor as its numerator instead of forming it. ``"mean"`` divides that by ``loss_mask.sum()``.
+``pretrain_gpt``'s ``loss_func`` (``sum(losses * loss_mask)``) is unchanged. The gradients then need the per-token
+upstream gradient that arrives only in backward, so vpce recomputes the logits there (8NDV instead of 6NDV, still
+without holding them); at tp=1 on the Triton backend its speculative route (docs/api.md) costs 6NDV instead once a
+step's upstream gradient is the same on every token (a loss_mask of ones). ``reduction="sum"`` returns ``sum(loss *
+loss_mask)`` over the micro-batch, with ``forward``'s own ``loss_mask=`` keyword (the one ``pretrain_gpt`` passes
+for MTP; all ones when absent) as vpce's ``token_weight``: one scalar, whose gradients vpce forms in forward (6NDV,
+the fast route). ``loss_func`` then takes the returned tensor as its numerator instead of forming it. ``"mean"``
+divides that by ``loss_mask.sum()``.
 """
 
 from __future__ import annotations
