@@ -113,6 +113,7 @@ def run_phases(row: dict, phases: list[Phase], agree: Callable[[str], str] | Non
             status = agree(status)
         if status != "ok":
             break
+    row.pop("_phase", None)
     row["status"] = status
 
 
