@@ -212,7 +212,7 @@ def gemm_logits_loss(prob: Problem, distill: tuple[str, float | None], settings:
     ``[C, V]`` takes ``settings.ref_chunk_gib``). Plain torch and vpce's Triton backend both start from such
     logits, so its distance from the float64 reference is the loss error they inherit before any arithmetic of
     their own: on an H200 mostly the tensor cores' accumulation, which shrinks cuBLAS's logits as a whole by about
-    1e-9 of their size per K element (docs/benchmarks.md, session 12)."""
+    1e-9 of their size per K element (docs/benchmarks.md, run 2b1e21c)."""
     n, v = prob.x.shape[0], prob.w.shape[0]
     rows = max(1, int(settings.ref_chunk_gib * GiB) // (8 * max(v, 1)))
     total = torch.zeros((), dtype=torch.float64, device=prob.x.device)
