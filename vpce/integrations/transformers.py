@@ -287,7 +287,7 @@ def _apply_trainer(trainer, **options):
     return trainer
 
 
-def _calling_trainer(names: tuple[str, ...], depth: int = 12):
+def _calling_trainer(names: tuple[str, ...], depth: int = 30):
     """The ``transformers.Trainer`` whose method in ``names`` is up the stack (within ``depth`` frames), or None."""
     frame = sys._getframe(2)
     for _ in range(depth):
