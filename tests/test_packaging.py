@@ -190,3 +190,13 @@ def test_every_extra_resolves_from_the_wheel(dists, bare_venv, extra, tmp_path):
                         f"indexes (PyPI has it)")
         pytest.fail(f"vpce[{extra}] does not resolve:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
     assert re.search(rf"Would install .*vpce-{re.escape(VERSION)}", out.stdout), out.stdout[-2000:]
+
+
+def test_install_from_a_path_resolves(bare_venv, tmp_path):
+    """README's `pip install "vpce[trl] @ file:///path/to/vpce"` (the same as `pip install ".[trl]"` in the clone):
+    pip builds the metadata from the source tree and resolves the extra, offline (``--dry-run``)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "TRITON_INTERPRET")}
+    cmd = [sys.executable, "-m", "pip", "--python", bare_venv, "install", "--dry-run", "--disable-pip-version-check",
+           "--no-build-isolation", *(_offline_indexes() or ["--no-index"]), f"vpce[trl] @ {ROOT.as_uri()}"]
+    out = _run(cmd, cwd=tmp_path, env=env)
+    assert re.search(rf"Would install .*vpce-{re.escape(VERSION)}", out.stdout), out.stdout[-2000:]
