@@ -383,6 +383,7 @@ def _patched_forward(model, *args, **kwargs):
     probe = 0 if patch.checked else 1
 
     def pre_hook(module, inputs):
+        kept["calls"] = kept.get("calls", 0) + 1
         kept["hidden"] = inputs[0]
         return (inputs[0].narrow(-2, 0, min(probe, inputs[0].shape[-2])),) + tuple(inputs[1:])
 
@@ -398,8 +399,9 @@ def _patched_forward(model, *args, **kwargs):
     finally:
         for handle in handles:
             handle.remove()
-    if "hidden" not in kept:
-        raise TypeError(f"model: {type(model).__name__}'s forward did not call lm_head; {_ALTERNATIVE}")
+    if kept.get("calls") != 1:
+        raise TypeError(f"model: {type(model).__name__}'s forward called lm_head {kept.get('calls', 0)} times, not "
+                        f"once; vpce computes the loss of one call's logits; {_ALTERNATIVE}")
     if probe:
         _check_logits(model, out.get("logits"), kept.get("head_out"), extras)
         patch.checked = True
