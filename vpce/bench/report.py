@@ -104,7 +104,8 @@ def status_notes(rows: list[dict], key: str = "method") -> list[str]:
         if r["status"] != "ok":
             by.setdefault(r["status"], []).append(r[key] + (" (no-grad)" if r.get("mode") == "no-grad" else ""))
     return [line for status, names in by.items()
-            for line in textwrap.wrap(f"- {status}: {', '.join(names)}", WIDTH, subsequent_indent="  ")]
+            for line in textwrap.wrap(f"- {status}: {', '.join(names)}", WIDTH, subsequent_indent="  ",
+                                      break_on_hyphens=False)]
 
 
 def _wrap(text: str) -> list[str]:
