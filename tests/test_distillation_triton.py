@@ -243,7 +243,7 @@ def test_cuda_bf16_arithmetic_on_the_same_logits(divergence, beta, reduction, va
     the bf16 logits cuBLAS writes (``F.linear``, the bias in its epilogue), 5e-7 (a few ulps of the fp32 sums; the
     JSD with ``log m`` taken directly was 1.5e-6 off), or no further than torch eager's loss on those logits.
     Against float64 of the exact inputs both inherit the GEMM's error, mostly the tensor cores' accumulation
-    (docs/benchmarks.md, session 12), which this separates out. The float64 math on given logits is the oracle
+    (docs/benchmarks.md, run 2b1e21c), which this separates out. The float64 math on given logits is the oracle
     with the logits as the hidden states and an identity head (every logit one exact product). One H200: vpce
     1e-9 to 2.6e-7, torch eager 1e-9 to 1.3e-7 here (V = 7963; at V = 128256 torch eager's error is the
     larger)."""

@@ -194,8 +194,8 @@ def autocast_operands(hidden, weight, bias):
     """Under ``torch.autocast`` the GEMM operands are cast to the autocast dtype, as ``nn.Linear``'s are. The casts
     are differentiable, so the gradients come back in the parameters' own dtype (fp32 for fp32 parameters); the
     logits and the statistics stay fp32, as on 16-bit inputs."""
-    if not isinstance(hidden, torch.Tensor) or not torch.is_autocast_enabled(hidden.device.type):
-        return hidden, weight, bias
+    if not isinstance(hidden, torch.Tensor) or hidden.is_meta or not torch.is_autocast_enabled(hidden.device.type):
+        return hidden, weight, bias  # (meta: no autocast there; the checks below name the argument)
     dtype = torch.get_autocast_dtype(hidden.device.type)
     cast = lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.dtype == torch.float32 else t  # noqa: E731
     return cast(hidden), cast(weight), cast(bias)
@@ -220,6 +220,9 @@ def prepare_call(entry: str, hidden, weight, target, bias, *, group, vocab_start
     try:
         if not isinstance(hidden, torch.Tensor):
             raise TypeError(f"hidden: expected a torch.Tensor, got {type(hidden).__name__}")
+        if hidden.is_meta:  # (the others must be on hidden's device: their checks name them)
+            raise ValueError(f"hidden: expected a tensor with data (cpu, cuda), got device {hidden.device}; a model "
+                             f"built on the meta device needs its weights materialized before vpce computes")
         backend = resolve_backend(backend, hidden)
         check_bool("sequence_parallel", sequence_parallel)
         check_bool("validate", validate)

@@ -69,6 +69,14 @@ def cross_entropy_grads(hidden, weight, bias, target, token_weight, rows: RowSta
                                                              *opts.folded_cap(), main_weight)
 
 
+
+def _no_double_backward():
+    """A backward with ``create_graph=True`` runs in grad mode; vpce's gradients are not differentiable again."""
+    if torch.is_grad_enabled():
+        raise RuntimeError("vpce: double backward is not supported: the gradients of linear_cross_entropy and "
+                           "linear_log_probs cannot be differentiated again (backward or autograd.grad with "
+                           "create_graph=True); compute a gradient penalty on another path")
+
 class LinearCrossEntropyFunction(torch.autograd.Function):
     """``hidden [N, D]`` (this rank's slice under sequence parallelism when the backend reduces dX in forward),
     ``target [N]``, optional ``token_weight [N]`` and ``class_weight [V_local]`` (fp32/fp64, no grad); returns the
@@ -94,6 +102,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad, *_metrics):  # the metrics are detached: their gradients are ignored
+        _no_double_backward()
         with torch.autocast(grad.device.type, enabled=False):  # (a backward called inside an autocast region)
             return LinearCrossEntropyFunction._backward(ctx, grad)
 
@@ -164,6 +173,7 @@ class LinearLogProbsFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_logp, *rest):
+        _no_double_backward()
         g_ent = rest[0] if ctx.lp.entropy else None  # (the extras after it are detached)
         with torch.autocast(ctx.saved_tensors[0].device.type, enabled=False):
             return LinearLogProbsFunction._backward(ctx, g_logp, g_ent)

@@ -53,7 +53,7 @@ __all__ = ["distill_forward", "distill_recompute_grads", "scale_cast", "FAST_GIB
 FAST_GIB = 1.5        # both logit buffers of the fast route together, ...
 DW_SHARE = 1.5        # ... at most this times the fp32 dW accumulator's size (every chunk's dW GEMM reads and
                       # writes that accumulator: one H200, the JSD step 138.00 ms in 2048-token chunks against
-                      # 134.94 ms in 3072-token chunks, docs/benchmarks.md session 11)
+                      # 134.94 ms in 3072-token chunks, docs/benchmarks.md, run baaeae5)
 MIN_GIB = 0.25        # ... and their floor when that accumulator is small
 LEAN_GIB = 0.4        # both buffers of the lean route's forward chunks and backward blocks
 LEAN_TOKEN_BLOCK = 4096  # tokens per block of the lean backward's token-major order (N > V_local)

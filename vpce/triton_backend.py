@@ -13,7 +13,7 @@ Fast route (default; cross-entropy with ``mean``/``sum`` and gradients), 6NDV. P
 4. cuBLAS: ``dX[chunk] = dz @ W`` (fp32 out) and ``dW += dz.T @ X[chunk]`` into an fp32 accumulator; under a
    group the chunk's ``dX`` rows are summed over the group (async, under the dW GEMM; ``HiddenGradReduce``).
 
-Measured on one H200 (docs/benchmarks.md, 2026-11-23 session 6): per 4096-token chunk cuBLAS plus the two
+Measured on one H200 (docs/benchmarks.md, 2026-11-23 run 83140c1): per 4096-token chunk cuBLAS plus the two
 bandwidth passes cost the same as the fused Triton GEMM with its epilogue plus the P -> gradient pass it needed on
 the Llama-3-8B head (D = 4096), 3 % less on the Gemma-2-2B head (D = 2304, where the fused GEMM could not hide its
 epilogue) and 4-5 % less with a soft cap. The logits are then rounded to the inputs' dtype before the softmax, as
