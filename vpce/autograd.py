@@ -1,9 +1,10 @@
 """The autograd shells: one ``torch.autograd.Function`` per public loss, the same for both backends.
 
 Each is a thin wrapper over the chosen backend's plain functions (``vpce.torch_backend`` or
-``vpce.triton_backend``: ``cross_entropy``, ``log_probs``, ``recompute_grads``, ``scale_cast``) and the shared
-formulas (``vpce.formulas``): forward runs the backend and keeps what backward needs; backward either finishes
-the fast route's held gradients (``vpce.grads.finish_fast_grads``), recomputes them (the lean route), or finishes
+``vpce.triton_backend``: ``cross_entropy``, ``log_probs``, ``recompute_grads``, ``scale_cast``; for the
+distillation ``distill_forward``, ``distill_recompute_grads``), chosen in one place (``backend_module``), and the
+shared formulas (``vpce.formulas``, ``vpce.distill_stats``): forward runs the backend and keeps what backward
+needs; backward either finishes the fast route's held gradients (``vpce.grads.finish_fast_grads``), recomputes them (the lean route), or finishes
 the speculative route's unit-scale gradients for a per-token upstream gradient (``vpce.speculation``;
 ``triton_backend.speculative_grads``; a second backward there recomputes, as the lean route). A call eligible for
 the speculative route reports to its ``Call.history`` whether its upstream gradient was uniform, whichever route it
@@ -16,12 +17,14 @@ import torch
 
 from .formulas import RowStats, ce_coefficients, logprob_coefficients, logprob_extras, logprob_outputs
 from .grads import finish_fast_grads
-from .options import LogProbOptions, LossOptions
+from .distill_stats import DistillRows
+from .options import DistillOptions, LogProbOptions, LossOptions
 from .routing import Call
 from .speculation import split_upstream
 from .targets import ClassWeights, TokenTargets
 
-__all__ = ["backend_module", "LinearCrossEntropyFunction", "LinearLogProbsFunction", "cross_entropy_grads"]
+__all__ = ["backend_module", "LinearCrossEntropyFunction", "LinearLogProbsFunction", "LinearDistillationFunction",
+           "cross_entropy_grads"]
 
 
 def backend_module(name: str):
@@ -190,3 +193,47 @@ class LinearLogProbsFunction(torch.autograd.Function):
         grads = backend_module(call.plan.backend).recompute_grads(hidden, weight, bias, tg, RowStats(m, log_s, q),
                                                                   coef, call, lp.softcap, lp.inv_t)
         return (*grads, None, None, None)
+
+
+class LinearDistillationFunction(torch.autograd.Function):
+    """Student ``hidden [N, D_s]``, ``weight``, ``bias``; teacher ``t_hidden [N, D_t]``, ``t_weight``, ``t_bias``
+    (detached: no gradient); ``target [N]``; ``token_weight [N]`` or None. Returns the loss per ``o.reduction``."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, t_hidden, t_weight, t_bias, target, token_weight, o: DistillOptions,
+                call: Call):
+        tg = TokenTargets(target, call.shard, o.ignore_index, token_weight)
+        forward = backend_module(call.plan.backend).distill_forward
+        loss_tok, rows, fast = forward(hidden, weight, bias, t_hidden, t_weight, t_bias, tg, o, call)
+        ctx.o, ctx.call, ctx.fast = o, call, fast  # fast: None after its one use
+        ctx.denominator = tg.denominator(loss_tok.dtype)
+        ctx.dtype, ctx.rows = hidden.dtype, weight.shape[0]
+        if rows is not None:
+            ctx.save_for_backward(hidden, weight, bias, t_hidden, t_weight, t_bias, target, token_weight, *rows)
+        return tg.reduce(loss_tok, o.reduction)
+
+    @staticmethod
+    def backward(ctx, grad):
+        with torch.autocast(grad.device.type, enabled=False):
+            return LinearDistillationFunction._backward(ctx, grad)
+
+    @staticmethod
+    def _backward(ctx, grad):
+        none = (None,) * 7
+        o, call = ctx.o, ctx.call
+        g = grad.detach().to(ctx.denominator.dtype)
+        if o.reduction == "mean":
+            g = g / ctx.denominator
+        if call.plan.route != "fast":
+            hidden, weight, bias, t_hidden, t_weight, t_bias, target, token_weight, *rows = ctx.saved_tensors
+            tg = TokenTargets(target, call.shard, o.ignore_index, token_weight)
+            scale = tg.row_scale(g.expand(hidden.shape[0]) if g.dim() == 0 else g.reshape(-1))
+            recompute = backend_module(call.plan.backend).distill_recompute_grads
+            return (*recompute(hidden, weight, bias, t_hidden, t_weight, t_bias, tg, DistillRows(*rows), scale, o,
+                               call), *none)
+        if ctx.fast is None:
+            raise RuntimeError("vpce: this loss formed its gradients in forward and they were already used; for "
+                               "a second backward pass use memory_budget='lean'")
+        grads, ctx.fast = ctx.fast, None
+        scale_cast = backend_module(call.plan.backend).scale_cast
+        return (*finish_fast_grads(grads, g, ctx.dtype, ctx.rows, None, scale_cast), *none)

@@ -10,7 +10,8 @@ Function of ``vpce.autograd``:
 * ``vpce::linear_cross_entropy_backward`` runs the lean route's recompute (``vpce.autograd.cross_entropy_grads``).
 
 ``vpce::linear_distillation_loss`` and ``vpce::linear_distillation_loss_backward`` do the same for
-``linear_distillation_loss`` (``vpce.distill``; the lean route's ``DistillRows`` as eight per-token tensors).
+``linear_distillation_loss`` (``vpce.distill``, ``vpce.distill_stats``; the lean route's ``DistillRows`` as eight
+per-token tensors).
 They call the same plain functions as the eager path, so the compiled result is the eager one. Fake
 implementations give the output shapes from the same route decision (``vpce.routing``), and
 ``torch.library.register_autograd`` ties them together. Neither op syncs with the host, so a step that uses them
@@ -26,8 +27,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .autograd import accumulation_dtype, backend_module, cross_entropy_grads
+from .distill_stats import DistillRows
 from .formulas import RowStats
-from .options import BUDGET_NAMES, LossOptions
+from .options import BUDGET_NAMES, DistillOptions, LossOptions
 from .parallel import VocabShard
 from .routing import Call, plan_cross_entropy, plan_distillation, settle
 from .targets import TokenTargets
@@ -153,8 +155,6 @@ def linear_cross_entropy(hidden, weight, bias, target, token_weight, backend: st
 
 def _distill_call(backend, kind, beta, inv_t, kd_scale, ce_weight, ignore_index, reduction, softcap,
                   teacher_softcap, memory_budget, vocab_size, needs, weight):
-    from .distill import DistillOptions
-
     budget = memory_budget if memory_budget in BUDGET_NAMES else float(memory_budget)
     o = DistillOptions(kind=kind, beta=beta, inv_t=inv_t, kd_scale=kd_scale, ce_weight=ce_weight,
                        ignore_index=ignore_index, reduction=reduction, softcap=softcap,
@@ -165,8 +165,6 @@ def _distill_call(backend, kind, beta, inv_t, kd_scale, ce_weight, ignore_index,
 
 def _distill_rows(o, rows):
     """``DistillRows`` from the op's eight row tensors (the ones the options do not use are empty)."""
-    from .distill import DistillRows
-
     m_z, log_s_z, m_y, log_s_y, e, m1, log_s1, q1 = rows
     ce = o.ce_weight > 0
     return DistillRows(m_z, log_s_z, m_y, log_s_y, e if o.extra else None, *((m1, log_s1, q1) if ce else
@@ -183,13 +181,11 @@ def _distill_forward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], t_h
                                                                   Tensor]:
     """(loss, the ``mean`` denominator, the lean route's eight ``DistillRows`` tensors, the fast route's
     ``dX``, ``dW``, ``db``); what a route does not produce is an empty tensor."""
-    from .distill import backend_of
-
     o, call = _distill_call(backend, kind, beta, inv_t, kd_scale, ce_weight, ignore_index, reduction, softcap,
                             teacher_softcap, memory_budget, vocab_size, needs, weight)
     tg = TokenTargets(target, call.shard, o.ignore_index, token_weight)
-    loss_tok, rows, fast = backend_of(call).distill_forward(hidden, weight, bias, t_hidden, t_weight, t_bias, tg, o,
-                                                          call)
+    loss_tok, rows, fast = backend_module(backend).distill_forward(hidden, weight, bias, t_hidden, t_weight, t_bias,
+                                                                   tg, o, call)
     empty = lambda: hidden.new_empty(0, dtype=accumulation_dtype(hidden.dtype))  # noqa: E731 - fresh per output
     rows = tuple(empty() if r is None else r for r in rows) if rows is not None else tuple(empty() for _ in range(8))
     grads = fast.summed() if fast is not None else (None, None, None)
@@ -220,8 +216,6 @@ def _distill_recompute(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], t
                        inv_t: float, kd_scale: float, ce_weight: float, ignore_index: int, reduction: str,
                        softcap: Optional[float], teacher_softcap: Optional[float], memory_budget: str,
                        vocab_size: int, needs: list[bool]) -> tuple[Tensor, Tensor, Tensor]:
-    from .distill import backend_of
-
     o, call = _distill_call(backend, kind, beta, inv_t, kd_scale, ce_weight, ignore_index, reduction, softcap,
                             teacher_softcap, memory_budget, vocab_size, needs, weight)
     g = grad.detach().to(denominator.dtype)
@@ -230,8 +224,8 @@ def _distill_recompute(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], t
     tg = TokenTargets(target, call.shard, o.ignore_index, token_weight)
     scale = tg.row_scale(g.expand(hidden.shape[0]) if g.dim() == 0 else g.reshape(-1))
     rows = _distill_rows(o, (m_z, log_s_z, m_y, log_s_y, e, m1, log_s1, q1))
-    dx, dw, db = backend_of(call).distill_recompute_grads(hidden, weight, bias, t_hidden, t_weight, t_bias, tg, rows,
-                                                        scale, o, call)
+    dx, dw, db = backend_module(backend).distill_recompute_grads(hidden, weight, bias, t_hidden, t_weight, t_bias,
+                                                                 tg, rows, scale, o, call)
     empty = lambda: hidden.new_empty(0)  # noqa: E731
     return (empty() if dx is None else dx, empty() if dw is None else dw, empty() if db is None else db)
 

@@ -23,6 +23,7 @@ group shares (and checks, through ``vpce.parallel.agree``).
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -33,8 +34,11 @@ from .options import BACKENDS, LossOptions
 from .parallel import VocabShard
 
 __all__ = ["Plan", "Call", "resolve_backend", "plan_cross_entropy", "plan_log_probs", "settle_by_memory",
-           "settle"]
+           "settle", "fast_chunk", "fast_route_bytes"]
 
+FAST_P_GIB = 1.5     # default size of the fast route's P chunk (freed before backward's peak)
+MIN_P_GIB = 0.25     # ... and its floor when the fp32 dW accumulator is smaller than FAST_P_GIB
+ROW_ALIGN = 128      # chunk and sub-chunk boundaries are multiples of the kernel's largest BLOCK_M
 FAST_HEADROOM = 0.9      # the fast route's buffers may take at most this share of the free device memory
 AUTO_CHECK_BYTES = 2**30  # under a group, "auto" weighs memory only when the fp32 dX alone is at least this
 
@@ -71,7 +75,7 @@ class Call:
 
 def _triton_importable() -> bool:
     try:
-        from . import triton_backend  # noqa: F401
+        from . import kernels  # noqa: F401 - Triton and vpce's kernels (all the Triton backend needs beyond torch)
     except ImportError:
         return False
     return True
@@ -126,6 +130,36 @@ def settle(plan: Plan, fast: bool) -> Plan:
                 plan.sequence_parallel)
 
 
+def round_to(x: int, m: int) -> int:
+    return max(m, (x // m) * m)
+
+
+def fast_chunk(opts: LossOptions, cols: int, dtype: torch.dtype, d: int) -> int:
+    """Tokens per fast-route chunk for ``cols`` vocab columns per rank; equal on every rank (``cols`` is
+    ``vocab_size / world``, not V_local).
+
+    By default ``P`` gets ``FAST_P_GIB``, but never more than the fp32 dW accumulator (at least
+    ``MIN_P_GIB``): under tensor parallelism the shard's accumulator shrinks with the group and so does ``P``.
+    """
+    if isinstance(opts.memory_budget, float):
+        gib = opts.memory_budget
+    else:
+        gib = min(FAST_P_GIB, max(MIN_P_GIB, cols * d * 4 / 2**30))
+    per_tok = cols * torch.empty((), dtype=dtype).element_size()
+    return round_to(int(gib * 2**30) // per_tok, ROW_ALIGN)
+
+
+def fast_route_bytes(tokens: int, d: int, rows: int, dtype: torch.dtype, needs: tuple[bool, bool, bool],
+                     opts: LossOptions) -> int:
+    """What the fast route holds beyond its inputs and outputs for ``tokens`` tokens (all of them under sequence
+    parallelism) and ``rows`` vocab rows: the ``P`` chunk, its tile statistics, fp32 dX and the fp32 dW
+    accumulator (``vpce.routing`` weighs it against free memory)."""
+    chunk = min(max(tokens, 1), fast_chunk(opts, max(rows, 1), dtype, d))
+    p = chunk * rows * torch.empty((), dtype=dtype).element_size()
+    tiles = chunk * 2 * math.ceil(rows / 128) * 4
+    return p + tiles + (tokens * d * 4 if needs[0] else 0) + (rows * d * 4 if needs[1] else 0)
+
+
 def _fits(need: int, device: torch.device) -> bool:
     """Whether ``need`` bytes fit, with ``FAST_HEADROOM``, in the device's free memory: the driver's, plus what
     PyTorch's caching allocator holds unused. The allocator's counters (a slow host call, ~1 ms) are read only when
@@ -141,8 +175,6 @@ def _fits(need: int, device: torch.device) -> bool:
 def _fast_route_fits(hidden: torch.Tensor, tokens: int, rows: int, needs: tuple[bool, bool, bool],
                      opts: LossOptions, extra: int = 0) -> bool:
     """Whether the fast route's buffers for ``tokens`` tokens (plus ``extra`` bytes) fit on ``hidden``'s device."""
-    from .triton_backend import fast_route_bytes
-
     need = fast_route_bytes(tokens, hidden.shape[-1], rows, hidden.dtype, needs, opts) + extra
     return _fits(need, hidden.device)
 

@@ -23,12 +23,15 @@ import torch
 from .formulas import Coefficients, RowStats, ce_coefficients, ce_token_outputs
 from .gemm import mm_out
 from .grads import FastGrads, pad_rows, weight_grad
-from .options import DEFAULT_CHUNK_GIB, LogProbOptions, LossOptions
+from .distill_stats import DistillRows, DistillStats, exchange_chunk_stats, heads, local_stats, log_mixture, \
+    log_softmax, mixture_sums, row_weights, token_loss
+from .options import DEFAULT_CHUNK_GIB, DistillOptions, LogProbOptions, LossOptions
 from .parallel import RankStats, VocabShard, exchange_softmax_stats
 from .routing import Call
 from .targets import TokenTargets
 
-__all__ = ["chunk_tokens", "cross_entropy", "log_probs", "recompute_grads", "scale_cast"]
+__all__ = ["chunk_tokens", "cross_entropy", "log_probs", "recompute_grads", "scale_cast", "distill_forward",
+           "distill_recompute_grads"]
 
 
 def chunk_tokens(budget_gib: float, shard: VocabShard, dtype: torch.dtype, softcap: bool) -> int:
@@ -221,3 +224,116 @@ def log_probs(hidden, weight, bias, tg: TokenTargets, lp: LogProbOptions, call: 
 def scale_cast(src: torch.Tensor, g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``(src * g).to(dtype)``, in place on ``src``."""
     return src.mul_(g).to(dtype)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# the distillation (``vpce.distill_stats``): statistics, the gradient of a chunk, forward and the recompute
+
+
+def distill_chunk_tokens(budget_gib: float, shard: VocabShard, dtype: torch.dtype) -> int:
+    """Tokens per chunk: about eight fp32 (fp64) ``[C, V_local]`` tensors live (both heads' logits, their exps and
+    the gradient's temporaries); equal on every rank of the group."""
+    acc = 8 if dtype == torch.float64 else 4
+    per_logit = 2 * torch.finfo(dtype).bits // 8 + 8 * acc
+    return max(1, int(budget_gib * 2**30) // (shard.columns_per_rank * per_logit))
+
+
+
+def _distill_chunk_stats(z1, y, tg: TokenTargets, sl: slice, o: DistillOptions, call: Call, acc,
+                         device) -> DistillStats:
+    """The torch backend's chunk statistics (``z1 = None``: this shard's rows are all padding)."""
+    c = sl.stop - sl.start
+    packed = local_stats(z1, y, tg, sl, o, c, acc, device)
+
+    def jsd_sums(st):
+        return torch.zeros(2, c, dtype=acc, device=device) if z1 is None else mixture_sums(z1, y, st, o)
+    return exchange_chunk_stats(packed, jsd_sums, o, call)
+
+
+def _distill_logit_grad(z1, y, rows: DistillRows, kd: torch.Tensor, ce: torch.Tensor | None, t_idx, in_shard,
+                o: DistillOptions) -> torch.Tensor:
+    """The gradient ``[c, v]`` with respect to the student's pre-cap logits; per-row weights ``kd`` (the
+    divergence's, with ``1 / T`` folded in) and ``ce`` (the cross-entropy's)."""
+    z = z1 * o.inv_t if o.inv_t != 1.0 else z1
+    s = log_softmax(z, rows.m_z, rows.log_s_z)
+    p = s.exp()
+    if o.kind == "forward_kl":
+        g = p - log_softmax(y, rows.m_y, rows.log_s_y).exp_()
+    elif o.kind == "reverse_kl":
+        g = torch.where(p == 0, 0.0, p * ((z - y) - rows.e[:, None]))
+    else:
+        log_m = log_mixture(s, log_softmax(y, rows.m_y, rows.log_s_y), o.beta)
+        g = torch.where(p == 0, 0.0, (1 - o.beta) * p * ((s - log_m) - rows.e[:, None]))
+    del s, p
+    g.mul_(kd[:, None])
+    if ce is not None:
+        p1 = log_softmax(z1, rows.m1, rows.log_s1).exp_()
+        idx = t_idx[:, None]
+        p1.scatter_(1, idx, torch.where(in_shard, -rows.q1, p1.gather(1, idx).squeeze(1))[:, None])  # p1_t - 1
+        g.add_(p1.mul_(ce[:, None]))
+    if o.softcap is not None:
+        g.mul_(1 - (z1 / o.softcap) ** 2)
+    return g
+
+
+def distill_forward(hidden, weight, bias, t_hidden, t_weight, t_bias, tg: TokenTargets, o: DistillOptions,
+                    call: Call):
+    """Per-token loss ``[N]`` (weighted, 0 on ignored tokens), and what backward needs: the fast route's unscaled
+    ``FastGrads``, or the lean route's ``DistillRows``."""
+    n, d = hidden.shape
+    acc = _acc(hidden.dtype)
+    v = call.shard.valid_rows
+    w, b, tw, tb = heads(weight, bias, t_weight, t_bias, v)
+    chunk = distill_chunk_tokens(o.chunk_gib(), call.shard, hidden.dtype)
+    fast = call.plan.route == "fast"
+    keep = call.plan.route == "lean"
+    needs = call.needs_grad
+    if fast:  # unit upstream scale; 1/count (mean) and the upstream gradient are applied in backward
+        unit = tg.row_scale(hidden.new_ones((), dtype=acc).expand(n))
+        dx = torch.zeros(n, d, dtype=acc, device=hidden.device) if needs[0] else None
+        dw = torch.zeros(v, d, dtype=acc, device=hidden.device) if needs[1] else None
+        db = torch.zeros(v, dtype=acc, device=hidden.device) if needs[2] else None
+    loss_tok = torch.empty(n, dtype=acc, device=hidden.device)
+    rows = DistillRows.empty(n, o, acc, hidden.device) if keep else None
+    for c0 in range(0, n, chunk):
+        sl = slice(c0, min(n, c0 + chunk))
+        z1 = y = None
+        if v > 0:
+            z1 = chunk_logits(hidden[sl], w, b, o.softcap, acc)
+            y = chunk_logits(t_hidden[sl], tw, tb, o.teacher_softcap, acc, o.inv_t)
+        st = _distill_chunk_stats(z1, y, tg, sl, o, call, acc, hidden.device)
+        loss_tok[sl] = tg.token_loss(token_loss(st, o), sl)
+        if keep:
+            rows.store(sl, DistillRows.of(st, o))
+        if fast and v > 0:
+            kd, ce = row_weights(unit[sl], o)
+            g = _distill_logit_grad(z1, y, DistillRows.of(st, o), kd, ce, tg.idx[sl], tg.in_shard[sl], o)
+            accumulate_grads(g, hidden[sl], w, sl, dx, dw, db)
+            del g
+        del z1, y  # before the next chunk's logits exist
+    return loss_tok, rows, FastGrads(dx, dw, db) if fast else None
+
+
+def distill_recompute_grads(hidden, weight, bias, t_hidden, t_weight, t_bias, tg: TokenTargets, rows: DistillRows,
+                            scale: torch.Tensor, o: DistillOptions, call: Call):
+    """dX, dW, db from both heads' logits recomputed chunk by chunk, for per-token row scales ``scale``."""
+    n, d = hidden.shape
+    acc, dtype, v = rows.m_z.dtype, hidden.dtype, call.shard.valid_rows
+    w, b, tw, tb = heads(weight, bias, t_weight, t_bias, v)
+    need_dx, need_dw, need_db = call.needs_grad
+    chunk = distill_chunk_tokens(o.chunk_gib(), call.shard, dtype)
+    dx = torch.zeros(n, d, dtype=acc, device=hidden.device) if need_dx else None
+    dw = torch.zeros(v, d, dtype=acc, device=hidden.device) if need_dw else None
+    db = torch.zeros(v, dtype=acc, device=hidden.device) if need_db and bias is not None else None
+    kd, ce = row_weights(scale, o)
+    if v > 0:
+        for c0 in range(0, n, chunk):
+            sl = slice(c0, min(n, c0 + chunk))
+            z1 = chunk_logits(hidden[sl], w, b, o.softcap, acc)
+            y = chunk_logits(t_hidden[sl], tw, tb, o.teacher_softcap, acc, o.inv_t)
+            g = _distill_logit_grad(z1, y, rows.rows(sl), kd[sl], None if ce is None else ce[sl], tg.idx[sl],
+                            tg.in_shard[sl], o)
+            accumulate_grads(g, hidden[sl], w, sl, dx, dw, db)
+            del z1, y, g
+    return (None if dx is None else dx.to(dtype), weight_grad(dw, weight.shape[0], dtype),
+            pad_rows(db, weight.shape[0], dtype))

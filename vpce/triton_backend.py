@@ -33,6 +33,43 @@ fp32 ``[V_local, D]`` or straight into ``main_grad``), so the extra memory stops
 ``LEAN_BLOCK_GIB`` block plus the smaller of the two accumulators.
 
 No-grad: the stats-mode fused GEMM over token chunks; O(N) memory beyond the small per-tile statistics.
+
+The distillation (``distill_forward``, ``distill_recompute_grads``; ``vpce.distill_stats``):
+cuBLAS writes both heads' chunk logits, bandwidth-bound Triton kernels (``vpce.kernels``, the distillation
+section) read them. The formulas, the packed statistics and their exchange are ``vpce.distill_stats``', shared with
+the torch backend.
+
+Fast route (``mean``/``sum`` with gradients), per chunk of ``C`` tokens:
+
+1. cuBLAS writes the student's logits ``h W^T (+ b)`` and the teacher's ``h' W'^T (+ b')`` into two ``[C, V_local]``
+   buffers in the inputs' dtype (``torch.mm(..., out=)``, the bias through ``addmm``);
+2. ``kernels.distill_stats``: one pass over both buffers (soft caps and temperature applied on load, in fp32)
+   writes per-(row, tile) statistics, then a per-row reduce over the tiles packs this shard's ``[R, C]``
+   statistics exactly as the torch backend packs them; ``distill_stats.exchange_chunk_stats`` exchanges and combines
+   them (one all-gather under a group);
+3. JSD only: ``kernels.distill_mixture``, a second pass over both buffers, gives this shard's ``[K_q, K_p]``, and
+   the second all-gather (the same call of ``exchange_chunk_stats``);
+4. ``kernels.distill_grad_`` overwrites the student's buffer with ``dL/dx`` at unit upstream scale;
+5. cuBLAS: ``dX[chunk] = G @ W`` (fp32 out; under a group summed over the ranks asynchronously, under the dW GEMM
+   and the next chunk: ``parallel.HiddenGradReduce``, as the cross-entropy's Triton fast route) and
+   ``dW += G^T @ X[chunk]`` into an fp32 accumulator.
+
+Under sequence parallelism the fast route gathers both heads' hidden slices itself: the student's first, then the
+teacher's (the larger, at ``D_t``) beside the first chunk's student GEMM.
+
+Backward scales the held fp32 gradients by the upstream gradient (``grads.finish_fast_grads``). Memory: the two
+buffers (``DISTILL_FAST_GIB`` together by default, at most ``DW_SHARE`` times the fp32 dW accumulator's size: in bf16
+chunks of at most 1.5 D tokens), their tile statistics, the fp32 dX and dW.
+
+Lean route (``reduction="none"``, ``memory_budget="lean"``): forward is steps 1-3 over chunks of ``DISTILL_LEAN_GIB``,
+keeping each token's ``DistillRows``. Backward recomputes both heads' logits block by block with cuBLAS and runs
+the gradient kernel, in the order that holds the smaller fp32 accumulator (as the cross-entropy's
+``triton_backend.recompute_grads``): vocab-major while ``N <= V_local`` (each ``[N, V_b]`` block's dW in one GEMM,
+``dX`` summed over the blocks in fp32), token-major beyond (each token block's ``dX`` finished before the next,
+``dW`` summed over the token blocks in fp32). The backward needs no exchange.
+
+The logits are rounded to the inputs' dtype once, as ``F.linear`` rounds them in plain PyTorch; everything after
+is fp32. No host syncs, no atomics: every kernel writes each output element from one program.
 """
 
 from __future__ import annotations
@@ -42,56 +79,25 @@ import math
 import torch
 
 from . import kernels
+from .distill_stats import KL_HEAD, DistillRows, exchange_chunk_stats, heads, local_stats, row_weights, \
+    rows_layout, token_loss
 from .formulas import Coefficients, RowStats, ce_coefficients, ce_token_outputs, logprob_coefficients
 from .gemm import addmm_out_, logits_into, mm_into, mm_out
 from .grads import FastGrads, add_block, pad_rows, weight_grad, weight_grad_to_main, written_rows
-from .options import LogProbOptions, LossOptions
-from .parallel import HiddenGradReduce, RankStats, gather_sequence, start_stats_exchange
-from .routing import Call
+from .options import DistillOptions, LogProbOptions, LossOptions
+from .parallel import HiddenGradReduce, RankStats, gather_sequence, start_gather_sequence, start_stats_exchange
+from .routing import ROW_ALIGN, Call, fast_chunk, round_to
 from .speculation import block_flags, split_upstream
 from .targets import TokenTargets
 
 __all__ = ["cross_entropy", "log_probs", "log_probs_formed", "recompute_grads", "speculative_grads", "scale_cast",
-           "fast_route_bytes", "FAST_P_GIB", "LEAN_BLOCK_GIB"]
+           "LEAN_BLOCK_GIB", "distill_forward", "distill_recompute_grads"]
 
-FAST_P_GIB = 1.5     # default size of the fast route's P chunk (freed before backward's peak)
-MIN_P_GIB = 0.25     # ... and its floor when the fp32 dW accumulator is smaller than FAST_P_GIB
 LEAN_BLOCK_GIB = 0.2  # default size of the lean route's [N, Vb] block
 LEAN_TOKEN_BLOCK = 4096  # tokens per block of the lean backward's token-major order (N > V_local)
 STATS_TOKENS = 8192  # tokens per stats-only launch (bounds the per-tile statistics buffers)
-ROW_ALIGN = 128      # chunk and sub-chunk boundaries are multiples of the kernel's largest BLOCK_M
 
 scale_cast = kernels.scale_cast
-
-
-def _round_to(x: int, m: int) -> int:
-    return max(m, (x // m) * m)
-
-
-def _fast_chunk(opts: LossOptions, cols: int, dtype: torch.dtype, d: int) -> int:
-    """Tokens per fast-route chunk for ``cols`` vocab columns per rank; equal on every rank (``cols`` is
-    ``vocab_size / world``, not V_local).
-
-    By default ``P`` gets ``FAST_P_GIB``, but never more than the fp32 dW accumulator (at least
-    ``MIN_P_GIB``): under tensor parallelism the shard's accumulator shrinks with the group and so does ``P``.
-    """
-    if isinstance(opts.memory_budget, float):
-        gib = opts.memory_budget
-    else:
-        gib = min(FAST_P_GIB, max(MIN_P_GIB, cols * d * 4 / 2**30))
-    per_tok = cols * torch.empty((), dtype=dtype).element_size()
-    return _round_to(int(gib * 2**30) // per_tok, ROW_ALIGN)
-
-
-def fast_route_bytes(tokens: int, d: int, rows: int, dtype: torch.dtype, needs: tuple[bool, bool, bool],
-                     opts: LossOptions) -> int:
-    """What the fast route holds beyond its inputs and outputs for ``tokens`` tokens (all of them under sequence
-    parallelism) and ``rows`` vocab rows: the ``P`` chunk, its tile statistics, fp32 dX and the fp32 dW
-    accumulator (``vpce.routing`` weighs it against free memory)."""
-    chunk = min(max(tokens, 1), _fast_chunk(opts, max(rows, 1), dtype, d))
-    p = chunk * rows * torch.empty((), dtype=dtype).element_size()
-    tiles = chunk * 2 * math.ceil(rows / 128) * 4
-    return p + tiles + (tokens * d * 4 if needs[0] else 0) + (rows * d * 4 if needs[1] else 0)
 
 
 class _ChunkStats:
@@ -151,7 +157,7 @@ class _ChunkStats:
     @staticmethod
     def _cuts(c: int, call: Call) -> list[int]:
         if call.shard.sharded and c >= 4 * ROW_ALIGN:
-            return [0, _round_to(c // 2, ROW_ALIGN), c]  # the first half's exchange hides behind the second's GEMM
+            return [0, round_to(c // 2, ROW_ALIGN), c]  # the first half's exchange hides behind the second's GEMM
         return [0, c]
 
     @staticmethod
@@ -198,7 +204,7 @@ def recompute_grads(hidden, weight, bias, tg: TokenTargets, rows: RowStats, coef
     bn = kernels.tile_n(hidden)
     token_major = 0 < v < n
     nb = max(1, min(n, LEAN_TOKEN_BLOCK) if token_major else n)
-    vb = _round_to(int(LEAN_BLOCK_GIB * 2**30) // max(1, nb * hidden.element_size()), bn)
+    vb = round_to(int(LEAN_BLOCK_GIB * 2**30) // max(1, nb * hidden.element_size()), bn)
     block = torch.empty(nb, min(vb, max(v, 1)), dtype=dtype, device=hidden.device) if n and v else None
     dx = dw = dx_acc = None
     cw = None if tg.class_weight is None else tg.class_weight.columns.float()
@@ -279,7 +285,7 @@ def _first_chunk(hidden, w, b, chunk_opts: LossOptions, call: Call):
     """``(P, chunk)`` of the fast and speculative routes, the first chunk's logits GEMM already launched."""
     n, d = hidden.shape
     v = call.shard.valid_rows
-    chunk = min(max(n, 1), _fast_chunk(chunk_opts, call.shard.columns_per_rank, hidden.dtype, d))
+    chunk = min(max(n, 1), fast_chunk(chunk_opts, call.shard.columns_per_rank, hidden.dtype, d))
     p = None
     if v > 0:
         p = torch.empty(chunk, v, dtype=hidden.dtype, device=hidden.device)
@@ -415,7 +421,7 @@ def speculative_grads(held: FastGrads, hidden, weight, bias, tg: TokenTargets, r
         last = torch.where(uniform, c, 1.0)  # the final cast's factor: c, or 1 after the recompute
         if (dw is not None or db is not None) and v > 0:
             r = torch.where(uniform, 0.0, gk)  # all 0 when uniform: every block's kernels skip
-            chunk = min(n, _fast_chunk(chunk_opts, call.shard.columns_per_rank, dtype, d))
+            chunk = min(n, fast_chunk(chunk_opts, call.shard.columns_per_rank, dtype, d))
             flags = block_flags(r, chunk)
             mispredicted = (~uniform).to(torch.int32).reshape(1)
             zero = g.new_zeros(())
@@ -450,3 +456,195 @@ def _gated_recompute(hidden, w, b, tg: TokenTargets, rows: RowStats, coef: Coeff
                              rows=(per_row.m, per_row.lse, per_row.q), coef=coef.rows(tok), class_weight=cw,
                              flag=flag, round_logits=True)  # the logits the forward's statistics came from
         kernels.gated_weight_grad_(dw, db, gz, h, flag)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# the distillation
+
+DISTILL_FAST_GIB = 1.5  # both logit buffers of the fast route together, ...
+DW_SHARE = 1.5        # ... at most this times the fp32 dW accumulator's size (every chunk's dW GEMM reads and
+                      # writes that accumulator: one H200, the JSD step 138.00 ms in 2048-token chunks against
+                      # 134.94 ms in 3072-token chunks, docs/benchmarks.md session 11)
+DISTILL_MIN_GIB = 0.25  # ... and their floor when that accumulator is small
+DISTILL_LEAN_GIB = 0.4  # both buffers of the lean route's forward chunks and backward blocks
+
+_KIND = {"forward_kl": 0, "reverse_kl": 1, "jsd": 2}    # the gradient kernel's divergence
+
+
+def _distill_chunk(gib: float, cols: int, dtype: torch.dtype) -> int:
+    """Tokens whose two ``[C, cols]`` logit buffers fit ``gib``; equal on every rank (``cols`` is
+    ``columns_per_rank``)."""
+    c = max(1, int(gib * 2**30) // (2 * cols * torch.empty((), dtype=dtype).element_size()))
+    return c - c % ROW_ALIGN if c >= ROW_ALIGN else c
+
+
+def _distill_budget(o: DistillOptions, fast: bool, cols: int, d: int) -> float:
+    if isinstance(o.memory_budget, float):
+        return o.memory_budget
+    if fast:
+        return min(DISTILL_FAST_GIB, max(DISTILL_MIN_GIB, DW_SHARE * cols * d * 4 / 2**30))
+    return DISTILL_LEAN_GIB
+
+
+def _buffer(numel: int, dtype, device) -> torch.Tensor | None:
+    return torch.empty(numel, dtype=dtype, device=device) if numel else None
+
+
+def _view(buf: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """A contiguous ``[rows, cols]`` view of the front of a flat buffer."""
+    return buf[: rows * cols].view(rows, cols)
+
+
+def _distill_kernel_options(o: DistillOptions) -> dict:
+    return dict(softcap=o.softcap, t_softcap=o.teacher_softcap, inv_t=o.inv_t)
+
+
+def _distill_chunk_stats(z, y, t_local, tg: TokenTargets, sl: slice, o: DistillOptions, call: Call):
+    """The chunk's global ``DistillStats`` (``z`` None: this shard's rows are all padding); the exchanges are
+    ``distill.exchange_chunk_stats``'s."""
+    c = sl.stop - sl.start
+    dev = tg.idx.device
+    if z is None:
+        packed = local_stats(None, None, tg, sl, o, c, torch.float32, dev)
+    else:
+        packed = torch.empty(rows_layout(o)[1], c, dtype=torch.float32, device=dev)
+        kernels.distill_stats(z, y, t_local, packed, kl=KL_HEAD[o.kind], ce=o.ce_weight > 0,
+                              **_distill_kernel_options(o))
+
+    def mixture_sums(st):
+        if z is None:
+            return torch.zeros(2, c, dtype=torch.float32, device=dev)
+        return kernels.distill_mixture(z, y, st.m_z, st.log_s_z, st.m_y, st.log_s_y, beta=o.beta,
+                                       **_distill_kernel_options(o))
+    return exchange_chunk_stats(packed, mixture_sums, o, call, combine_heads=kernels.combine_distill_heads,
+                                combine_ce=kernels.combine_rank_stats)
+
+
+def _distill_grad_(z, y, t_local, rows: DistillRows, kd, ce, o: DistillOptions):
+    """``dL/dx`` over the student's logits ``z``, in place."""
+    kernels.distill_grad_(z, y, z, t_local, rows, kd, ce, kind=_KIND[o.kind], beta=o.beta, **_distill_kernel_options(o))
+
+
+def distill_forward(hidden, weight, bias, t_hidden, t_weight, t_bias, tg: TokenTargets, o: DistillOptions,
+                    call: Call):
+    """Per-token loss ``[N]`` (weighted, 0 on ignored tokens), and what backward needs: the fast route's unscaled
+    ``FastGrads`` (with ``dx_reduce == "forward"``: already summed over the group, this rank's slice under
+    sequence parallelism), or the lean route's ``DistillRows``."""
+    shard, plan, needs = call.shard, call.plan, call.needs_grad
+    t_gather = None
+    if plan.dx_reduce == "forward" and plan.sequence_parallel:  # both heads' slices gathered here
+        hidden = gather_sequence(hidden.contiguous(), shard)
+        t_gather = start_gather_sequence(t_hidden, shard)  # under the first chunk's student GEMM
+    hidden = hidden.contiguous()
+    if t_gather is None:
+        t_hidden = t_hidden.contiguous()
+    n, d = hidden.shape
+    dev, dtype = hidden.device, hidden.dtype
+    v = shard.valid_rows
+    w, b, tw, tb = heads(weight, bias, t_weight, t_bias, v)
+    fast, keep = plan.route == "fast", plan.route == "lean"
+    cols = shard.columns_per_rank
+    chunk = min(max(n, 1), _distill_chunk(_distill_budget(o, fast, cols, d), cols, dtype))
+    zbuf, ybuf = (_buffer(chunk * v if n else 0, dtype, dev) for _ in range(2))
+    first = min(n, chunk) if v > 0 else 0  # the first chunk's GEMMs go first, the host's set-up runs beside them
+    if first:
+        logits_into(_view(zbuf, first, v), hidden[:first], w, b)
+    if t_gather is not None:  # the teacher's slices, gathered beside the first student GEMM
+        t_hidden = t_gather.wait()
+    if first:
+        logits_into(_view(ybuf, first, v), t_hidden[:first], tw, tb)
+    t_local = tg.local_columns()
+    loss_tok = torch.empty(n, dtype=torch.float32, device=dev)
+    rows = DistillRows.empty(n, o, torch.float32, dev) if keep else None
+    dx = dw = db = reduce_dx = None
+    if fast:  # unit upstream scale; 1/count (mean) and the upstream gradient are applied in backward
+        unit = tg.row_scale(torch.ones((), dtype=torch.float32, device=dev).expand(n))
+        if needs[0]:  # an all-padding shard contributes zeros (and still joins the collectives)
+            dx = (torch.empty if v > 0 else torch.zeros)(n, d, dtype=torch.float32, device=dev)
+        if dx is not None and plan.dx_reduce == "forward":
+            reduce_dx = HiddenGradReduce(dx, shard, plan.sequence_parallel)
+        db = torch.zeros(v, dtype=torch.float32, device=dev) if needs[2] else None
+    for c0 in range(0, n, chunk):
+        sl = slice(c0, min(n, c0 + chunk))
+        c = sl.stop - sl.start
+        z = y = None
+        if v > 0:
+            z, y = _view(zbuf, c, v), _view(ybuf, c, v)
+            if c0 > 0:
+                logits_into(z, hidden[sl], w, b)
+                logits_into(y, t_hidden[sl], tw, tb)
+        st = _distill_chunk_stats(z, y, t_local[sl], tg, sl, o, call)
+        loss_tok[sl] = tg.token_loss(token_loss(st, o), sl)
+        if keep:
+            rows.store(sl, DistillRows.of(st, o))
+        if not fast:
+            continue
+        if v > 0:
+            kd, ce = row_weights(unit[sl], o)
+            _distill_grad_(z, y, t_local[sl], DistillRows.of(st, o), kd, ce, o)
+            if dx is not None:
+                mm_into(dx[sl], z, w)
+        if reduce_dx is not None:  # overlaps this chunk's dW GEMM and the next chunk
+            reduce_dx.add(sl)
+        if v > 0 and needs[1]:
+            dw = mm_out(z.t(), hidden[sl], torch.float32) if dw is None else addmm_out_(dw, z.t(), hidden[sl])
+        if v > 0 and db is not None:
+            db += z.sum(0, dtype=torch.float32)
+    if not fast:
+        return loss_tok, rows, None
+    if needs[1] and dw is None:  # no chunk ran (no tokens, or an all-padding shard)
+        dw = torch.zeros(v, d, dtype=torch.float32, device=dev)
+    return loss_tok, None, FastGrads(dx, dw, db, reduce_dx)  # dX's sum awaited in backward, after dW's cast
+
+
+def distill_recompute_grads(hidden, weight, bias, t_hidden, t_weight, t_bias, tg: TokenTargets, rows: DistillRows,
+                            scale: torch.Tensor, o: DistillOptions, call: Call):
+    """dX, dW, db from both heads' logits recomputed block by block (cuBLAS) and the gradient kernel, for per-token
+    row scales ``scale``; vocab-major while ``N <= V_local``, token-major beyond (see the module docstring)."""
+    hidden, t_hidden = hidden.contiguous(), t_hidden.contiguous()
+    n, d = hidden.shape
+    dev, dtype = hidden.device, hidden.dtype
+    v, n_rows = call.shard.valid_rows, weight.shape[0]
+    w, b, tw, tb = heads(weight, bias, t_weight, t_bias, v)
+    need_dx, need_dw, need_db = call.needs_grad
+    kd, ce = row_weights(scale, o)
+    t_local = tg.local_columns()
+    token_major = 0 < v < n
+    nb = max(1, min(n, LEAN_TOKEN_BLOCK) if token_major else n)
+    gib = o.memory_budget if isinstance(o.memory_budget, float) else DISTILL_LEAN_GIB
+    bn = kernels.distill_block_align(hidden)
+    per_col = 2 * nb * hidden.element_size()
+    vb = max(bn, int(gib * 2**30) // per_col // bn * bn)
+    vb = min(vb, max(v, 1))
+    zbuf, ybuf = (_buffer(nb * vb if n and v else 0, dtype, dev) for _ in range(2))
+    db = torch.zeros(n_rows, dtype=torch.float32, device=dev) if need_db and bias is not None else None
+    dx = dw = dx_acc = None
+    if token_major:
+        if need_dx:
+            dx = torch.empty(n, d, dtype=dtype, device=dev)
+            dx_acc = torch.empty(nb, d, dtype=torch.float32, device=dev) if v > vb else None
+        if need_dw:
+            dw = torch.zeros(n_rows, d, dtype=torch.float32, device=dev)
+    else:
+        dx = written_rows(n, d, n if v else 0, torch.float32, dev) if need_dx else None
+        dw = written_rows(n_rows, d, v if n else 0, dtype, dev) if need_dw else None
+    for n0 in range(0, n if v else 0, nb):
+        n1 = min(n, n0 + nb)
+        tok = slice(n0, n1)
+        h = hidden[tok]
+        block_rows = rows.rows(tok)
+        for v0 in range(0, v, vb):
+            v1 = min(v, v0 + vb)
+            z, y = _view(zbuf, n1 - n0, v1 - v0), _view(ybuf, n1 - n0, v1 - v0)
+            logits_into(z, h, w[v0:v1], None if b is None else b[v0:v1])
+            logits_into(y, t_hidden[tok], tw[v0:v1], None if tb is None else tb[v0:v1])
+            _distill_grad_(z, y, t_local[tok] - v0, block_rows, kd[tok], None if ce is None else ce[tok], o)
+            add_block(z, h, w[v0:v1], slice(v0, v1), tok, dx=dx, dx_acc=dx_acc, dw=dw, db=db,
+                      token_major=token_major)
+        if dx_acc is not None and dx is not None:
+            dx[tok] = dx_acc[: n1 - n0]
+    if dx is not None and dx.dtype != dtype:
+        dx = dx.to(dtype)
+    if dw is not None and dw.dtype != dtype:
+        dw = dw.to(dtype)
+    return dx, dw, pad_rows(db, n_rows, dtype)
