@@ -35,8 +35,8 @@ fp32 ``[V_local, D]`` or straight into ``main_grad``), so the extra memory stops
 No-grad: the stats-mode fused GEMM over token chunks; O(N) memory beyond the small per-tile statistics.
 
 The distillation (``distill_forward``, ``distill_recompute_grads``; ``vpce.distill_stats``):
-cuBLAS writes both heads' chunk logits, bandwidth-bound Triton kernels (``vpce.kernels``, the distillation
-section) read them. The formulas, the packed statistics and their exchange are ``vpce.distill_stats``', shared with
+cuBLAS writes both heads' chunk logits, bandwidth-bound Triton kernels (``vpce.kernels.distill``) read
+them. The formulas, the packed statistics and their exchange are ``vpce.distill_stats``', shared with
 the torch backend.
 
 Fast route (``mean``/``sum`` with gradients), per chunk of ``C`` tokens:
