@@ -181,10 +181,17 @@ class _ChunkStats:
             yield part, r, pend.wait()
 
 
-def recompute_grads(hidden, weight, bias, tg: TokenTargets, rows: RowStats, coef: Coefficients, call: Call,
-                    softcap, inv_t: float, main_weight=None):
-    """dX, dW and db from the logits recomputed in blocks (grad mode), in whichever order holds the smaller fp32
-    accumulator:
+# -- the engine: one chunk loop for the gradients formed in forward, one block loop for the recompute ------------
+#
+# Each loss supplies a small per-chunk (per-block) step; the loops own the chunking, the GEMMs of dX, dW and db, and
+# their accumulators. The softmax losses (cross-entropy, log-probs, and any loss of the log-probs and the entropy)
+# share one step whose ``on_part(part, stats) -> Coefficients`` is the per-loss seam; the distillation has its own
+# (``_DistillChunks``, ``_DistillBlocks``).
+
+
+def _block_loop(hidden, weight, bias, call: Call, step, main_weight=None):
+    """The lean block loop: dX, dW and db from the gradient recomputed block by block by ``step``, in whichever
+    order holds the smaller fp32 accumulator:
 
     * vocab-major (``N <= V_local``): each vocab block over all tokens; its dW in one GEMM (no dW accumulator),
       dX summed over the blocks in fp32 ``[N, D]``;
@@ -192,22 +199,23 @@ def recompute_grads(hidden, weight, bias, tg: TokenTargets, rows: RowStats, coef
       before the next block (fp32 ``[N_b, D]`` only), dW summed over the token blocks in fp32 ``[V_local, D]``
       (or straight into ``main_grad``). The extra memory then stays fixed as N grows.
 
-    ``main_weight``: add dW in fp32 into its ``main_grad`` instead of returning it.
+    ``step``: ``buffers`` logits buffers of ``[N_b, V_b]`` fit ``step.gib``, ``V_b`` a multiple of
+    ``step.align``; ``step.alloc(nb, vb, n, v)`` allocates them, ``step.tokens(tok)`` gives what a token block
+    needs, ``step.block(h, tok, per_tok, v0, v1)`` recomputes the gradient of tokens ``tok`` and vocab rows
+    ``[v0, v1)`` into its buffer and returns it. ``hidden`` contiguous. ``main_weight``: add dW in fp32 into its
+    ``main_grad`` instead of returning it.
     """
     n, d = hidden.shape
-    hidden = hidden.contiguous()
     v, n_rows, dtype = call.shard.valid_rows, weight.shape[0], hidden.dtype
-    tl_local = tg.local_columns()
     need_dx, need_dw, need_db = call.needs_grad
     into_main = main_weight is not None and need_dw
     db = torch.zeros(n_rows, dtype=torch.float32, device=hidden.device) if need_db and bias is not None else None
-    bn = kernels.tile_n(hidden)
     token_major = 0 < v < n
     nb = max(1, min(n, LEAN_TOKEN_BLOCK) if token_major else n)
-    vb = round_to(int(LEAN_BLOCK_GIB * 2**30) // max(1, nb * hidden.element_size()), bn)
-    block = torch.empty(nb, min(vb, max(v, 1)), dtype=dtype, device=hidden.device) if n and v else None
+    vb = round_to(int(step.gib * 2**30) // max(1, step.buffers * nb * hidden.element_size()), step.align)
+    vb = min(vb, max(v, 1))
+    step.alloc(nb, vb, n, v)
     dx = dw = dx_acc = None
-    cw = None if tg.class_weight is None else tg.class_weight.columns.float()
     if token_major:
         if need_dx:
             dx = torch.empty(n, d, dtype=dtype, device=hidden.device)
@@ -217,19 +225,16 @@ def recompute_grads(hidden, weight, bias, tg: TokenTargets, rows: RowStats, coef
     else:
         dx = written_rows(n, d, n if v else 0, torch.float32, hidden.device) if need_dx else None
         dw = written_rows(n_rows, d, v if n else 0, dtype, hidden.device) if need_dw and not into_main else None
+    main_grad = main_weight.main_grad if into_main else None
     for n0 in range(0, n if v else 0, nb):
         n1 = min(n, n0 + nb)
         h, tok = hidden[n0:n1], slice(n0, n1)
-        per_row = rows.rows(tok)
-        per_row = (per_row.m, per_row.lse, per_row.q)
+        per_tok = step.tokens(tok)
         for v0 in range(0, v, vb):
             v1 = min(v, v0 + vb)
-            gz = block[: n1 - n0, : v1 - v0]
-            kernels.logits_tiles(h, weight[v0:v1], None if bias is None else bias[v0:v1], tl_local[tok] - v0,
-                                 softcap=softcap, inv_t=inv_t, p=gz, rows=per_row, coef=coef.rows(tok),
-                                 class_weight=None if cw is None else cw[v0:v1])
+            gz = step.block(h, tok, per_tok, v0, v1)
             add_block(gz, h, weight[v0:v1], slice(v0, v1), tok, dx=dx, dx_acc=dx_acc, dw=dw, db=db,
-                      token_major=token_major, main_grad=main_weight.main_grad if into_main else None)
+                      token_major=token_major, main_grad=main_grad)
         if dx_acc is not None and dx is not None:
             dx[tok] = dx_acc[: n1 - n0]
     if dx is not None and dx.dtype != dtype:
@@ -241,14 +246,59 @@ def recompute_grads(hidden, weight, bias, tg: TokenTargets, rows: RowStats, coef
     return dx, dw, None if db is None else db.to(dtype)
 
 
-def _formed_grads(hidden, w, b, tl_local, stats: _ChunkStats, p, chunk: int, call: Call, softcap, inv_t, cw,
-                  on_part) -> FastGrads:
-    """The fast route's chunk loop: per chunk of ``chunk`` tokens the statistics (``stats.parts``, the first
-    chunk's logits already in ``p``: ``_ChunkStats.first_logits``), then per part ``on_part(part, st)``, which
-    stores the part's outputs and returns its gradient ``Coefficients``; the gradient overwrites ``P`` and the
-    chunk's dX rows and dW (db) go into fp32 (with ``dx_reduce == "forward"``, dX summed over the group)."""
-    shard, plan, needs = call.shard, call.plan, call.needs_grad
+class _SoftmaxBlocks:
+    """The softmax losses' block step: the fused GEMM in grad mode (``kernels.logits_tiles``) recomputes a block's
+    logits and writes their gradient for the per-token ``coef`` into one ``[N_b, V_b]`` buffer."""
+
+    buffers, gib = 1, LEAN_BLOCK_GIB
+
+    def __init__(self, hidden, weight, bias, tg: TokenTargets, rows: RowStats, coef: Coefficients, softcap, inv_t):
+        self.weight, self.bias, self.rows, self.coef = weight, bias, rows, coef
+        self.softcap, self.inv_t = softcap, inv_t
+        self.tl_local = tg.local_columns()
+        self.cw = None if tg.class_weight is None else tg.class_weight.columns.float()
+        self.align = kernels.tile_n(hidden)
+        self.like = hidden
+
+    def alloc(self, nb, vb, n, v):
+        self.buf = torch.empty(nb, vb, dtype=self.like.dtype, device=self.like.device) if n and v else None
+
+    def tokens(self, tok):
+        r = self.rows.rows(tok)
+        return (r.m, r.lse, r.q), self.coef.rows(tok)
+
+    def block(self, h, tok, per_tok, v0, v1):
+        rows, coef = per_tok
+        gz = self.buf[: tok.stop - tok.start, : v1 - v0]
+        kernels.logits_tiles(h, self.weight[v0:v1], None if self.bias is None else self.bias[v0:v1],
+                             self.tl_local[tok] - v0, softcap=self.softcap, inv_t=self.inv_t, p=gz, rows=rows,
+                             coef=coef, class_weight=None if self.cw is None else self.cw[v0:v1])
+        return gz
+
+
+def recompute_grads(hidden, weight, bias, tg: TokenTargets, rows: RowStats, coef: Coefficients, call: Call,
+                    softcap, inv_t: float, main_weight=None):
+    """dX, dW and db of the softmax losses from the logits recomputed in blocks (grad mode) for any per-token
+    ``coef`` (``_block_loop``); ``main_weight``: add dW in fp32 into its ``main_grad`` instead of returning it."""
+    hidden = hidden.contiguous()
+    step = _SoftmaxBlocks(hidden, weight, bias, tg, rows, coef, softcap, inv_t)
+    return _block_loop(hidden, weight, bias, call, step, main_weight)
+
+
+def _chunk_loop(hidden, w, b, chunk: int, call: Call, step, form: bool = True) -> FastGrads | None:
+    """The forward chunk loop of the routes that hold a logits buffer: per chunk ``sl`` of ``chunk`` tokens the
+    per-loss ``step(sl, first)`` takes the chunk's statistics and outputs from its logits (``first``: the first
+    chunk's logits are already written, launched before the forward's set-up) and, where ``form``, writes the
+    chunk's gradient at unit upstream scale over them and returns that ``[c, V_local]`` buffer (None on an
+    all-padding shard); the chunk's dX rows and dW (db) then go into fp32 (with ``dx_reduce == "forward"``, dX
+    summed over the group, overlapped with the dW GEMM and the next chunk). Returns the unscaled ``FastGrads``, or
+    None without ``form``."""
     n, d = hidden.shape
+    if not form:
+        for c0 in range(0, n, chunk):
+            step(slice(c0, min(n, c0 + chunk)), c0 == 0)
+        return None
+    shard, plan, needs = call.shard, call.plan, call.needs_grad
     dev = hidden.device
     v = shard.valid_rows
     dx = None
@@ -260,25 +310,39 @@ def _formed_grads(hidden, w, b, tl_local, stats: _ChunkStats, p, chunk: int, cal
     db = torch.zeros(v, dtype=torch.float32, device=dev) if needs[2] and b is not None else None
     for c0 in range(0, n, chunk):
         sl = slice(c0, min(n, c0 + chunk))
-        pc = None if p is None else p[: sl.stop - sl.start]
-        for part, r, st in stats.parts(hidden, w, b, tl_local, sl, call, softcap, inv_t, p=pc, ready=c0 == 0):
-            co = on_part(part, st)
-            if v > 0:
-                kernels.stored_logits(pc[r], None, tl_local[part], softcap=softcap, inv_t=inv_t,
-                                      rows=(st.m, st.lse, st.q), coef=co, class_weight=cw)  # in place
+        g = step(sl, c0 == 0)
         if v > 0 and dx is not None:
-            mm_into(dx[sl], pc, w)
+            mm_into(dx[sl], g, w)
         if reduce_dx is not None:  # overlaps this chunk's dW GEMM and the next chunk
             reduce_dx.add(sl)
         if v == 0:
             continue
         if needs[1]:
-            dw = mm_out(pc.t(), hidden[sl], torch.float32) if dw is None else addmm_out_(dw, pc.t(), hidden[sl])
+            dw = mm_out(g.t(), hidden[sl], torch.float32) if dw is None else addmm_out_(dw, g.t(), hidden[sl])
         if db is not None:
-            db += pc.sum(0, dtype=torch.float32)
-    if needs[1] and dw is None:  # no chunk ran (no tokens, or all-padding shard)
+            db += g.sum(0, dtype=torch.float32)
+    if needs[1] and dw is None:  # no chunk ran (no tokens, or an all-padding shard)
         dw = torch.zeros(v, d, dtype=torch.float32, device=dev)
     return FastGrads(dx, dw, db, reduce_dx)  # dX's sum awaited in backward, after dW's cast
+
+
+def _softmax_step(hidden, w, b, tl_local, stats: _ChunkStats, p, call: Call, softcap, inv_t, cw, on_part):
+    """The softmax losses' chunk step for ``_chunk_loop``: the chunk's statistics (``stats.parts``, in sub-chunks
+    whose exchanges overlap), then per part ``on_part(part, stats)``, which stores the part's outputs and returns
+    its gradient ``Coefficients`` (the per-loss seam: the cross-entropy's, the log-probs', or a loss of the
+    log-probs and the entropy computed while the logits are live), and ``kernels.stored_logits`` in grad mode
+    overwrites the part's logits in ``p`` with the gradient."""
+    v = call.shard.valid_rows
+
+    def step(sl: slice, first: bool):
+        pc = None if p is None else p[: sl.stop - sl.start]
+        for part, r, st in stats.parts(hidden, w, b, tl_local, sl, call, softcap, inv_t, p=pc, ready=first):
+            co = on_part(part, st)
+            if v > 0:
+                kernels.stored_logits(pc[r], None, tl_local[part], softcap=softcap, inv_t=inv_t,
+                                      rows=(st.m, st.lse, st.q), coef=co, class_weight=cw)  # in place
+        return pc
+    return step
 
 
 def _first_chunk(hidden, w, b, chunk_opts: LossOptions, call: Call):
@@ -343,8 +407,8 @@ def cross_entropy(hidden, weight, bias, tg: TokenTargets, opts: LossOptions, cal
         return ce_coefficients(scale, st.lse, opts, shard.vocab_size, tg.class_rows(part))
 
     stats = _ChunkStats(chunk, v, hidden, smooth, entropy, cw, before=before)
-    grads = _formed_grads(hidden, w, b, tl_local, stats, p, chunk, call, *opts.folded_cap(), cw, on_part)
-    return loss_tok, rows, grads
+    step = _softmax_step(hidden, w, b, tl_local, stats, p, call, *opts.folded_cap(), cw, on_part)
+    return loss_tok, rows, _chunk_loop(hidden, w, b, chunk, call, step)
 
 
 def log_probs(hidden, weight, bias, tg: TokenTargets, lp: LogProbOptions, call: Call) -> RankStats:
@@ -390,7 +454,8 @@ def log_probs_formed(hidden, weight, bias, tg: TokenTargets, lp: LogProbOptions,
         rows.store(part, st)
         return unit.rows(part)
 
-    grads = _formed_grads(hidden, w, b, tl_local, stats, p, chunk, call, lp.softcap, lp.inv_t, None, on_part)
+    grads = _chunk_loop(hidden, w, b, chunk, call, _softmax_step(hidden, w, b, tl_local, stats, p, call, lp.softcap,
+                                                                 lp.inv_t, None, on_part))
     st = RankStats.cat(parts, int(lp.mean_logits), int(lp.entropy), hidden.new_empty(0, dtype=torch.float32),
                        lp.log_sum_sq, lp.top1)
     return st, rows, grads
@@ -530,7 +595,7 @@ def distill_forward(hidden, weight, bias, t_hidden, t_weight, t_bias, tg: TokenT
     """Per-token loss ``[N]`` (weighted, 0 on ignored tokens), and what backward needs: the fast route's unscaled
     ``FastGrads`` (with ``dx_reduce == "forward"``: already summed over the group, this rank's slice under
     sequence parallelism), or the lean route's ``DistillRows``."""
-    shard, plan, needs = call.shard, call.plan, call.needs_grad
+    shard, plan = call.shard, call.plan
     t_gather = None
     if plan.dx_reduce == "forward" and plan.sequence_parallel:  # both heads' slices gathered here
         hidden = gather_sequence(hidden.contiguous(), shard)
@@ -556,95 +621,67 @@ def distill_forward(hidden, weight, bias, t_hidden, t_weight, t_bias, tg: TokenT
     t_local = tg.local_columns()
     loss_tok = torch.empty(n, dtype=torch.float32, device=dev)
     rows = DistillRows.empty(n, o, torch.float32, dev) if keep else None
-    dx = dw = db = reduce_dx = None
+    unit = None
     if fast:  # unit upstream scale; 1/count (mean) and the upstream gradient are applied in backward
         unit = tg.row_scale(torch.ones((), dtype=torch.float32, device=dev).expand(n))
-        if needs[0]:  # an all-padding shard contributes zeros (and still joins the collectives)
-            dx = (torch.empty if v > 0 else torch.zeros)(n, d, dtype=torch.float32, device=dev)
-        if dx is not None and plan.dx_reduce == "forward":
-            reduce_dx = HiddenGradReduce(dx, shard, plan.sequence_parallel)
-        db = torch.zeros(v, dtype=torch.float32, device=dev) if needs[2] else None
-    for c0 in range(0, n, chunk):
-        sl = slice(c0, min(n, c0 + chunk))
+
+    def step(sl: slice, first: bool):
+        """The distillation's chunk step: both heads' logits (the first chunk's already written), the statistics
+        and the loss, the lean route's rows; on the fast route the gradient over the student's logits."""
         c = sl.stop - sl.start
         z = y = None
         if v > 0:
             z, y = _view(zbuf, c, v), _view(ybuf, c, v)
-            if c0 > 0:
+            if not first:
                 logits_into(z, hidden[sl], w, b)
                 logits_into(y, t_hidden[sl], tw, tb)
         st = _distill_chunk_stats(z, y, t_local[sl], tg, sl, o, call)
         loss_tok[sl] = tg.token_loss(token_loss(st, o), sl)
         if keep:
             rows.store(sl, DistillRows.of(st, o))
-        if not fast:
-            continue
-        if v > 0:
+        if fast and v > 0:
             kd, ce = row_weights(unit[sl], o)
             _distill_grad_(z, y, t_local[sl], DistillRows.of(st, o), kd, ce, o)
-            if dx is not None:
-                mm_into(dx[sl], z, w)
-        if reduce_dx is not None:  # overlaps this chunk's dW GEMM and the next chunk
-            reduce_dx.add(sl)
-        if v > 0 and needs[1]:
-            dw = mm_out(z.t(), hidden[sl], torch.float32) if dw is None else addmm_out_(dw, z.t(), hidden[sl])
-        if v > 0 and db is not None:
-            db += z.sum(0, dtype=torch.float32)
-    if not fast:
-        return loss_tok, rows, None
-    if needs[1] and dw is None:  # no chunk ran (no tokens, or an all-padding shard)
-        dw = torch.zeros(v, d, dtype=torch.float32, device=dev)
-    return loss_tok, None, FastGrads(dx, dw, db, reduce_dx)  # dX's sum awaited in backward, after dW's cast
+        return z
+    return loss_tok, rows, _chunk_loop(hidden, w, b, chunk, call, step, form=fast)
+
+
+class _DistillBlocks:
+    """The distillation's block step: cuBLAS recomputes both heads' logits of a block into two flat buffers, and
+    ``kernels.distill_grad_`` writes the gradient over the student's for the per-row weights ``kd``, ``ce``."""
+
+    buffers = 2
+
+    def __init__(self, hidden, t_hidden, w, b, tw, tb, tg: TokenTargets, rows: DistillRows, scale, o: DistillOptions):
+        self.hidden, self.t_hidden, self.w, self.b, self.tw, self.tb = hidden, t_hidden, w, b, tw, tb
+        self.rows, self.o = rows, o
+        self.kd, self.ce = row_weights(scale, o)
+        self.t_local = tg.local_columns()
+        self.gib = o.memory_budget if isinstance(o.memory_budget, float) else DISTILL_LEAN_GIB
+        self.align = kernels.distill_block_align(hidden)
+
+    def alloc(self, nb, vb, n, v):
+        self.zbuf, self.ybuf = (_buffer(nb * vb if n and v else 0, self.hidden.dtype, self.hidden.device)
+                                for _ in range(2))
+
+    def tokens(self, tok):
+        return self.rows.rows(tok)
+
+    def block(self, h, tok, rows, v0, v1):
+        z, y = _view(self.zbuf, tok.stop - tok.start, v1 - v0), _view(self.ybuf, tok.stop - tok.start, v1 - v0)
+        logits_into(z, h, self.w[v0:v1], None if self.b is None else self.b[v0:v1])
+        logits_into(y, self.t_hidden[tok], self.tw[v0:v1], None if self.tb is None else self.tb[v0:v1])
+        _distill_grad_(z, y, self.t_local[tok] - v0, rows, self.kd[tok], None if self.ce is None else self.ce[tok],
+                       self.o)
+        return z
 
 
 def distill_recompute_grads(hidden, weight, bias, t_hidden, t_weight, t_bias, tg: TokenTargets, rows: DistillRows,
                             scale: torch.Tensor, o: DistillOptions, call: Call):
     """dX, dW, db from both heads' logits recomputed block by block (cuBLAS) and the gradient kernel, for per-token
-    row scales ``scale``; vocab-major while ``N <= V_local``, token-major beyond (see the module docstring)."""
+    row scales ``scale``; the lean block loop (``_block_loop``): vocab-major while ``N <= V_local``, token-major
+    beyond."""
     hidden, t_hidden = hidden.contiguous(), t_hidden.contiguous()
-    n, d = hidden.shape
-    dev, dtype = hidden.device, hidden.dtype
-    v, n_rows = call.shard.valid_rows, weight.shape[0]
-    w, b, tw, tb = heads(weight, bias, t_weight, t_bias, v)
-    need_dx, need_dw, need_db = call.needs_grad
-    kd, ce = row_weights(scale, o)
-    t_local = tg.local_columns()
-    token_major = 0 < v < n
-    nb = max(1, min(n, LEAN_TOKEN_BLOCK) if token_major else n)
-    gib = o.memory_budget if isinstance(o.memory_budget, float) else DISTILL_LEAN_GIB
-    bn = kernels.distill_block_align(hidden)
-    per_col = 2 * nb * hidden.element_size()
-    vb = max(bn, int(gib * 2**30) // per_col // bn * bn)
-    vb = min(vb, max(v, 1))
-    zbuf, ybuf = (_buffer(nb * vb if n and v else 0, dtype, dev) for _ in range(2))
-    db = torch.zeros(n_rows, dtype=torch.float32, device=dev) if need_db and bias is not None else None
-    dx = dw = dx_acc = None
-    if token_major:
-        if need_dx:
-            dx = torch.empty(n, d, dtype=dtype, device=dev)
-            dx_acc = torch.empty(nb, d, dtype=torch.float32, device=dev) if v > vb else None
-        if need_dw:
-            dw = torch.zeros(n_rows, d, dtype=torch.float32, device=dev)
-    else:
-        dx = written_rows(n, d, n if v else 0, torch.float32, dev) if need_dx else None
-        dw = written_rows(n_rows, d, v if n else 0, dtype, dev) if need_dw else None
-    for n0 in range(0, n if v else 0, nb):
-        n1 = min(n, n0 + nb)
-        tok = slice(n0, n1)
-        h = hidden[tok]
-        block_rows = rows.rows(tok)
-        for v0 in range(0, v, vb):
-            v1 = min(v, v0 + vb)
-            z, y = _view(zbuf, n1 - n0, v1 - v0), _view(ybuf, n1 - n0, v1 - v0)
-            logits_into(z, h, w[v0:v1], None if b is None else b[v0:v1])
-            logits_into(y, t_hidden[tok], tw[v0:v1], None if tb is None else tb[v0:v1])
-            _distill_grad_(z, y, t_local[tok] - v0, block_rows, kd[tok], None if ce is None else ce[tok], o)
-            add_block(z, h, w[v0:v1], slice(v0, v1), tok, dx=dx, dx_acc=dx_acc, dw=dw, db=db,
-                      token_major=token_major)
-        if dx_acc is not None and dx is not None:
-            dx[tok] = dx_acc[: n1 - n0]
-    if dx is not None and dx.dtype != dtype:
-        dx = dx.to(dtype)
-    if dw is not None and dw.dtype != dtype:
-        dw = dw.to(dtype)
-    return dx, dw, pad_rows(db, n_rows, dtype)
+    w, b, tw, tb = heads(weight, bias, t_weight, t_bias, call.shard.valid_rows)
+    step = _DistillBlocks(hidden, t_hidden, w, b, tw, tb, tg, rows, scale, o)
+    return _block_loop(hidden, weight, bias, call, step)
