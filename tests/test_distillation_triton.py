@@ -18,7 +18,6 @@ import pytest
 import torch
 
 import vpce
-import vpce.triton_backend as triton_backend
 from problems import leaf
 from test_distillation import errors, make_pair, oracle
 from vpce.reference import reference_distillation, rel_err
@@ -106,10 +105,10 @@ def test_sum_and_lean_mean(divergence, beta):
 
 
 @pytest.mark.parametrize("budget", [1e-5, "lean"], ids=["vocab-blocks", "whole-vocab"])
-def test_lean_token_major(budget, monkeypatch):
+def test_lean_token_major(budget, sizing):
     """More tokens than vocab rows: the lean backward walks token blocks (22 tokens each here), with the vocab in
     two blocks (dX summed in an fp32 block accumulator) or in one (dX in one GEMM)."""
-    monkeypatch.setattr(triton_backend, "LEAN_TOKEN_BLOCK", 22)
+    sizing(lean_token_block=22)
     x = make_pair(50, 9, 14, 45, vocab_size=43, dtype=torch.float32, bias=True, reduction="none", scale=3.0, seed=4)
     check_fp32(x, divergence="jsd", beta=0.3, reduction="none", ce_weight=0.2, softcap=4.0, temperature=1.3,
                memory_budget=budget)

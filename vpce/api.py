@@ -21,7 +21,7 @@ from .grads import check_main_grad
 from .options import BACKENDS, METRICS, REDUCTIONS, LogProbOptions, LossOptions
 from .prepare import Entry, check_bool, check_class_weight, check_int, check_logit_scale, check_memory_budget, \
     check_number, check_token_weight, enter, prepare_call
-from .routing import Call, plan_cross_entropy, plan_log_probs, settle_by_memory
+from .routing import plan_cross_entropy, plan_log_probs, settle_by_memory, size_cross_entropy, size_log_probs
 
 __all__ = ["linear_cross_entropy", "linear_log_probs", "LinearCrossEntropy", "CrossEntropyOutput"]
 
@@ -167,6 +167,9 @@ class CrossEntropyEntry(Entry):
     def memory(self, p, h, rows, needs, world):
         return settle_by_memory(p, h, rows, needs, self.opts, world)
 
+    def size(self, plan, shard, d, dtype):
+        return size_cross_entropy(plan, self.opts, shard, d, dtype)
+
     def fields(self):
         o = self.opts
         return [("reduction", o.reduction), ("ignore_index", o.ignore_index), ("label_smoothing", o.label_smoothing),
@@ -199,7 +202,7 @@ def _cross_entropy(entry: CrossEntropyEntry, hidden, weight, target, bias, *, gr
             loss = library.linear_cross_entropy(h2, weight, bias, t1, tw1, call.plan.backend, opts,
                                                 call.shard.vocab_size, call.needs_grad, cw1)
     else:
-        call = Call(call.shard, call.plan, call.needs_grad, accumulate_main_grad, call.poison, entry.history)
+        call = dataclasses.replace(call, main_grad=accumulate_main_grad, history=entry.history)
         with torch.autocast(h2.device.type, enabled=False):
             loss = LinearCrossEntropyFunction.apply(enter(h2, call), weight, bias, t1, tw1, opts, call, cw1)
     shape = (lambda x: x.reshape(target.shape)) if opts.reduction == "none" else (lambda x: x)
@@ -256,12 +259,7 @@ def linear_log_probs(hidden, weight, target, bias=None, *, temperature=1.0, soft
         entry, hidden, weight, target, bias, group=group, vocab_start=vocab_start, vocab_size=vocab_size,
         sequence_parallel=sequence_parallel, backend=backend, validate=validate)
     call = dataclasses.replace(call, history=entry.history)
-    # the logit scale s folds into the cap and the temperature: cap_c(s x) / T = cap_{c/s}(x) * (s / T)
-    s = float(logit_scale)
-    lp = LogProbOptions(ignore_index=int(ignore_index), softcap=None if softcap is None else float(softcap) / s,
-                        inv_t=s / float(temperature), entropy=return_entropy, top1=return_top1,
-                        mean_logits=return_mean_logits, log_sum_sq=return_log_sum_sq_probs,
-                        memory_budget=entry.budget)
+    lp = entry.lp
     with torch.autocast(h2.device.type, enabled=False):  # the operands are already in the compute dtype
         out = LinearLogProbsFunction.apply(enter(h2, call), weight, bias, target.reshape(-1), lp, call)
     if isinstance(out, tuple):
@@ -277,7 +275,7 @@ class LogProbsEntry(Entry):
     def __init__(self, args: dict, memory_budget):
         self.args, self.memory_budget = args, memory_budget
         self.ignore_index = args["ignore_index"] if isinstance(args["ignore_index"], int) else -100
-        self.weight = self.budget = None
+        self.weight = self.budget = self.lp = None
 
     def checks(self, w, _cast):
         a = self.args
@@ -291,6 +289,13 @@ class LogProbsEntry(Entry):
         check_bool("return_top1", a["return_top1"])
         check_bool("return_mean_logits", a["return_mean_logits"])
         check_bool("return_log_sum_sq_probs", a["return_log_sum_sq_probs"])
+        # the logit scale s folds into the cap and the temperature: cap_c(s x) / T = cap_{c/s}(x) * (s / T)
+        s, softcap = float(a["logit_scale"]), a["softcap"]
+        self.lp = LogProbOptions(ignore_index=int(a["ignore_index"]),
+                                 softcap=None if softcap is None else float(softcap) / s,
+                                 inv_t=s / float(a["temperature"]), entropy=a["return_entropy"],
+                                 top1=a["return_top1"], mean_logits=a["return_mean_logits"],
+                                 log_sum_sq=a["return_log_sum_sq_probs"], memory_budget=self.budget)
 
     def fields(self):
         a = self.args
@@ -309,6 +314,9 @@ class LogProbsEntry(Entry):
 
     def memory(self, p, h, rows, needs, world):
         return settle_by_memory(p, h, rows, needs, LossOptions(memory_budget=self.budget), world)
+
+    def size(self, plan, shard, d, dtype):
+        return size_log_probs(plan, self.lp, shard, d, dtype)
 
 
 class LinearCrossEntropy(torch.nn.Module):

@@ -1,11 +1,11 @@
 """The autograd shells: one ``torch.autograd.Function`` per public loss, the same for both backends.
 
-Each is a thin wrapper over the chosen backend's plain functions (``vpce.torch_backend`` or
-``vpce.triton_backend``: ``cross_entropy``, ``log_probs``, ``recompute_grads``, ``scale_cast``; for the
-distillation ``distill_forward``, ``distill_recompute_grads``), chosen in one place (``backend_module``), and the
-shared formulas (``vpce.formulas``, ``vpce.distill_stats``): forward runs the backend and keeps what backward
-needs; backward either finishes the fast route's held gradients (``vpce.grads.finish_fast_grads``), recomputes them (the lean route), or finishes
-the speculative route's unit-scale gradients for a per-token upstream gradient (``vpce.speculation``;
+Each is a thin wrapper over the chosen backend's plain functions (``vpce.torch_backend`` or ``vpce.triton_backend``:
+``cross_entropy``, ``log_probs``, ``recompute_grads``, ``scale_cast``; for the distillation ``distill_forward``,
+``distill_recompute_grads``), chosen in one place (``backend_module``), and the shared formulas (``vpce.formulas``,
+``vpce.distill_stats``): forward runs the backend and keeps what backward needs; backward either finishes the fast
+route's held gradients (``vpce.grads.finish_fast_grads``), recomputes them (the lean route), or finishes the
+speculative route's unit-scale gradients for a per-token upstream gradient (``vpce.speculation``;
 ``triton_backend.speculative_grads``; a second backward there recomputes, as the lean route). A call eligible for
 the speculative route reports to its ``Call.history`` whether its upstream gradient was uniform, whichever route it
 took. The ``torch.library`` ops (``vpce.library``) call the same functions.
@@ -120,7 +120,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                                            class_rows)
 
                 *out, uniform = backend_module(call.plan.backend).speculative_grads(
-                    grads, hidden, weight, bias, tg, rows, g, coefficients, call, *opts.folded_cap(), opts,
+                    grads, hidden, weight, bias, tg, rows, g, coefficients, call, *opts.folded_cap(),
                     ctx.main_weight)
                 if call.history is not None:
                     call.history.report(uniform)
@@ -182,7 +182,7 @@ class LinearLogProbsFunction(torch.autograd.Function):
             dx, dw, db, uniform = backend_module(call.plan.backend).speculative_grads(
                 grads, hidden, weight, bias, tg, RowStats(m, log_s, q), torch.zeros_like(m) if g is None else g,
                 lambda r: logprob_coefficients(tg, r, None, None, lp.inv_t, like=m), call, lp.softcap, lp.inv_t,
-                lp.chunk_options(), None)
+                None)
             if call.history is not None:
                 call.history.report(uniform)
             return dx, dw, db, None, None, None

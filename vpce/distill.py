@@ -20,7 +20,7 @@ from .autograd import LinearDistillationFunction, accumulation_dtype
 from .options import DIVERGENCES, REDUCTIONS, DistillOptions
 from .prepare import Entry, autocast_operands, check_bool, check_int, check_memory_budget, check_number, \
     check_token_weight, dtype_name, enter, prepare_call
-from .routing import plan_distillation
+from .routing import plan_distillation, size_distillation
 
 __all__ = ["linear_distillation_loss", "DistillOptions", "DIVERGENCES"]
 
@@ -126,6 +126,9 @@ class DistillEntry(Entry):
     def plan(self, needs, _dtype, backend_name, sharded, sp):
         o = self.o
         return plan_distillation(o.reduction, o.memory_budget == "lean", needs, backend_name, sharded, sp)
+
+    def size(self, plan, shard, d, dtype):
+        return size_distillation(plan, self.o, shard, d, dtype)
 
     def fields(self):
         o, a = self.o, self.args

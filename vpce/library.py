@@ -31,7 +31,7 @@ from .distill_stats import DistillRows
 from .formulas import RowStats
 from .options import BUDGET_NAMES, DistillOptions, LossOptions
 from .parallel import VocabShard
-from .routing import Call, plan_cross_entropy, plan_distillation, settle
+from .routing import Call, plan_cross_entropy, plan_distillation, settle, size_cross_entropy, size_distillation
 from .targets import TokenTargets
 
 __all__ = ["linear_cross_entropy"]
@@ -44,7 +44,8 @@ def _call(backend, ignore_index, reduction, label_smoothing, z_loss, softcap, me
                        z_loss=z_loss, softcap=softcap, memory_budget=budget, logit_scale=logit_scale)
     # the compiled graph's outputs must not depend on free memory: "auto" is the fast route here
     plan = settle(plan_cross_entropy(opts, tuple(needs), backend, False, False), True)
-    return opts, Call(VocabShard(None, 0, 1, 0, weight.shape[0], vocab_size), plan, tuple(needs))
+    shard = VocabShard(None, 0, 1, 0, weight.shape[0], vocab_size)
+    return opts, Call(shard, size_cross_entropy(plan, opts, shard, hidden.shape[-1], hidden.dtype), tuple(needs))
 
 
 @torch.library.custom_op("vpce::linear_cross_entropy", mutates_args=())
@@ -154,13 +155,14 @@ def linear_cross_entropy(hidden, weight, bias, target, token_weight, backend: st
 
 
 def _distill_call(backend, kind, beta, inv_t, kd_scale, ce_weight, ignore_index, reduction, softcap,
-                  teacher_softcap, memory_budget, vocab_size, needs, weight):
+                  teacher_softcap, memory_budget, vocab_size, needs, hidden, weight):
     budget = memory_budget if memory_budget in BUDGET_NAMES else float(memory_budget)
     o = DistillOptions(kind=kind, beta=beta, inv_t=inv_t, kd_scale=kd_scale, ce_weight=ce_weight,
                        ignore_index=ignore_index, reduction=reduction, softcap=softcap,
                        teacher_softcap=teacher_softcap, memory_budget=budget)
     plan = plan_distillation(reduction, budget == "lean", tuple(needs), backend, False, False)
-    return o, Call(VocabShard(None, 0, 1, 0, weight.shape[0], vocab_size), plan, tuple(needs))
+    shard = VocabShard(None, 0, 1, 0, weight.shape[0], vocab_size)
+    return o, Call(shard, size_distillation(plan, o, shard, hidden.shape[-1], hidden.dtype), tuple(needs))
 
 
 def _distill_rows(o, rows):
@@ -182,7 +184,7 @@ def _distill_forward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], t_h
     """(loss, the ``mean`` denominator, the lean route's eight ``DistillRows`` tensors, the fast route's
     ``dX``, ``dW``, ``db``); what a route does not produce is an empty tensor."""
     o, call = _distill_call(backend, kind, beta, inv_t, kd_scale, ce_weight, ignore_index, reduction, softcap,
-                            teacher_softcap, memory_budget, vocab_size, needs, weight)
+                            teacher_softcap, memory_budget, vocab_size, needs, hidden, weight)
     tg = TokenTargets(target, call.shard, o.ignore_index, token_weight)
     loss_tok, rows, fast = backend_module(backend).distill_forward(hidden, weight, bias, t_hidden, t_weight, t_bias,
                                                                    tg, o, call)
@@ -197,7 +199,7 @@ def _distill_forward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], t_h
 def _(hidden, weight, bias, t_hidden, t_weight, t_bias, target, token_weight, backend, kind, beta, inv_t, kd_scale,
       ce_weight, ignore_index, reduction, softcap, teacher_softcap, memory_budget, vocab_size, needs):
     _, call = _distill_call(backend, kind, beta, inv_t, kd_scale, ce_weight, ignore_index, reduction, softcap,
-                            teacher_softcap, memory_budget, vocab_size, needs, weight)
+                            teacher_softcap, memory_budget, vocab_size, needs, hidden, weight)
     fast, lean = call.plan.route == "fast", call.plan.route == "lean"
     n, d = hidden.shape
     v = min(weight.shape[0], vocab_size)
@@ -217,7 +219,7 @@ def _distill_recompute(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], t
                        softcap: Optional[float], teacher_softcap: Optional[float], memory_budget: str,
                        vocab_size: int, needs: list[bool]) -> tuple[Tensor, Tensor, Tensor]:
     o, call = _distill_call(backend, kind, beta, inv_t, kd_scale, ce_weight, ignore_index, reduction, softcap,
-                            teacher_softcap, memory_budget, vocab_size, needs, weight)
+                            teacher_softcap, memory_budget, vocab_size, needs, hidden, weight)
     g = grad.detach().to(denominator.dtype)
     if reduction == "mean":
         g = g / denominator
@@ -245,7 +247,7 @@ def _distill_setup_context(ctx, inputs, output):
     loss, denominator, *rest = output
     rows, (dx, dw, db) = rest[:8], rest[8:]
     weight = inputs[1]
-    _, call = _distill_call(*inputs[_DISTILL_ARGS], weight)
+    _, call = _distill_call(*inputs[_DISTILL_ARGS], inputs[0], weight)
     ctx.args = inputs[_DISTILL_ARGS]
     ctx.fast = call.plan.route == "fast"
     ctx.reduction, ctx.needs = inputs[15], inputs[-1]

@@ -189,6 +189,11 @@ class Entry:
         """A route left to free memory, decided (``vpce.routing.settle_by_memory``); by default nothing to weigh."""
         return plan, None
 
+    def size(self, plan: Plan, shard: parallel.VocabShard, d: int, dtype: torch.dtype) -> Plan:
+        """The plan with its chunk and buffer sizes (``vpce.routing.size_cross_entropy`` and its kin), once the
+        shard is agreed."""
+        raise NotImplementedError
+
 
 def prepare_call(entry: Entry, hidden, weight, target, bias, *, group, vocab_start, vocab_size, sequence_parallel,
                  backend, validate):
@@ -244,7 +249,7 @@ def prepare_call(entry: Entry, hidden, weight, target, bias, *, group, vocab_sta
     shard, poison, all_fit = parallel.agree(group, facts, device, read=read)
     if all_fit is not None:  # the route left to memory: fast only where it fits on every rank
         call_plan = settle(call_plan, all_fit)
-    call = Call(shard, call_plan, needs, poison=poison)
+    call = Call(shard, entry.size(call_plan, shard, hidden.shape[-1], hidden.dtype), needs, poison=poison)
     return hidden.reshape(-1, hidden.shape[-1]), weight, bias, target, call
 
 

@@ -1,19 +1,20 @@
 """Pure-PyTorch backend: exact, memory-bounded linear + cross-entropy over a (possibly sharded) vocab; the CPU
 path. (The float64 reference the tests and the bench check against is ``vpce.reference``.)
 
-It never allocates ``[N, V_local]``: it walks the tokens in chunks of ``C`` rows, ``C`` sized so that the live
-chunk data (the logits in the input dtype, their fp32 copy, the probabilities and their cast) stay inside the
-memory budget (default 0.25 GiB). Softmax statistics are fp32 (float64 for float64 inputs).
+It never allocates ``[N, V_local]``: it walks the tokens in chunks of ``C`` rows, ``C`` sized (by ``vpce.routing``,
+in the call's plan) so that the live chunk data (the logits in the input dtype, their fp32 copy, the probabilities
+and their cast) stay inside the memory budget (default 0.25 GiB). Softmax statistics are fp32 (float64 for float64
+inputs).
 
 Per chunk: logits -> local statistics (max, sum of exp but the target's, target logit, ...) -> the global
-``RankStats`` (one packed collective under a group, ``vpce.parallel``) -> per-token outputs and, on the fast
-route, the chunk's gradient while its logits are live: ``dX`` rows written once, ``dW`` accumulated across
-chunks in fp32 (``vpce.routing`` picks the route). One chunk loop (``_chunk_loop``) serves every loss and route:
-each loss (cross-entropy, log-probs, the distillation of ``vpce.distill_stats``) passes a per-chunk step that
-returns the chunk's logit gradient; the recompute (``_recompute_loop``) walks the same chunks. The formulas are ``vpce.formulas``, shared with the Triton
-backend. Under a group every rank runs the same number of chunks (the chunk size depends only on values that
-are equal on every rank), so the per-chunk collectives line up. ``dX`` is this shard's contribution; the caller
-(``vpce.parallel.enter_vocab_parallel``) sums it over the group.
+``RankStats`` (one packed collective under a group, ``vpce.parallel``) -> per-token outputs and, on the fast route,
+the chunk's gradient while its logits are live: ``dX`` rows written once, ``dW`` accumulated across chunks in fp32
+(``vpce.routing`` picks the route). One chunk loop (``_chunk_loop``) serves every loss and route: each loss
+(cross-entropy, log-probs, the distillation of ``vpce.distill_stats``) passes a per-chunk step that returns the
+chunk's logit gradient; the recompute (``_recompute_loop``) walks the same chunks. The formulas are
+``vpce.formulas``, shared with the Triton backend. Under a group every rank runs the same number of chunks (the
+chunk size depends only on values that are equal on every rank), so the per-chunk collectives line up. ``dX`` is
+this shard's contribution; the caller (``vpce.parallel.enter_vocab_parallel``) sums it over the group.
 """
 
 from __future__ import annotations
@@ -27,20 +28,13 @@ from .gemm import mm_out
 from .grads import FastGrads, pad_rows, weight_grad
 from .distill_stats import DistillRows, DistillStats, exchange_chunk_stats, heads, local_stats, log_mixture, \
     log_softmax, mixture_sums, row_weights, token_loss
-from .options import DEFAULT_CHUNK_GIB, DistillOptions, LogProbOptions, LossOptions
-from .parallel import RankStats, VocabShard, exchange_softmax_stats
+from .options import DistillOptions, LogProbOptions, LossOptions
+from .parallel import RankStats, exchange_softmax_stats
 from .routing import Call
 from .targets import TokenTargets
 
-__all__ = ["chunk_tokens", "cross_entropy", "log_probs", "recompute_grads", "scale_cast", "distill_forward",
+__all__ = ["cross_entropy", "log_probs", "recompute_grads", "scale_cast", "distill_forward",
            "distill_recompute_grads"]
-
-
-def chunk_tokens(budget_gib: float, shard: VocabShard, dtype: torch.dtype, softcap: bool) -> int:
-    """Tokens per chunk so that the chunk's live data fits ``budget_gib``; equal on every rank of the group."""
-    acc = 8 if dtype == torch.float64 else 4
-    per_logit = 2 * torch.finfo(dtype).bits // 8 + (3 if softcap else 2) * acc
-    return max(1, int(budget_gib * 2**30) // (shard.columns_per_rank * per_logit))
 
 
 def _acc(dtype: torch.dtype) -> torch.dtype:
@@ -183,7 +177,7 @@ def recompute_grads(hidden, weight, bias, tg: TokenTargets, rows: RowStats, coef
     acc, v = rows.m.dtype, shard.valid_rows
     w = weight[:v]
     b = None if bias is None else bias[:v]
-    chunk = chunk_tokens(DEFAULT_CHUNK_GIB, shard, hidden.dtype, softcap is not None)
+    chunk = call.plan.sizes.block_tokens
     cw = None if tg.class_weight is None else tg.class_weight.columns
 
     def step(sl):
@@ -202,7 +196,7 @@ def cross_entropy(hidden, weight, bias, tg: TokenTargets, opts: LossOptions, cal
     w = weight[:v]
     b = None if bias is None else bias[:v]
     smooth = opts.label_smoothing > 0
-    chunk = chunk_tokens(opts.chunk_gib(), shard, hidden.dtype, opts.softcap is not None)
+    chunk = call.plan.sizes.chunk
     fast = call.plan.route == "fast"
     grads = None
     if fast:
@@ -242,7 +236,7 @@ def log_probs(hidden, weight, bias, tg: TokenTargets, lp: LogProbOptions, call: 
     v = call.shard.valid_rows
     w = weight[:v]
     b = None if bias is None else bias[:v]
-    chunk = chunk_tokens(DEFAULT_CHUNK_GIB, call.shard, hidden.dtype, lp.softcap is not None)
+    chunk = call.plan.sizes.chunk
     parts = []
 
     def step(sl):
@@ -261,15 +255,6 @@ def scale_cast(src: torch.Tensor, g: torch.Tensor, dtype: torch.dtype) -> torch.
 
 # ------------------------------------------------------------------------------------------------------------
 # the distillation (``vpce.distill_stats``): statistics, the gradient of a chunk, forward and the recompute
-
-
-def distill_chunk_tokens(budget_gib: float, shard: VocabShard, dtype: torch.dtype) -> int:
-    """Tokens per chunk: about eight fp32 (fp64) ``[C, V_local]`` tensors live (both heads' logits, their exps and
-    the gradient's temporaries); equal on every rank of the group."""
-    acc = 8 if dtype == torch.float64 else 4
-    per_logit = 2 * torch.finfo(dtype).bits // 8 + 8 * acc
-    return max(1, int(budget_gib * 2**30) // (shard.columns_per_rank * per_logit))
-
 
 
 def _distill_chunk_stats(z1, y, tg: TokenTargets, sl: slice, o: DistillOptions, call: Call, acc,
@@ -317,7 +302,7 @@ def distill_forward(hidden, weight, bias, t_hidden, t_weight, t_bias, tg: TokenT
     acc = _acc(hidden.dtype)
     v = call.shard.valid_rows
     w, b, tw, tb = heads(weight, bias, t_weight, t_bias, v)
-    chunk = distill_chunk_tokens(o.chunk_gib(), call.shard, hidden.dtype)
+    chunk = call.plan.sizes.chunk
     fast = call.plan.route == "fast"
     keep = call.plan.route == "lean"
     grads = None
@@ -350,7 +335,7 @@ def distill_recompute_grads(hidden, weight, bias, t_hidden, t_weight, t_bias, tg
     """dX, dW, db from both heads' logits recomputed chunk by chunk, for per-token row scales ``scale``."""
     acc, v = rows.m_z.dtype, call.shard.valid_rows
     w, b, tw, tb = heads(weight, bias, t_weight, t_bias, v)
-    chunk = distill_chunk_tokens(o.chunk_gib(), call.shard, hidden.dtype)
+    chunk = call.plan.sizes.block_tokens
     kd, ce = row_weights(scale, o)
 
     def step(sl):

@@ -86,16 +86,13 @@ from .gemm import addmm_out_, logits_into, mm_into, mm_out
 from .grads import FastGrads, add_block, pad_rows, weight_grad, weight_grad_to_main, written_rows
 from .options import DistillOptions, LogProbOptions, LossOptions
 from .parallel import HiddenGradReduce, RankStats, gather_sequence, start_gather_sequence, start_stats_exchange
-from .routing import ROW_ALIGN, Call, fast_chunk, round_to
+from .routing import ROW_ALIGN, Call, round_to
 from .speculation import block_flags, split_upstream
 from .targets import TokenTargets
 
 __all__ = ["cross_entropy", "log_probs", "log_probs_formed", "recompute_grads", "speculative_grads", "scale_cast",
-           "LEAN_BLOCK_GIB", "distill_forward", "distill_recompute_grads"]
+           "distill_forward", "distill_recompute_grads"]
 
-LEAN_BLOCK_GIB = 0.2  # default size of the lean route's [N, Vb] block
-LEAN_TOKEN_BLOCK = 4096  # tokens per block of the lean backward's token-major order (N > V_local)
-STATS_TOKENS = 8192  # tokens per stats-only launch (bounds the per-tile statistics buffers)
 
 scale_cast = kernels.scale_cast
 
@@ -199,11 +196,11 @@ def _block_loop(hidden, weight, bias, call: Call, step, main_weight=None):
       before the next block (fp32 ``[N_b, D]`` only), dW summed over the token blocks in fp32 ``[V_local, D]``
       (or straight into ``main_grad``). The extra memory then stays fixed as N grows.
 
-    ``step``: ``buffers`` logits buffers of ``[N_b, V_b]`` fit ``step.gib``, ``V_b`` a multiple of
-    ``step.align``; ``step.alloc(nb, vb, n, v)`` allocates them, ``step.tokens(tok)`` gives what a token block
-    needs, ``step.block(h, tok, per_tok, v0, v1)`` recomputes the gradient of tokens ``tok`` and vocab rows
-    ``[v0, v1)`` into its buffer and returns it. ``hidden`` contiguous. ``main_weight``: add dW in fp32 into its
-    ``main_grad`` instead of returning it.
+    ``step``: its ``buffers`` logits buffers of ``[N_b, V_b]`` fit the plan's ``block_gib``, ``V_b`` a multiple of
+    ``step.align``, ``N_b`` the plan's ``block_tokens`` (token-major); ``step.alloc(nb, vb, n, v)`` allocates them,
+    ``step.tokens(tok)`` gives what a token block needs, ``step.block(h, tok, per_tok, v0, v1)`` recomputes the
+    gradient of tokens ``tok`` and vocab rows ``[v0, v1)`` into its buffer and returns it. ``hidden`` contiguous.
+    ``main_weight``: add dW in fp32 into its ``main_grad`` instead of returning it.
     """
     n, d = hidden.shape
     v, n_rows, dtype = call.shard.valid_rows, weight.shape[0], hidden.dtype
@@ -211,8 +208,9 @@ def _block_loop(hidden, weight, bias, call: Call, step, main_weight=None):
     into_main = main_weight is not None and need_dw
     db = torch.zeros(n_rows, dtype=torch.float32, device=hidden.device) if need_db and bias is not None else None
     token_major = 0 < v < n
-    nb = max(1, min(n, LEAN_TOKEN_BLOCK) if token_major else n)
-    vb = round_to(int(step.gib * 2**30) // max(1, step.buffers * nb * hidden.element_size()), step.align)
+    sizes = call.plan.sizes
+    nb = max(1, min(n, sizes.block_tokens) if token_major else n)
+    vb = round_to(int(sizes.block_gib * 2**30) // max(1, step.buffers * nb * hidden.element_size()), step.align)
     vb = min(vb, max(v, 1))
     step.alloc(nb, vb, n, v)
     dx = dw = dx_acc = None
@@ -250,7 +248,7 @@ class _SoftmaxBlocks:
     """The softmax losses' block step: the fused GEMM in grad mode (``kernels.logits_tiles``) recomputes a block's
     logits and writes their gradient for the per-token ``coef`` into one ``[N_b, V_b]`` buffer."""
 
-    buffers, gib = 1, LEAN_BLOCK_GIB
+    buffers = 1
 
     def __init__(self, hidden, weight, bias, tg: TokenTargets, rows: RowStats, coef: Coefficients, softcap, inv_t):
         self.weight, self.bias, self.rows, self.coef = weight, bias, rows, coef
@@ -345,11 +343,11 @@ def _softmax_step(hidden, w, b, tl_local, stats: _ChunkStats, p, call: Call, sof
     return step
 
 
-def _first_chunk(hidden, w, b, chunk_opts: LossOptions, call: Call):
+def _first_chunk(hidden, w, b, call: Call):
     """``(P, chunk)`` of the fast and speculative routes, the first chunk's logits GEMM already launched."""
-    n, d = hidden.shape
+    n = hidden.shape[0]
     v = call.shard.valid_rows
-    chunk = min(max(n, 1), fast_chunk(chunk_opts, call.shard.columns_per_rank, hidden.dtype, d))
+    chunk = min(max(n, 1), call.plan.sizes.chunk)
     p = None
     if v > 0:
         p = torch.empty(chunk, v, dtype=hidden.dtype, device=hidden.device)
@@ -373,7 +371,7 @@ def cross_entropy(hidden, weight, bias, tg: TokenTargets, opts: LossOptions, cal
     b = None if bias is None else bias[:v]
     formed = plan.route in ("fast", "speculative")
     if formed:
-        p, chunk = _first_chunk(hidden, w, b, opts, call)
+        p, chunk = _first_chunk(hidden, w, b, call)
     tl_local = tg.local_columns()
     smooth = opts.label_smoothing > 0
     cw = None if tg.class_weight is None else tg.class_weight.columns.float()
@@ -388,9 +386,10 @@ def cross_entropy(hidden, weight, bias, tg: TokenTargets, opts: LossOptions, cal
     rows = RowStats.empty(n, torch.float32, dev) if keep else None
 
     if not formed:
-        stats = _ChunkStats(min(max(n, 1), STATS_TOKENS), v, hidden, smooth, entropy, cw, before=before)
-        for c0 in range(0, n, STATS_TOKENS):
-            sl = slice(c0, min(n, c0 + STATS_TOKENS))
+        chunk = plan.sizes.chunk  # stats-only launches
+        stats = _ChunkStats(min(max(n, 1), chunk), v, hidden, smooth, entropy, cw, before=before)
+        for c0 in range(0, n, chunk):
+            sl = slice(c0, min(n, c0 + chunk))
             for part, _, st in stats.parts(hidden, w, b, tl_local, sl, call, *opts.folded_cap()):
                 ce_token_outputs(st, opts, shard.vocab_size, tg, part, loss_tok, metrics)
                 if keep:
@@ -419,11 +418,12 @@ def log_probs(hidden, weight, bias, tg: TokenTargets, lp: LogProbOptions, call: 
     w = weight[:v]
     b = None if bias is None else bias[:v]
     tl_local = tg.local_columns()
-    stats = _ChunkStats(min(max(n, 1), STATS_TOKENS), v, hidden, lp.mean_logits, lp.entropy, sum_sq=lp.log_sum_sq,
+    chunk = call.plan.sizes.chunk  # stats-only launches
+    stats = _ChunkStats(min(max(n, 1), chunk), v, hidden, lp.mean_logits, lp.entropy, sum_sq=lp.log_sum_sq,
                         before=tg.before.to(torch.int32) if lp.top1 else None)
     parts = []
-    for c0 in range(0, n, STATS_TOKENS):
-        sl = slice(c0, min(n, c0 + STATS_TOKENS))
+    for c0 in range(0, n, chunk):
+        sl = slice(c0, min(n, c0 + chunk))
         parts += [st for _, _, st in stats.parts(hidden, w, b, tl_local, sl, call, lp.softcap, lp.inv_t)]
     return RankStats.cat(parts, int(lp.mean_logits), int(lp.entropy), hidden.new_empty(0, dtype=torch.float32),
                          lp.log_sum_sq, lp.top1)
@@ -440,7 +440,7 @@ def log_probs_formed(hidden, weight, bias, tg: TokenTargets, lp: LogProbOptions,
     v = call.shard.valid_rows
     w = weight[:v]
     b = None if bias is None else bias[:v]
-    p, chunk = _first_chunk(hidden, w, b, lp.chunk_options(), call)
+    p, chunk = _first_chunk(hidden, w, b, call)
     tl_local = tg.local_columns()
     ones = torch.ones(n, dtype=torch.float32, device=dev)
     unit = logprob_coefficients(tg, ones, None, None, lp.inv_t, like=ones)
@@ -462,7 +462,7 @@ def log_probs_formed(hidden, weight, bias, tg: TokenTargets, lp: LogProbOptions,
 
 
 def speculative_grads(held: FastGrads, hidden, weight, bias, tg: TokenTargets, rows: RowStats, g: torch.Tensor,
-                      coefficients, call: Call, softcap, inv_t: float, chunk_opts: LossOptions, main_weight=None):
+                      coefficients, call: Call, softcap, inv_t: float, main_weight=None):
     """The speculative route's backward (``vpce.speculation``): the held unit-scale gradients finished for the
     per-token upstream gradient ``g [N]`` (fp32), exact for any ``g``, with no host sync.
 
@@ -471,7 +471,7 @@ def speculative_grads(held: FastGrads, hidden, weight, bias, tg: TokenTargets, r
     Otherwise ``dW_unit`` times 0, then the gradient recomputed in token blocks of the forward's chunk over the
     whole vocab (the lean route's token-major order, in a buffer the size of the forward's ``P``), every kernel
     gated by its block's device flag. ``coefficients(r)``: the gradient ``Coefficients`` of every token at per-token
-    upstream gradient ``r``; ``chunk_opts``: the options the forward's chunk came from. Returns ``(dX, dW, db,
+    upstream gradient ``r``; the blocks are the forward's chunks (the plan's ``chunk``). Returns ``(dX, dW, db,
     uniform)`` in the inputs' dtype (dW padded to the weight's rows, or added into ``main_weight.main_grad``);
     ``uniform`` is a 0-d bool on the device."""
     n, d = hidden.shape
@@ -486,7 +486,7 @@ def speculative_grads(held: FastGrads, hidden, weight, bias, tg: TokenTargets, r
         last = torch.where(uniform, c, 1.0)  # the final cast's factor: c, or 1 after the recompute
         if (dw is not None or db is not None) and v > 0:
             r = torch.where(uniform, 0.0, gk)  # all 0 when uniform: every block's kernels skip
-            chunk = min(n, fast_chunk(chunk_opts, call.shard.columns_per_rank, dtype, d))
+            chunk = min(n, call.plan.sizes.chunk)
             flags = block_flags(r, chunk)
             mispredicted = (~uniform).to(torch.int32).reshape(1)
             zero = g.new_zeros(())
@@ -526,29 +526,7 @@ def _gated_recompute(hidden, w, b, tg: TokenTargets, rows: RowStats, coef: Coeff
 # ------------------------------------------------------------------------------------------------------------
 # the distillation
 
-DISTILL_FAST_GIB = 1.5  # both logit buffers of the fast route together, ...
-DW_SHARE = 1.5        # ... at most this times the fp32 dW accumulator's size (every chunk's dW GEMM reads and
-                      # writes that accumulator: one H200, the JSD step 138.00 ms in 2048-token chunks against
-                      # 134.94 ms in 3072-token chunks, docs/benchmarks.md session 11)
-DISTILL_MIN_GIB = 0.25  # ... and their floor when that accumulator is small
-DISTILL_LEAN_GIB = 0.4  # both buffers of the lean route's forward chunks and backward blocks
-
 _KIND = {"forward_kl": 0, "reverse_kl": 1, "jsd": 2}    # the gradient kernel's divergence
-
-
-def _distill_chunk(gib: float, cols: int, dtype: torch.dtype) -> int:
-    """Tokens whose two ``[C, cols]`` logit buffers fit ``gib``; equal on every rank (``cols`` is
-    ``columns_per_rank``)."""
-    c = max(1, int(gib * 2**30) // (2 * cols * torch.empty((), dtype=dtype).element_size()))
-    return c - c % ROW_ALIGN if c >= ROW_ALIGN else c
-
-
-def _distill_budget(o: DistillOptions, fast: bool, cols: int, d: int) -> float:
-    if isinstance(o.memory_budget, float):
-        return o.memory_budget
-    if fast:
-        return min(DISTILL_FAST_GIB, max(DISTILL_MIN_GIB, DW_SHARE * cols * d * 4 / 2**30))
-    return DISTILL_LEAN_GIB
 
 
 def _buffer(numel: int, dtype, device) -> torch.Tensor | None:
@@ -608,8 +586,7 @@ def distill_forward(hidden, weight, bias, t_hidden, t_weight, t_bias, tg: TokenT
     v = shard.valid_rows
     w, b, tw, tb = heads(weight, bias, t_weight, t_bias, v)
     fast, keep = plan.route == "fast", plan.route == "lean"
-    cols = shard.columns_per_rank
-    chunk = min(max(n, 1), _distill_chunk(_distill_budget(o, fast, cols, d), cols, dtype))
+    chunk = min(max(n, 1), plan.sizes.chunk)
     zbuf, ybuf = (_buffer(chunk * v if n else 0, dtype, dev) for _ in range(2))
     first = min(n, chunk) if v > 0 else 0  # the first chunk's GEMMs go first, the host's set-up runs beside them
     if first:
@@ -657,7 +634,6 @@ class _DistillBlocks:
         self.rows, self.o = rows, o
         self.kd, self.ce = row_weights(scale, o)
         self.t_local = tg.local_columns()
-        self.gib = o.memory_budget if isinstance(o.memory_budget, float) else DISTILL_LEAN_GIB
         self.align = kernels.distill_block_align(hidden)
 
     def alloc(self, nb, vb, n, v):
