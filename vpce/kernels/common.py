@@ -1,6 +1,6 @@
 """What the kernel families share: the interpreter switch, the ``exp``/``log`` constants, the fast ``exp``, the soft
-cap and its derivative, ``log1p``, a program's tile of a ``[C, V]`` buffer, and the persistent grid of the gated
-kernels."""
+cap and its derivative, ``log1p``, a program's tile of a ``[C, V]`` buffer, the row max over a row's tile maxima,
+and the persistent grid of the gated kernels."""
 
 from __future__ import annotations
 
@@ -57,6 +57,22 @@ def _program_tile(C, V, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_N: tl
     else:
         mask = row_ok[:, None] & (rn < V)[None, :]
     return rm, rn, row_ok, mask
+
+
+@triton.jit
+def _tiles_max(TM, base, ok, T, BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Each row's max over its ``T`` tile maxima (the rows' tiles at ``TM + base``; ``ok``: real rows), and that max
+    with ``-inf`` taken as 0 (every tile ``-inf``: sums against it stay 0, not NaN). Accumulated elementwise over
+    ``[BLOCK_C, BLOCK_T]`` and reduced once after the loop: a row reduction inside the loop whose result is used
+    again (the max) trips an assertion in Triton 3.6's thread-locality pass on sm_90 when ``T`` is a multiple of
+    16."""
+    m2 = tl.full([BLOCK_C, BLOCK_T], float("-inf"), tl.float32)
+    for t0 in range(0, T, BLOCK_T):
+        cols = t0 + tl.arange(0, BLOCK_T)
+        msk = ok[:, None] & (cols < T)[None, :]
+        m2 = tl.maximum(m2, tl.load(TM + base[:, None] + cols[None, :], mask=msk, other=float("-inf")))
+    m = tl.max(m2, 1)
+    return m, tl.where(m == float("-inf"), 0.0, m)
 
 
 def _persistent(x: torch.Tensor, tiles: int) -> int:

@@ -25,18 +25,18 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import INTERPRET, LN2, LOG2E, _exp, _program_tile, _softcap
+from .common import INTERPRET, LN2, LOG2E, _exp, _program_tile, _softcap, _tiles_max
 
 __all__ = ["distill_stats", "combine_distill_heads", "distill_mixture", "distill_grad_", "distill_block_align"]
 
 
 @triton.jit
 def _log2(x, FAST_LOG: tl.constexpr):
-    """``log2 x``. ``FAST_LOG`` (compiled for NVIDIA GPUs): PTX's hardware ``lg2.approx.ftz.f32``, the same class
-    of approximation as the ``ex2.approx.ftz`` that ``tl.exp2`` compiles to, instead of libdevice's (about 40
+    """``log2 x``. ``FAST_LOG`` (compiled for NVIDIA GPUs): PTX's hardware ``lg2.approx.ftz.f32``, the same class of
+    approximation as the ``ex2.approx.ftz`` that ``tl.exp2`` compiles to, instead of libdevice's (about 40
     instructions per element on sm_90), which held the JSD's mixture pass to 1.3 TB/s against the statistics pass's
-    3 TB/s (one H200, session 7). ``ftz``: the callers' arguments are never denormal, and the non-ftz form adds a
-    fix-up per element."""
+    3 TB/s (one H200, 2026-11-23, docs/benchmarks.md). ``ftz``: the callers' arguments are never denormal, and the
+    non-ftz form adds a fix-up per element."""
     if FAST_LOG:
         return tl.inline_asm_elementwise("lg2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
                                          pack=1)
@@ -171,13 +171,7 @@ def _distill_stats_kernel(
 def _tiles_softmax(TM, TS, TW, base, ok, T, HAS_W: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr):
     """One head's row statistics from its tiles: ``m = max m_t``, ``s = sum s_t e^{m_t - m}``, ``w = sum w_t
     e^{m_t - m}``. (Accumulated elementwise and reduced after each loop, as ``_reduce_tiles_kernel``.)"""
-    m2 = tl.full([BLOCK_C, BLOCK_T], float("-inf"), tl.float32)
-    for t0 in range(0, T, BLOCK_T):
-        cols = t0 + tl.arange(0, BLOCK_T)
-        msk = ok[:, None] & (cols < T)[None, :]
-        m2 = tl.maximum(m2, tl.load(TM + base[:, None] + cols[None, :], mask=msk, other=float("-inf")))
-    m = tl.max(m2, 1)
-    safe = tl.where(m == float("-inf"), 0.0, m)  # every tile -inf: the sums stay 0
+    m, safe = _tiles_max(TM, base, ok, T, BLOCK_C, BLOCK_T)
     s2 = tl.zeros([BLOCK_C, BLOCK_T], tl.float32)
     w2 = tl.zeros([BLOCK_C, BLOCK_T], tl.float32)
     for t0 in range(0, T, BLOCK_T):

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from ..parallel import RankStats
-from .common import INTERPRET, _exp, _log1p, _persistent, _program_tile, _softcap
+from .common import INTERPRET, _exp, _log1p, _persistent, _program_tile, _softcap, _tiles_max
 
 try:  # host-side TMA descriptors (Triton >= 3.3)
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -342,16 +342,8 @@ def _reduce_tiles_kernel(TM, TS, TZ, TEZ, ZT, OUT, C, T, SUM_Z: tl.constexpr, SU
     rows = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     ok = rows < C
     base = rows.to(tl.int64) * T
-    # Accumulated elementwise over [BLOCK_C, BLOCK_T] and reduced once after each loop: a row reduction inside
-    # the loop whose result is used again (the max) trips an assertion in Triton 3.6's thread-locality pass on
-    # sm_90 when T is a multiple of 16.
-    m2 = tl.full([BLOCK_C, BLOCK_T], float("-inf"), tl.float32)
-    for t0 in range(0, T, BLOCK_T):
-        cols = t0 + tl.arange(0, BLOCK_T)
-        msk = ok[:, None] & (cols < T)[None, :]
-        m2 = tl.maximum(m2, tl.load(TM + base[:, None] + cols[None, :], mask=msk, other=float("-inf")))
-    m = tl.max(m2, 1)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)  # every tile -inf: sums stay 0, not NaN
+    # accumulated elementwise over [BLOCK_C, BLOCK_T] and reduced once after each loop (_tiles_max says why)
+    m, m_safe = _tiles_max(TM, base, ok, T, BLOCK_C, BLOCK_T)
     s2 = tl.zeros([BLOCK_C, BLOCK_T], tl.float32)
     z2 = tl.zeros([BLOCK_C, BLOCK_T], tl.float32)
     ez2 = tl.zeros([BLOCK_C, BLOCK_T], tl.float32)
