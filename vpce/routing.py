@@ -1,5 +1,6 @@
-"""The route of one call, decided once, in one place, from the validated options and facts that every rank of the
-group shares (and checks, through ``vpce.parallel.agree``).
+"""The plan of one call, decided once, in one place, from the validated options and facts that every rank of the
+group shares (and checks, through ``vpce.parallel.agree``): the backend, the route, where dX is summed, and the
+chunk and buffer sizes the backends read (they size nothing themselves).
 
 * ``backend``: ``"triton"`` (fused kernels; CUDA, or the CPU interpreter) or ``"torch"`` (chunked PyTorch).
 * ``route``: ``"fast"`` (6NDV: the gradients are formed in forward while each chunk's logits are live; the
@@ -19,6 +20,10 @@ group shares (and checks, through ``vpce.parallel.agree``).
   ``"region"`` (``vpce.parallel.enter_vocab_parallel`` around the backend: all-reduce or reduce-scatter in
   backward) or ``"forward"`` (the Triton fast route sums each chunk's ``dX`` in forward, overlapped with its dW
   GEMM; under sequence parallelism it gathers the hidden states itself).
+* ``sizes`` (``Sizes``; ``size_cross_entropy``, ``size_log_probs``, ``size_distillation`` once the shard is
+  agreed): tokens per forward chunk, tokens per recompute block, the lean backward's buffer budget; all from
+  ``SIZING`` (``Sizing``: the defaults) and values equal on every rank, so every rank runs the same chunks and
+  collectives.
 """
 
 from __future__ import annotations
@@ -62,7 +67,7 @@ class Sizing:
     distill_dw_share: float = 1.5
     """... at most this times the fp32 dW accumulator's size (every chunk's dW GEMM reads and writes that
     accumulator: one H200, the JSD step 138.00 ms in 2048-token chunks against 134.94 ms in 3072-token chunks,
-    docs/benchmarks.md session 11), ..."""
+    docs/benchmarks.md, 2026-11-24), ..."""
     distill_min_gib: float = 0.25
     """... and their floor when that accumulator is small."""
     distill_lean_gib: float = 0.4

@@ -13,7 +13,7 @@ Fast route (default; cross-entropy with ``mean``/``sum`` and gradients), 6NDV. P
 4. cuBLAS: ``dX[chunk] = dz @ W`` (fp32 out) and ``dW += dz.T @ X[chunk]`` into an fp32 accumulator; under a
    group the chunk's ``dX`` rows are summed over the group (async, under the dW GEMM; ``HiddenGradReduce``).
 
-Measured on one H200 (docs/benchmarks.md, 2026-11-23 session 6): per 4096-token chunk cuBLAS plus the two
+Measured on one H200 (docs/benchmarks.md, 2026-11-23): per 4096-token chunk cuBLAS plus the two
 bandwidth passes cost the same as the fused Triton GEMM with its epilogue plus the P -> gradient pass it needed on
 the Llama-3-8B head (D = 4096), 3 % less on the Gemma-2-2B head (D = 2304, where the fused GEMM could not hide its
 epilogue) and 4-5 % less with a soft cap. The logits are then rounded to the inputs' dtype before the softmax, as
@@ -24,13 +24,14 @@ them in one pass. Memory: ``P`` (``C * V_local`` values; by default 1.5 GiB but 
 accumulator's size), the fp32 ``dW`` accumulator, fp32 ``dX``.
 
 Lean route (``memory_budget="lean"``, ``reduction="none"``, and ``linear_log_probs``), 8NDV.
-Forward runs the fused GEMM (``kernels.logits_tiles``) in stats mode only and keeps the global ``lse`` (and
-``E[z]`` for the entropy) per token. Backward recomputes the gradient in blocks with the GEMM in grad mode
-(``recompute_grads``), in the order that holds the smaller fp32 accumulator: vocab-major while ``N <= V_local``
-(each ``[N, Vb]`` block's dW in one GEMM over all tokens, no dW accumulator; ``dX += dz @ W[block]`` into fp32
-``[N, D]``), token-major beyond (each token block's dX finished before the next, ``dW += dz.T @ X[block]`` into
-fp32 ``[V_local, D]`` or straight into ``main_grad``), so the extra memory stops growing with N. Memory: one
-``LEAN_BLOCK_GIB`` block plus the smaller of the two accumulators.
+Forward runs the fused GEMM (``kernels.logits_tiles``) in stats mode only and keeps the global ``lse`` (and ``E[z]``
+for the entropy) per token. Backward recomputes the gradient in blocks with the GEMM in grad mode
+(``recompute_grads``; the one block loop ``_block_loop``), in the order that holds the smaller fp32 accumulator:
+vocab-major while ``N <= V_local`` (each ``[N, Vb]`` block's dW in one GEMM over all tokens, no dW accumulator;
+``dX += dz @ W[block]`` into fp32 ``[N, D]``), token-major beyond (each token block's dX finished before the next,
+``dW += dz.T @ X[block]`` into fp32 ``[V_local, D]`` or straight into ``main_grad``), so the extra memory stops
+growing with N. Memory: one block of the plan's ``block_gib`` (``routing.Sizing.lean_block_gib``) plus the smaller
+of the two accumulators.
 
 No-grad: the stats-mode fused GEMM over token chunks; O(N) memory beyond the small per-tile statistics.
 
@@ -58,15 +59,15 @@ Under sequence parallelism the fast route gathers both heads' hidden slices itse
 teacher's (the larger, at ``D_t``) beside the first chunk's student GEMM.
 
 Backward scales the held fp32 gradients by the upstream gradient (``grads.finish_fast_grads``). Memory: the two
-buffers (``DISTILL_FAST_GIB`` together by default, at most ``DW_SHARE`` times the fp32 dW accumulator's size: in bf16
-chunks of at most 1.5 D tokens), their tile statistics, the fp32 dX and dW.
+buffers (``routing.Sizing.distill_fast_gib`` together by default, at most ``distill_dw_share`` times the fp32 dW
+accumulator's size: in bf16 chunks of at most 1.5 D tokens), their tile statistics, the fp32 dX and dW.
 
-Lean route (``reduction="none"``, ``memory_budget="lean"``): forward is steps 1-3 over chunks of ``DISTILL_LEAN_GIB``,
-keeping each token's ``DistillRows``. Backward recomputes both heads' logits block by block with cuBLAS and runs
-the gradient kernel, in the order that holds the smaller fp32 accumulator (as the cross-entropy's
-``triton_backend.recompute_grads``): vocab-major while ``N <= V_local`` (each ``[N, V_b]`` block's dW in one GEMM,
-``dX`` summed over the blocks in fp32), token-major beyond (each token block's ``dX`` finished before the next,
-``dW`` summed over the token blocks in fp32). The backward needs no exchange.
+Lean route (``reduction="none"``, ``memory_budget="lean"``): forward is steps 1-3 over chunks of
+``routing.Sizing.distill_lean_gib``, keeping each token's ``DistillRows``. Backward recomputes both heads' logits
+block by block with cuBLAS and runs the gradient kernel, in the cross-entropy's block loop (``_block_loop``), in the
+order that holds the smaller fp32 accumulator: vocab-major while ``N <= V_local`` (each ``[N, V_b]`` block's dW in
+one GEMM, ``dX`` summed over the blocks in fp32), token-major beyond (each token block's ``dX`` finished before the
+next, ``dW`` summed over the token blocks in fp32). The backward needs no exchange.
 
 The logits are rounded to the inputs' dtype once, as ``F.linear`` rounds them in plain PyTorch; everything after
 is fp32. No host syncs, no atomics: every kernel writes each output element from one program.
