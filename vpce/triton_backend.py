@@ -285,11 +285,11 @@ def recompute_grads(hidden, weight, bias, tg: TokenTargets, rows: RowStats, coef
 
 
 def _chunk_loop(hidden, w, b, chunk: int, call: Call, step, form: bool = True) -> FastGrads | None:
-    """The forward chunk loop of the routes that hold a logits buffer: per chunk ``sl`` of ``chunk`` tokens the
-    per-loss ``step(sl, first)`` takes the chunk's statistics and outputs from its logits (``first``: the first
-    chunk's logits are already written, launched before the forward's set-up) and, where ``form``, writes the
-    chunk's gradient at unit upstream scale over them and returns that ``[c, V_local]`` buffer (None on an
-    all-padding shard); the chunk's dX rows and dW (db) then go into fp32 (with ``dx_reduce == "forward"``, dX
+    """The forward chunk loop, every loss and route: per chunk ``sl`` of ``chunk`` tokens the per-loss
+    ``step(sl, first)`` takes the chunk's statistics and outputs (from its logits buffer where the route holds one,
+    ``first``: the first chunk's logits already written, launched before the forward's set-up) and, where ``form``,
+    writes the chunk's gradient at unit upstream scale over them and returns that ``[c, V_local]`` buffer (None on
+    an all-padding shard); the chunk's dX rows and dW (db) then go into fp32 (with ``dx_reduce == "forward"``, dX
     summed over the group, overlapped with the dW GEMM and the next chunk). Returns the unscaled ``FastGrads``, or
     None without ``form``."""
     n, d = hidden.shape
@@ -330,14 +330,15 @@ def _softmax_step(hidden, w, b, tl_local, stats: _ChunkStats, p, call: Call, sof
     whose exchanges overlap), then per part ``on_part(part, stats)``, which stores the part's outputs and returns
     its gradient ``Coefficients`` (the per-loss seam: the cross-entropy's, the log-probs', or a loss of the
     log-probs and the entropy computed while the logits are live), and ``kernels.stored_logits`` in grad mode
-    overwrites the part's logits in ``p`` with the gradient."""
-    v = call.shard.valid_rows
+    overwrites the part's logits in ``p`` with the gradient. Without ``p`` (the lean route's and the no-grad
+    forward's stats-only launches: ``_chunk_loop`` without ``form``), the fused GEMM takes the statistics and
+    ``on_part`` only stores the outputs."""
 
     def step(sl: slice, first: bool):
         pc = None if p is None else p[: sl.stop - sl.start]
         for part, r, st in stats.parts(hidden, w, b, tl_local, sl, call, softcap, inv_t, p=pc, ready=first):
             co = on_part(part, st)
-            if v > 0:
+            if pc is not None:
                 kernels.stored_logits(pc[r], None, tl_local[part], softcap=softcap, inv_t=inv_t,
                                       rows=(st.m, st.lse, st.q), coef=co, class_weight=cw)  # in place
         return pc
@@ -385,30 +386,22 @@ def cross_entropy(hidden, weight, bias, tg: TokenTargets, opts: LossOptions, cal
         tg.scaling = torch.empty(n, dtype=torch.float32, device=dev)
     keep = plan.route in ("lean", "speculative")
     rows = RowStats.empty(n, torch.float32, dev) if keep else None
-
-    if not formed:
-        chunk = plan.sizes.chunk  # stats-only launches
-        stats = _ChunkStats(min(max(n, 1), chunk), v, hidden, smooth, entropy, cw, before=before)
-        for c0 in range(0, n, chunk):
-            sl = slice(c0, min(n, c0 + chunk))
-            for part, _, st in stats.parts(hidden, w, b, tl_local, sl, call, *opts.folded_cap()):
-                ce_token_outputs(st, opts, shard.vocab_size, tg, part, loss_tok, metrics)
-                if keep:
-                    rows.store(part, st)
-        return loss_tok, rows, None
-
-    unit = tg.row_scale(torch.ones((), device=dev).expand(n))
+    unit = tg.row_scale(torch.ones((), device=dev).expand(n)) if formed else None
 
     def on_part(part, st):
         ce_token_outputs(st, opts, shard.vocab_size, tg, part, loss_tok, metrics)
         if keep:
             rows.store(part, st)
+        if not formed:
+            return None
         scale = unit[part] if tg.scaling is None else unit[part] * tg.scaling[part]
         return ce_coefficients(scale, st.lse, opts, shard.vocab_size, tg.class_rows(part))
 
+    if not formed:  # stats-only launches
+        p, chunk = None, min(max(n, 1), plan.sizes.chunk)
     stats = _ChunkStats(chunk, v, hidden, smooth, entropy, cw, before=before)
     step = _softmax_step(hidden, w, b, tl_local, stats, p, call, *opts.folded_cap(), cw, on_part)
-    return loss_tok, rows, _chunk_loop(hidden, w, b, chunk, call, step)
+    return loss_tok, rows, _chunk_loop(hidden, w, b, chunk, call, step, form=formed)
 
 
 def log_probs(hidden, weight, bias, tg: TokenTargets, lp: LogProbOptions, call: Call) -> RankStats:
@@ -419,13 +412,13 @@ def log_probs(hidden, weight, bias, tg: TokenTargets, lp: LogProbOptions, call: 
     w = weight[:v]
     b = None if bias is None else bias[:v]
     tl_local = tg.local_columns()
-    chunk = call.plan.sizes.chunk  # stats-only launches
-    stats = _ChunkStats(min(max(n, 1), chunk), v, hidden, lp.mean_logits, lp.entropy, sum_sq=lp.log_sum_sq,
+    chunk = min(max(n, 1), call.plan.sizes.chunk)  # stats-only launches
+    stats = _ChunkStats(chunk, v, hidden, lp.mean_logits, lp.entropy, sum_sq=lp.log_sum_sq,
                         before=tg.before.to(torch.int32) if lp.top1 else None)
     parts = []
-    for c0 in range(0, n, chunk):
-        sl = slice(c0, min(n, c0 + chunk))
-        parts += [st for _, _, st in stats.parts(hidden, w, b, tl_local, sl, call, lp.softcap, lp.inv_t)]
+    step = _softmax_step(hidden, w, b, tl_local, stats, None, call, lp.softcap, lp.inv_t, None,
+                         lambda _, st: parts.append(st))
+    _chunk_loop(hidden, w, b, chunk, call, step, form=False)
     return RankStats.cat(parts, int(lp.mean_logits), int(lp.entropy), hidden.new_empty(0, dtype=torch.float32),
                          lp.log_sum_sq, lp.top1)
 
