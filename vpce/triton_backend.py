@@ -179,12 +179,13 @@ class _ChunkStats:
             yield part, r, pend.wait()
 
 
-# -- the engine: one chunk loop for the gradients formed in forward, one block loop for the recompute ------------
+# -- the engine: one forward chunk loop (``_chunk_loop``), one block loop for the recompute (``_block_loop``) -------
 #
 # Each loss supplies a small per-chunk (per-block) step; the loops own the chunking, the GEMMs of dX, dW and db, and
 # their accumulators. The softmax losses (cross-entropy, log-probs, and any loss of the log-probs and the entropy)
 # share one step whose ``on_part(part, stats) -> Coefficients`` is the per-loss seam; the distillation has its own
-# (``_DistillChunks``, ``_DistillBlocks``).
+# (the step in ``distill_forward``, ``_DistillBlocks``). The speculative route's flag-gated recompute
+# (``_gated_recompute``) is a loop of its own: its kernels are gated by a device flag and its dW GEMM is Triton's.
 
 
 def _block_loop(hidden, weight, bias, call: Call, step, main_weight=None):
