@@ -326,19 +326,27 @@ def _chunk_loop(hidden, w, b, chunk: int, call: Call, step, form: bool = True) -
     return FastGrads(dx, dw, db, reduce_dx)  # dX's sum awaited in backward, after dW's cast
 
 
-def _softmax_step(hidden, w, b, tl_local, stats: _ChunkStats, p, call: Call, softcap, inv_t, cw, on_part):
+def _softmax_step(hidden, w, b, tl_local, stats: _ChunkStats, p, call: Call, softcap, inv_t, cw, on_part,
+                  on_chunk=None):
     """The softmax losses' chunk step for ``_chunk_loop``: the chunk's statistics (``stats.parts``, in sub-chunks
     whose exchanges overlap), then per part ``on_part(part, stats)``, which stores the part's outputs and returns
     its gradient ``Coefficients`` (the per-loss seam: the cross-entropy's, the log-probs', or a loss of the
     log-probs and the entropy computed while the logits are live), and ``kernels.stored_logits`` in grad mode
-    overwrites the part's logits in ``p`` with the gradient. Without ``p`` (the lean route's and the no-grad
+    overwrites the part's logits in ``p`` with the gradient. ``on_chunk(sl, [(part, rows, stats), ...])`` instead
+    of ``on_part``: every part's coefficients at once, once the whole chunk's statistics are in (a loss over whole
+    rows of tokens, such as a sequence-level importance ratio). Without ``p`` (the lean route's and the no-grad
     forward's stats-only launches: ``_chunk_loop`` without ``form``), the fused GEMM takes the statistics and
     ``on_part`` only stores the outputs."""
 
     def step(sl: slice, first: bool):
         pc = None if p is None else p[: sl.stop - sl.start]
-        for part, r, st in stats.parts(hidden, w, b, tl_local, sl, call, softcap, inv_t, p=pc, ready=first):
-            co = on_part(part, st)
+        parts = stats.parts(hidden, w, b, tl_local, sl, call, softcap, inv_t, p=pc, ready=first)
+        if on_chunk is None:  # each part's coefficients as its statistics come (lazily: in order)
+            ready = ((part, r, st, on_part(part, st)) for part, r, st in parts)
+        else:
+            got = list(parts)
+            ready = [(part, r, st, co) for (part, r, st), co in zip(got, on_chunk(sl, got))]
+        for part, r, st, co in ready:
             if pc is not None:
                 kernels.stored_logits(pc[r], None, tl_local[part], softcap=softcap, inv_t=inv_t,
                                       rows=(st.m, st.lse, st.q), coef=co, class_weight=cw)  # in place
