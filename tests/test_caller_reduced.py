@@ -767,11 +767,11 @@ def test_deterministic_mode_bits_follow_the_inputs(entry, kind, deterministic):
 @pytest.mark.parametrize("entry", ["ce-none", "logprob", "ce-mean"])
 @pytest.mark.parametrize("kind", ["uniform", "per-token"])
 @pytest.mark.parametrize("sync", [False, True], ids=["no-sync", "sync"])
-def test_gpu_deterministic_mode_repeated_calls(entry, kind, sync, deterministic, monkeypatch):
+def test_gpu_deterministic_mode_repeated_calls(entry, kind, sync, deterministic, sizing):
     """bf16 on a GPU, several chunks: 5 calls at one call site under deterministic mode, with and without a device
     sync between steps, bitwise equal (outputs and gradients), for uniform and per-token upstream gradients
     (``mean``: a scalar upstream gradient, and a per-token ``token_weight``)."""
-    monkeypatch.setattr(triton_backend, "FAST_P_GIB", 0.05)
+    sizing(fast_p_gib=0.05)  # several chunks
     p = make_problem(4000, 256, 20011, dtype=torch.bfloat16, bias=True, ignore_frac=0.1, scale=3.0,
                      reduction="none", seed=9)
     g = uniform(p, 1.0 / 4000) if kind == "uniform" else per_token(p)
