@@ -1,0 +1,153 @@
+"""``vpce.integrations.trl.apply(losses=True)``: TRL 1.16's ``GRPOTrainer`` and ``DPOTrainer`` computing their loss
+with ``vpce.linear_grpo_loss`` / ``vpce.linear_dpo_loss`` (CPU, fp32).
+
+Each case trains a tiny random Llama a few steps twice from the same weights, data and seed: TRL's own loss (on
+TRL's head), then vpce's fused losses; every logged loss and metric must agree step by step. GRPO generates with
+transformers on CPU (no vLLM) and scores with a reward function of the test; the cases cover DAPO with a KL term and
+old log-probs (``steps_per_generation`` > accumulation), GSPO (sequence-level importance sampling) with gradient
+accumulation and a temperature, and the compact layout of Triton devices (``_use_triton`` forced). A loss type that
+is not fused falls back to TRL's with one warning naming it.
+"""
+
+import math
+import warnings
+
+import pytest
+import torch
+
+trl = pytest.importorskip("trl", minversion="1.16")
+transformers = pytest.importorskip("transformers")
+datasets = pytest.importorskip("datasets")
+pytest.importorskip("tokenizers")
+
+import vpce  # noqa: E402
+import vpce.integrations.trl as vtrl  # noqa: E402
+import vpce.post_training as post_training  # noqa: E402
+from test_integration_trl import DPO_DATA, phrase, tiny_llama, tokenizer  # noqa: E402
+
+RTOL, ATOL = 2e-5, 2e-6
+SKIP = ("step_time", "train_runtime", "epoch", "learning_rate")  # timings, or not the trainers' numbers
+
+
+def reward(completions, **kwargs):
+    """A deterministic reward that varies within a group: the completions' token ids, mod 7."""
+    return [float(sum(int(w[1:]) for w in c.split() if w[1:].isdigit()) % 7) for c in completions]
+
+
+def train(kind, fused, tmp_path, steps=3, **config):
+    """Train ``steps`` steps with TRL's own loss (``fused=False``: TRL's head too) or vpce's fused losses; the
+    logged entries, and how many times each fused loss ran."""
+    vtrl.remove()
+    runs = {"grpo": 0, "dpo": 0}
+    if fused:
+        vtrl.apply()
+    common = dict(output_dir=str(tmp_path / f"{kind}-{fused}"), max_steps=steps, learning_rate=3e-2,
+                  lr_scheduler_type="constant", logging_steps=1, report_to=[], save_strategy="no", seed=0,
+                  data_seed=0, use_cpu=True, disable_tqdm=True, bf16=False)
+    grpo_real, dpo_real = post_training._linear_grpo_loss, post_training._linear_dpo_loss
+
+    def count(name, real):
+        return lambda *a, **k: runs.__setitem__(name, runs[name] + 1) or real(*a, **k)
+
+    post_training._linear_grpo_loss = count("grpo", grpo_real)
+    post_training._linear_dpo_loss = count("dpo", dpo_real)
+    try:
+        if kind == "grpo":
+            path = tmp_path / "tiny-llama"
+            if not path.exists():
+                tiny_llama().save_pretrained(path)
+            data = datasets.Dataset.from_dict({"prompt": [phrase(i, 3) for i in range(8)]})
+            trainer = trl.GRPOTrainer(model=str(path), reward_funcs=reward, train_dataset=data,
+                                      processing_class=tokenizer(),
+                                      args=trl.GRPOConfig(**{**common, "max_completion_length": 6, **config}))
+        else:
+            trainer = trl.DPOTrainer(model=tiny_llama(), ref_model=tiny_llama(),
+                                     train_dataset=datasets.Dataset.from_dict(DPO_DATA), processing_class=tokenizer(),
+                                     args=trl.DPOConfig(**{**common, "per_device_train_batch_size": 4, **config}))
+        trainer.train()
+    finally:
+        post_training._linear_grpo_loss, post_training._linear_dpo_loss = grpo_real, dpo_real
+        vtrl.remove()
+    return [e for e in trainer.state.log_history if "loss" in e and "train_runtime" not in e], runs
+
+
+def compare(got, want, steps):
+    assert len(got) == len(want) == steps
+    for step, (g, w) in enumerate(zip(got, want), 1):
+        keys = {k for k in w if not any(s in k for s in SKIP)}
+        assert keys <= set(g), f"step {step}: metrics missing with vpce: {sorted(keys - set(g))}"
+        for key in sorted(keys):
+            if isinstance(w[key], float) and math.isnan(w[key]):
+                assert math.isnan(g[key]), f"step {step} {key}: vpce {g[key]} vs TRL nan"
+                continue
+            # relative, with a floor for values at roundoff level (DPO's rewards at step 1: policy = reference)
+            assert abs(g[key] - w[key]) <= RTOL * abs(w[key]) + ATOL, f"step {step} {key}: vpce {g[key]} vs TRL {w[key]}"
+
+
+GRPO_CASES = {
+    # DAPO with a KL term; steps_per_generation > accumulation: old log-probs from the sampling policy
+    "dapo-kl-old": dict(loss_type="dapo", beta=0.04, per_device_train_batch_size=4, num_generations=4,
+                        steps_per_generation=2, epsilon_high=0.28),
+    # GSPO: sequence-level importance sampling, two iterations per generation, accumulation, a temperature
+    "gspo-accum": dict(loss_type="grpo", importance_sampling_level="sequence", per_device_train_batch_size=2,
+                       num_generations=4, gradient_accumulation_steps=2, num_iterations=2, temperature=0.8,
+                       epsilon=0.02, epsilon_high=0.04, learning_rate=1e-4),
+}
+
+
+@pytest.mark.parametrize("case", list(GRPO_CASES) + ["dr_grpo-compact"])
+def test_grpo_trainer_matches_trl_step_by_step(case, tmp_path, monkeypatch):
+    config = GRPO_CASES.get(case) or dict(loss_type="dr_grpo", beta=0.02, per_device_train_batch_size=4,
+                                          num_generations=4, num_iterations=2, delta=1.5)
+    if case.endswith("compact"):  # the layout of Triton devices: only the valid tokens reach the head
+        monkeypatch.setattr(trl.trainer.utils, "_use_triton", lambda device: True)
+    want, runs = train("grpo", False, tmp_path, **config)
+    assert runs["grpo"] == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # no fallback
+        got, runs = train("grpo", True, tmp_path, **config)
+    assert runs["grpo"] >= 3, "vpce's GRPO loss did not run"
+    compare(got, want, 3)
+    if case == "dapo-kl-old":
+        assert any(w["kl"] > 0 for w in want)
+
+
+@pytest.mark.parametrize("config", [dict(loss_type=["sigmoid"]), dict(loss_type=["ipo"], beta=0.2),
+                                    dict(loss_type=["hinge"], precompute_ref_log_probs=True)],
+                         ids=["sigmoid", "ipo", "hinge-precomputed"])
+def test_dpo_trainer_matches_trl_step_by_step(config, tmp_path):
+    want, runs = train("dpo", False, tmp_path, **config)
+    assert runs["dpo"] == 0
+    got, runs = train("dpo", True, tmp_path, **config)
+    assert runs["dpo"] >= 3, "vpce's DPO loss did not run"
+    compare(got, want, 3)
+    assert max(e["mean_token_accuracy"] for e in want) > 0
+
+
+def test_unsupported_loss_falls_back_with_one_warning(tmp_path):
+    config = dict(loss_type="sapo", per_device_train_batch_size=4, num_generations=4)
+    want, _ = train("grpo", False, tmp_path, steps=2, **config)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got, runs = train("grpo", True, tmp_path, steps=2, **config)
+    ours = [str(w.message) for w in caught if "vpce.integrations.trl" in str(w.message)]
+    assert len(ours) == 1 and "loss_type='sapo'" in ours[0] and "GRPOTrainer" in ours[0], ours
+    assert runs["grpo"] == 0
+    compare(got, want, 2)  # TRL's loss on vpce's head
+
+
+def test_losses_option_and_remove():
+    from trl import DPOTrainer, GRPOTrainer
+
+    originals = GRPOTrainer._compute_loss, DPOTrainer._compute_loss
+    vtrl.apply()
+    try:
+        assert GRPOTrainer._compute_loss is not originals[0] and DPOTrainer._compute_loss is not originals[1]
+        vtrl.apply(losses=False)
+        assert (GRPOTrainer._compute_loss, DPOTrainer._compute_loss) == originals and vtrl.is_applied()
+        vtrl.apply(dpo_logit_metrics=False)
+        with pytest.raises(TypeError, match="losses"):
+            vtrl.apply(losses="yes")
+    finally:
+        vtrl.remove()
+    assert (GRPOTrainer._compute_loss, DPOTrainer._compute_loss) == originals and not vtrl.is_applied()
