@@ -34,13 +34,13 @@ def reward(completions, **kwargs):
     return [float(sum(int(w[1:]) for w in c.split() if w[1:].isdigit()) % 7) for c in completions]
 
 
-def train(kind, fused, tmp_path, steps=3, **config):
+def train(kind, fused, tmp_path, steps=3, options=None, **config):
     """Train ``steps`` steps with TRL's own loss (``fused=False``: TRL's head too) or vpce's fused losses; the
     logged entries, and how many times each fused loss ran."""
     vtrl.remove()
     runs = {"grpo": 0, "dpo": 0}
     if fused:
-        vtrl.apply()
+        vtrl.apply(**(options or {}))
     common = dict(output_dir=str(tmp_path / f"{kind}-{fused}"), max_steps=steps, learning_rate=3e-2,
                   lr_scheduler_type="constant", logging_steps=1, report_to=[], save_strategy="no", seed=0,
                   data_seed=0, use_cpu=True, disable_tqdm=True, bf16=False)
@@ -98,7 +98,8 @@ GRPO_CASES = {
 @pytest.mark.parametrize("case", list(GRPO_CASES) + ["dr_grpo-compact"])
 def test_grpo_trainer_matches_trl_step_by_step(case, tmp_path, monkeypatch):
     config = GRPO_CASES.get(case) or dict(loss_type="dr_grpo", beta=0.02, per_device_train_batch_size=4,
-                                          num_generations=4, num_iterations=2, delta=1.5)
+                                          num_generations=4, num_iterations=2, delta=1.5,
+                                          use_bias_correction_kl=False)
     if case.endswith("compact"):  # the layout of Triton devices: only the valid tokens reach the head
         monkeypatch.setattr(trl.trainer.utils, "_use_triton", lambda device: True)
     want, runs = train("grpo", False, tmp_path, **config)
@@ -122,6 +123,17 @@ def test_dpo_trainer_matches_trl_step_by_step(config, tmp_path):
     assert runs["dpo"] >= 3, "vpce's DPO loss did not run"
     compare(got, want, 3)
     assert max(e["mean_token_accuracy"] for e in want) > 0
+
+
+def test_dpo_without_logit_metrics(tmp_path):
+    """``dpo_logit_metrics=False``: no pass for ``mean_logits`` and ``is_top1``; their metrics are not logged, the
+    others are TRL's."""
+    want, _ = train("dpo", False, tmp_path, steps=2)
+    got, runs = train("dpo", True, tmp_path, steps=2, options=dict(dpo_logit_metrics=False))
+    assert runs["dpo"] >= 2
+    dropped = ("logits/chosen", "logits/rejected", "mean_token_accuracy")
+    assert not any(k in g for g in got for k in dropped)
+    compare(got, [{k: v for k, v in w.items() if k not in dropped} for w in want], 2)
 
 
 def test_unsupported_loss_falls_back_with_one_warning(tmp_path):
