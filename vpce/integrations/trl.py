@@ -39,6 +39,11 @@ trainer's upstream gradient turns out to be. A frozen lm_head (LoRA) takes it
 from the first step. Every other call takes the lean route, as ``"lean"`` always does. There forward keeps three
 fp32 statistics per token and backward recomputes the logits in blocks, so a long sequence costs O(N) beyond the
 gradients.
+
+Fused losses (``apply(losses=True)``, the default): ``GRPOTrainer._compute_loss`` and ``DPOTrainer._compute_loss``
+take their loss from ``vpce.linear_grpo_loss`` / ``vpce.linear_dpo_loss`` on the policy's hidden states and lm_head
+(gradients formed in forward), with TRL's normalizers and logged metrics; configurations they do not cover run TRL's
+own loss with one warning naming the reason (the section "Fused losses" below; docs/integrations.md).
 """
 
 from __future__ import annotations
