@@ -81,6 +81,10 @@ class LogProbLossSpec:
     inv_t: float
     """``logit_scale / temperature``."""
     memory_budget: str | float
+    top1: bool = False
+    """Whether to compute ``is_top1`` as an output (a metric; ``linear_log_probs``' definition)."""
+    mean_logits: bool = False
+    """Whether to compute the mean logit as an output (a metric; ``linear_log_probs``' definition)."""
 
 
 class Evaluation(NamedTuple):
@@ -133,9 +137,28 @@ def _coefficients(tg: TokenTargets, part: slice, ev: Evaluation, st, inv_t: floa
     return logprob_coefficients(sub, ev.g_logp, ev.g_ent, centred, inv_t, like=like)
 
 
+def _new_extras(spec: LogProbLossSpec, n: int, dev) -> dict:
+    """Buffers of the metric outputs ``spec`` asks for (``is_top1``, ``mean_logits``), by name."""
+    out = {}
+    if spec.top1:
+        out["is_top1"] = torch.zeros(n, dtype=torch.bool, device=dev)
+    if spec.mean_logits:
+        out["mean_logits"] = torch.zeros(n, dtype=torch.float32, device=dev)
+    return out
+
+
+def _store_extras(extras: dict, tg: TokenTargets, st, part: slice, vocab_size: int) -> None:
+    """The metric outputs of tokens ``part`` from their global statistics (``formulas.logprob_extras``)."""
+    if "is_top1" in extras:
+        extras["is_top1"][part] = tg.metric(st.top1, part) == 1
+    if "mean_logits" in extras:
+        extras["mean_logits"][part] = tg.metric(st.sums[0] / vocab_size, part)
+
+
 def _formed(hidden, weight, bias, tg: TokenTargets, spec: LogProbLossSpec, call, inputs: dict):
     """The fused route (Triton): the fast route's chunk loop with ``loss_fn`` evaluated per chunk (per part in scope
-    ``"token"``; on a chunk's whole rows in scope ``"sequence"``). Returns ``(loss, log_probs, entropy, FastGrads)``."""
+    ``"token"``; on a chunk's whole rows in scope ``"sequence"``). Returns ``(loss, log_probs, entropy, FastGrads,
+    extras)``."""
     from . import triton_backend as tb
 
     shard, plan = call.shard, call.plan
@@ -159,7 +182,9 @@ def _formed(hidden, weight, bias, tg: TokenTargets, spec: LogProbLossSpec, call,
     logp = torch.zeros(n, dtype=torch.float32, device=dev)
     ent = torch.zeros(n, dtype=torch.float32, device=dev) if spec.entropy_stats else None
     total = torch.zeros((), dtype=torch.float32, device=dev)
-    stats = tb._ChunkStats(chunk, v, hidden, False, spec.entropy_stats)
+    stats = tb._ChunkStats(chunk, v, hidden, spec.mean_logits, spec.entropy_stats,
+                           before=tg.before.to(torch.int32) if spec.top1 else None)
+    extras = _new_extras(spec, n, dev)
     fn_ent = lambda sl: ent[sl] if spec.entropy else None  # noqa: E731  (what loss_fn gets)
 
     def outputs(part, st):
@@ -167,6 +192,7 @@ def _formed(hidden, weight, bias, tg: TokenTargets, spec: LogProbLossSpec, call,
         logp[part] = lp
         if en is not None:
             ent[part] = en
+        _store_extras(extras, tg, st, part, shard.vocab_size)
 
     def on_part(part, st):  # scope "token"
         nonlocal total
@@ -190,28 +216,31 @@ def _formed(hidden, weight, bias, tg: TokenTargets, spec: LogProbLossSpec, call,
 
     grads = tb._formed_grads(hidden, w, b, tg.local_columns(), stats, p, chunk, call, spec.softcap, spec.inv_t, None,
                              on_part, on_chunk=on_chunk if spec.scope == "sequence" else None)
-    return total, logp, ent, grads
+    return total, logp, ent, grads, extras
 
 
 def _two_pass(hidden, weight, bias, tg: TokenTargets, spec: LogProbLossSpec, call, inputs: dict):
     """Any backend and scope: the statistics of every token, ``loss_fn`` on all of them, then the gradients from
     the logits recomputed (the lean route's backward, run in forward). Returns ``(loss, log_probs, entropy, (dX,
-    dW, db))`` with dX this rank's contribution (summed over the group in backward, ``_enter``)."""
+    dW, db), extras)`` with dX this rank's contribution (summed over the group in backward, ``_enter``)."""
     from .options import LogProbOptions
 
     backend = backend_module(call.plan.backend)
     lp = LogProbOptions(ignore_index=spec.ignore_index, softcap=spec.softcap, inv_t=spec.inv_t,
-                        entropy=spec.entropy_stats, memory_budget=spec.memory_budget)
+                        entropy=spec.entropy_stats, top1=spec.top1, mean_logits=spec.mean_logits,
+                        memory_budget=spec.memory_budget)
     st = backend.log_probs(hidden, weight, bias, tg, lp, call)
     everything = slice(None)
     logp, ent = _part_outputs(tg, st, everything, spec.entropy_stats)
+    extras = _new_extras(spec, hidden.shape[0], hidden.device)
+    _store_extras(extras, tg, st, everything, call.shard.vocab_size)
     ev = evaluate(spec, logp, ent if spec.entropy else None, tg.keep, inputs, everything)
     grads = (None, None, None)
     if any(call.needs_grad):
         coef = _coefficients(tg, everything, ev, st, spec.inv_t, like=st.m)
         grads = backend.recompute_grads(hidden, weight, bias, tg, RowStats.of(st), coef, call, spec.softcap,
                                         spec.inv_t)
-    return ev.value, logp, ent, grads
+    return ev.value, logp, ent, grads, extras
 
 
 class LogProbLossFunction(torch.autograd.Function):
@@ -222,15 +251,17 @@ class LogProbLossFunction(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, target, spec: LogProbLossSpec, call, inputs: dict):
         tg = TokenTargets(target, call.shard, spec.ignore_index)
         if call.plan.route == "fast":
-            loss, logp, ent, grads = _formed(hidden, weight, bias, tg, spec, call, inputs)
+            loss, logp, ent, grads, extras = _formed(hidden, weight, bias, tg, spec, call, inputs)
         else:
-            loss, logp, ent, grads = _two_pass(hidden, weight, bias, tg, spec, call, inputs)
+            loss, logp, ent, grads, extras = _two_pass(hidden, weight, bias, tg, spec, call, inputs)
         ctx.grads, ctx.dtype, ctx.rows = grads, hidden.dtype, weight.shape[0]
         ctx.fast = call.plan.route == "fast"
         ctx.backend = call.plan.backend
         ent = torch.zeros_like(logp) if ent is None else ent
-        ctx.mark_non_differentiable(logp, ent)
-        return loss, logp, ent
+        top1 = extras.get("is_top1", logp.new_zeros(0, dtype=torch.bool))
+        mean_logits = extras.get("mean_logits", logp.new_zeros(0))
+        ctx.mark_non_differentiable(logp, ent, top1, mean_logits)
+        return loss, logp, ent, top1, mean_logits
 
     @staticmethod
     def backward(ctx, g_loss, *_):
@@ -313,9 +344,11 @@ def linear_log_prob_loss(hidden, weight, target, loss_fn, bias=None, *, inputs=N
 def _log_prob_loss(hidden, weight, target, loss_fn, bias=None, *, inputs=None, scope="token", use_entropy=False,
                    temperature=1.0, softcap=None, logit_scale=1.0, ignore_index=-100, group=None, vocab_start=None,
                    vocab_size=None, sequence_parallel=False, backend="auto", memory_budget="auto", validate=False,
-                   entropy_stats=False):
+                   entropy_stats=False, top1=False, mean_logits=False):
     """``linear_log_prob_loss`` returning ``(loss, log_probs, entropy)``; ``entropy_stats``: compute the entropy as
-    an output (a metric) even where ``loss_fn`` does not get it."""
+    an output (a metric) even where ``loss_fn`` does not get it. ``top1`` / ``mean_logits``: also return
+    ``linear_log_probs``' ``is_top1`` and ``mean_logits`` (detached metrics, from the same pass; each ``(0,)``
+    where not asked): ``(loss, log_probs, entropy, is_top1, mean_logits)``."""
     inputs_in, box = inputs, {}
 
     def local_checks(_w, _cast):
@@ -356,11 +389,16 @@ def _log_prob_loss(hidden, weight, target, loss_fn, bias=None, *, inputs=None, s
     spec = LogProbLossSpec(loss_fn=loss_fn, scope=scope, entropy=use_entropy, entropy_stats=use_entropy or entropy_stats,
                            row=target.shape[-1] if target.dim() else 1,
                            ignore_index=int(ignore_index), softcap=None if softcap is None else float(softcap) / s,
-                           inv_t=s / float(temperature), memory_budget=box["budget"])
+                           inv_t=s / float(temperature), memory_budget=box["budget"], top1=bool(top1),
+                           mean_logits=bool(mean_logits))
     with torch.autocast(h2.device.type, enabled=False):  # the operands are already in the compute dtype
-        loss, logp, ent = LogProbLossFunction.apply(_enter(h2, call), weight, bias, target.reshape(-1), spec, call,
-                                                    box["inputs"])
-    return loss, logp.reshape(target.shape), ent.reshape(target.shape)
+        loss, logp, ent, is_top1, mean_z = LogProbLossFunction.apply(_enter(h2, call), weight, bias,
+                                                                     target.reshape(-1), spec, call, box["inputs"])
+    out = loss, logp.reshape(target.shape), ent.reshape(target.shape)
+    if top1 or mean_logits:
+        shape = lambda x: x.reshape(target.shape) if x.numel() else x  # noqa: E731
+        return (*out, shape(is_top1), shape(mean_z))
+    return out
 
 
 # -- GRPO (TRL 1.16 GRPOTrainer._compute_loss) -------------------------------------------------------------------
@@ -572,10 +610,11 @@ def _linear_dpo_loss(hidden, weight, target, ref_chosen_log_probs=None, ref_reje
                      beta=0.1, loss_type="sigmoid", ref_hidden=None, ref_weight=None, ref_bias=None, temperature=1.0,
                      softcap=None, logit_scale=1.0, ignore_index=-100, group=None, vocab_start=None, vocab_size=None,
                      sequence_parallel=False, backend="auto", memory_budget="auto", validate=False,
-                     entropy_stats=False):
+                     entropy_stats=False, logit_metrics=False):
     """``linear_dpo_loss`` returning ``(DPOOutput, log_probs, entropy)``: also the detached per-token log-probs and
     (``entropy_stats``, else zeros) entropy in ``target``'s ``[2B, T]`` layout, 0 at ignored tokens, for metrics
-    (``vpce.integrations.trl``)."""
+    (``vpce.integrations.trl``). ``logit_metrics``: also ``is_top1`` and ``mean_logits`` in that layout, from the
+    same pass: ``(DPOOutput, log_probs, entropy, is_top1, mean_logits)``."""
     if loss_type not in DPO_LOSS_TYPES:
         raise ValueError(f"loss_type: expected one of {DPO_LOSS_TYPES}, got {loss_type!r}")
     check_number("beta", beta, low=0.0, low_open=True)
@@ -628,11 +667,12 @@ def _linear_dpo_loss(hidden, weight, target, ref_chosen_log_probs=None, ref_reje
         return _dpo_pair_loss(delta, beta_f, loss_type) / b_
 
     h = pair(hidden.reshape(two_b, t_, hidden.shape[-1])) if isinstance(hidden, torch.Tensor) else hidden
-    loss, logp, ent = _log_prob_loss(h, weight, pair(target), loss_fn, bias, inputs=inputs, scope="sequence",
-                                     memory_budget=memory_budget, validate=validate, entropy_stats=entropy_stats,
-                                     **common)
+    loss, logp, ent, *extras = _log_prob_loss(h, weight, pair(target), loss_fn, bias, inputs=inputs,
+                                              scope="sequence", memory_budget=memory_budget, validate=validate,
+                                              entropy_stats=entropy_stats, top1=logit_metrics,
+                                              mean_logits=logit_metrics, **common)
     logp = logp.detach()
     chosen_rewards = beta_f * (logp[:, :t_].sum(-1) - inputs["ref_c"][:, 0].to(logp.dtype))
     rejected_rewards = beta_f * (logp[:, t_:].sum(-1) - inputs["ref_r"][:, 0].to(logp.dtype))
     unpair = lambda x: x.detach().reshape(b_, 2, t_).transpose(0, 1).reshape(two_b, t_)  # noqa: E731
-    return DPOOutput(loss, chosen_rewards, rejected_rewards), unpair(logp), unpair(ent)
+    return (DPOOutput(loss, chosen_rewards, rejected_rewards), unpair(logp), unpair(ent), *map(unpair, extras))

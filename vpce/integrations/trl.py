@@ -166,8 +166,8 @@ def is_applied() -> bool:
 # DPO loss on those hidden states and the lm_head: its gradients are formed in forward, at the fast route's cost.
 # GRPO: TRL's ``_compute_loss`` itself then runs on vpce's detached per-token log-probs and entropy (its
 # ``_get_per_token_logps_and_entropies`` answered by the fused call), and logs every metric it logs, with its own
-# code; its loss value is replaced by vpce's. DPO: the metrics are TRL's, computed here from vpce's log-probs and
-# entropy (and, with ``dpo_logit_metrics``, a no-grad pass for ``mean_logits`` and ``is_top1``). A configuration
+# code; its loss value is replaced by vpce's. DPO: the metrics are TRL's, computed here from vpce's log-probs,
+# entropy, ``mean_logits`` and ``is_top1`` (the fused pass's statistics; ``dpo_logit_metrics``). A configuration
 # that the fused losses do not cover runs TRL's own loss (on vpce's per-token head), with one warning per reason.
 
 import functools
@@ -413,9 +413,10 @@ def _dpo_compute_loss(self, model, inputs, return_outputs):
     call = calls[0]
     weight, bias, shard = _operands(head, call, hidden)
     with _autocast(call):
-        out, per_token_logps, per_token_entropy = _linear_dpo_loss(
+        out, per_token_logps, per_token_entropy, *logit_fields = _linear_dpo_loss(
             hidden, weight, target, ref_chosen_logps.to(hidden.device), ref_rejected_logps.to(hidden.device), bias,
-            beta=self.beta, loss_type=self.loss_types[0], entropy_stats=True, **_common(head, call), **shard)
+            beta=self.beta, loss_type=self.loss_types[0], entropy_stats=True,
+            logit_metrics=head.dpo_logit_metrics, **_common(head, call), **shard)
     loss = out.loss * self.loss_weights[0]
     if self.aux_loss_enabled:
         aux_loss = outputs.aux_loss
@@ -426,14 +427,15 @@ def _dpo_compute_loss(self, model, inputs, return_outputs):
     chosen_logps, rejected_logps = per_token_logps.sum(dim=1).chunk(2, dim=0)
     chosen_logratios = chosen_logps - ref_chosen_logps
     rejected_logratios = rejected_logps - ref_rejected_logps
-    _dpo_metrics(self, mode, inputs, head, call, hidden, weight, bias, target, per_token_entropy, chosen_logps,
-                 rejected_logps, chosen_logratios, rejected_logratios)
+    _dpo_metrics(self, mode, inputs, per_token_entropy, logit_fields, chosen_logps, rejected_logps,
+                 chosen_logratios, rejected_logratios)
     return loss
 
 
-def _dpo_metrics(self, mode, inputs, head, call, hidden, weight, bias, target, per_token_entropy, chosen_logps,
-                 rejected_logps, chosen_logratios, rejected_logratios):
-    """The metrics of TRL 1.16's ``DPOTrainer._compute_loss``, from vpce's per-token values (TRL's code)."""
+def _dpo_metrics(self, mode, inputs, per_token_entropy, logit_fields, chosen_logps, rejected_logps,
+                 chosen_logratios, rejected_logratios):
+    """The metrics of TRL 1.16's ``DPOTrainer._compute_loss``, from vpce's per-token values (TRL's code).
+    ``logit_fields``: ``(is_top1, mean_logits)`` ``[2B, T]`` from the fused pass, or empty (not logged)."""
     shift_completion_mask = inputs["completion_mask"][..., 1:]
     mask = shift_completion_mask
     entropy_sum = (per_token_entropy * mask).sum()
@@ -449,14 +451,8 @@ def _dpo_metrics(self, mode, inputs, head, call, hidden, weight, bias, target, p
     self._metrics[mode]["num_tokens"] = [self._total_train_tokens]
 
     chosen_mask, rejected_mask = shift_completion_mask.chunk(2, dim=0)
-    if head.dpo_logit_metrics:  # a forward-only pass over the logits: mean_logits and is_top1
-        with torch.no_grad(), _autocast(call):
-            fields = VpceLogProbHead.apply(
-                head, hidden.detach().reshape(-1, hidden.shape[-1]), call["weight"].detach(),
-                None if call["bias"] is None else call["bias"].detach(), target.reshape(-1), call["temperature"],
-                None, call["softcap"], call["logit_scale"], ("log_probs", "mean_logits", "is_top1"))
-        mean_logits = fields[3].view(target.shape).to(mask.device)
-        is_top1 = fields[4].view(target.shape).to(mask.device)
+    if logit_fields:  # dpo_logit_metrics
+        is_top1, mean_logits = (x.to(mask.device) for x in logit_fields)
         chosen_mean_logits, rejected_mean_logits = mean_logits.chunk(2, dim=0)
         total_chosen_logits = chosen_mean_logits[chosen_mask.bool()].sum()
         total_chosen_tokens = chosen_mask.sum()
