@@ -26,7 +26,7 @@ import vpce.post_training as post_training  # noqa: E402
 from test_integration_trl import DPO_DATA, phrase, tiny_llama, tokenizer  # noqa: E402
 
 RTOL, ATOL = 2e-5, 2e-6
-SKIP = ("step_time", "train_runtime", "epoch", "learning_rate")  # timings, or not the trainers' numbers
+SKIP = ("step_time", "runtime", "per_second", "epoch", "learning_rate")  # timings, or not the trainers' numbers
 
 
 def reward(completions, **kwargs):
@@ -57,7 +57,7 @@ def train(kind, fused, tmp_path, steps=3, options=None, **config):
             if not path.exists():
                 tiny_llama().save_pretrained(path)
             data = datasets.Dataset.from_dict({"prompt": [phrase(i, 3) for i in range(8)]})
-            trainer = trl.GRPOTrainer(model=str(path), reward_funcs=reward, train_dataset=data,
+            trainer = trl.GRPOTrainer(model=str(path), reward_funcs=reward, train_dataset=data, eval_dataset=data,
                                       processing_class=tokenizer(),
                                       args=trl.GRPOConfig(**{**common, "max_completion_length": 6, **config}))
         else:
@@ -68,7 +68,9 @@ def train(kind, fused, tmp_path, steps=3, options=None, **config):
     finally:
         post_training._linear_grpo_loss, post_training._linear_dpo_loss = grpo_real, dpo_real
         vtrl.remove()
-    return [e for e in trainer.state.log_history if "loss" in e and "train_runtime" not in e], runs
+    logs = trainer.state.log_history
+    train.evals = [e for e in logs if "eval_loss" in e]
+    return [e for e in logs if "loss" in e and "train_runtime" not in e], runs
 
 
 def compare(got, want, steps):
@@ -86,8 +88,10 @@ def compare(got, want, steps):
 
 GRPO_CASES = {
     # DAPO with a KL term; steps_per_generation > accumulation: old log-probs from the sampling policy
+    # and evaluations (the loss without accumulation, under no_grad)
     "dapo-kl-old": dict(loss_type="dapo", beta=0.04, per_device_train_batch_size=4, num_generations=4,
-                        steps_per_generation=2, epsilon_high=0.28),
+                        steps_per_generation=2, epsilon_high=0.28, eval_strategy="steps", eval_steps=2,
+                        per_device_eval_batch_size=4),
     # GSPO: sequence-level importance sampling, two iterations per generation, accumulation, a temperature
     "gspo-accum": dict(loss_type="grpo", importance_sampling_level="sequence", per_device_train_batch_size=2,
                        num_generations=4, gradient_accumulation_steps=2, num_iterations=2, temperature=0.8,
@@ -103,12 +107,16 @@ def test_grpo_trainer_matches_trl_step_by_step(case, tmp_path, monkeypatch):
     if case.endswith("compact"):  # the layout of Triton devices: only the valid tokens reach the head
         monkeypatch.setattr(trl.trainer.utils, "_use_triton", lambda device: True)
     want, runs = train("grpo", False, tmp_path, **config)
+    want_evals = train.evals
     assert runs["grpo"] == 0
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # no fallback
         got, runs = train("grpo", True, tmp_path, **config)
     assert runs["grpo"] >= 3, "vpce's GRPO loss did not run"
     compare(got, want, 3)
+    if "eval_strategy" in config:
+        assert len(want_evals) >= 1
+        compare(train.evals, want_evals, len(want_evals))
     if case == "dapo-kl-old":
         assert any(w["kl"] > 0 for w in want)
 
