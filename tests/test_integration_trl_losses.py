@@ -93,7 +93,9 @@ GRPO_CASES = {
                         steps_per_generation=2, epsilon_high=0.28, eval_strategy="steps", eval_steps=2,
                         per_device_eval_batch_size=4),
     # GSPO: sequence-level importance sampling, two iterations per generation, accumulation, a temperature
-    "gspo-accum": dict(loss_type="grpo", importance_sampling_level="sequence", per_device_train_batch_size=2,
+    # and the adaptive entropy bonus (its controller, fed by vpce's entropies, turns it on after the first step)
+    "gspo-accum": dict(use_adaptive_entropy=True, entropy_target=5.0, entropy_coef_delta=0.05,
+                       loss_type="grpo", importance_sampling_level="sequence", per_device_train_batch_size=2,
                        num_generations=4, gradient_accumulation_steps=2, num_iterations=2, temperature=0.8,
                        epsilon=0.02, epsilon_high=0.04, learning_rate=1e-4),
 }
@@ -103,7 +105,7 @@ GRPO_CASES = {
 def test_grpo_trainer_matches_trl_step_by_step(case, tmp_path, monkeypatch):
     config = GRPO_CASES.get(case) or dict(loss_type="dr_grpo", beta=0.02, per_device_train_batch_size=4,
                                           num_generations=4, num_iterations=2, delta=1.5,
-                                          use_bias_correction_kl=False)
+                                          use_bias_correction_kl=False, entropy_coef=0.05)
     if case.endswith("compact"):  # the layout of Triton devices: only the valid tokens reach the head
         monkeypatch.setattr(trl.trainer.utils, "_use_triton", lambda device: True)
     want, runs = train("grpo", False, tmp_path, **config)

@@ -471,11 +471,12 @@ def _linear_grpo_loss(hidden, weight, target, advantages, bias=None, *, old_log_
                       importance_sampling_level="token", max_completion_length=None, num_items_in_batch=None,
                       temperature=1.0, softcap=None, logit_scale=1.0, ignore_index=-100, group=None, vocab_start=None,
                       vocab_size=None, sequence_parallel=False, backend="auto", memory_budget="auto",
-                      validate=False, bias_correction_kl=False):
+                      validate=False, bias_correction_kl=False, entropy_bonus=None):
     """``linear_grpo_loss`` returning ``(GRPOOutput, log_probs, entropy)``: also the detached per-token log-probs
     and entropy ``[B, T]`` (0 at ignored tokens), for metrics (``vpce.integrations.trl``). ``bias_correction_kl``:
     the KL term of the loss times the importance ratio (TRL's ``use_bias_correction_kl``; the returned ``kl`` metric
-    stays the plain masked mean)."""
+    stays the plain masked mean). ``entropy_bonus`` (``[B, T]``, or None): the loss also gets
+    ``-sum(entropy_bonus * entropy)`` (TRL's entropy bonus, its coefficient and normalizer folded in per token)."""
     for name, value in (("loss_type", loss_type), ("importance_sampling_level", importance_sampling_level)):
         allowed = GRPO_LOSS_TYPES if name == "loss_type" else ("token", "sequence")
         if value not in allowed:
@@ -516,21 +517,24 @@ def _linear_grpo_loss(hidden, weight, target, advantages, bias=None, *, old_log_
         inputs["old"] = old_log_probs
     if beta != 0.0:
         inputs["ref"] = ref_log_probs
+    if entropy_bonus is not None:
+        inputs["bonus"] = entropy_bonus
     opts = dict(level=importance_sampling_level, loss_type=loss_type, beta=float(beta), eps_low=float(epsilon_low),
                 eps_high=eps_high, delta=None if delta is None else float(delta))
     token_opts = dict(opts, bias_correction_kl=bool(bias_correction_kl) and beta != 0.0)
 
-    def loss_fn(logp, entropy, adv, weight, mask, old=None, ref=None):
+    def loss_fn(logp, entropy, adv, weight, mask, old=None, ref=None, bonus=None):
         old = logp.detach() if old is None else old.to(logp.dtype)
-        return _grpo_token_loss(logp, old, adv.to(logp.dtype), None if ref is None else ref.to(logp.dtype),
-                                weight.to(logp.dtype), mask=mask.to(logp.dtype), **token_opts)
+        out = _grpo_token_loss(logp, old, adv.to(logp.dtype), None if ref is None else ref.to(logp.dtype),
+                               weight.to(logp.dtype), mask=mask.to(logp.dtype), **token_opts)
+        return out if bonus is None else out - bonus.to(logp.dtype) * entropy
 
     scope = "sequence" if importance_sampling_level == "sequence" else "token"
     loss, logp, ent = _log_prob_loss(
         hidden, weight, target, loss_fn, bias, inputs=inputs, scope=scope, temperature=temperature, softcap=softcap,
         logit_scale=logit_scale, ignore_index=ignore_index, group=group, vocab_start=vocab_start,
         vocab_size=vocab_size, sequence_parallel=sequence_parallel, backend=backend, memory_budget=memory_budget,
-        validate=validate, entropy_stats=True)
+        validate=validate, entropy_stats=True, use_entropy=entropy_bonus is not None)
     per_sequence = importance_sampling_level == "sequence" and advantages.dim() == 1
     out = GRPOOutput(loss, *_grpo_metrics(logp, ent, old_log_probs, ref_log_probs, adv, mask, opts, per_sequence))
     return out, logp, ent

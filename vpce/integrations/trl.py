@@ -271,8 +271,6 @@ def _grpo_fallback(trainer) -> str | None:
         return "off_policy_mask_threshold"
     if trainer.use_vllm and trainer.vllm_importance_sampling_correction:
         return "vllm_importance_sampling_correction"
-    if trainer._entropy_bonus_enabled:
-        return "an entropy bonus (entropy_coef or use_adaptive_entropy)"
     if _zero3():
         return "DeepSpeed ZeRO-3 (the lm_head is gathered only inside the head call)"
     return None
@@ -298,6 +296,15 @@ def _grpo_fused(trainer, head: VpceLogProbHead, calls, codes, inputs):
         scale = num_items / normalizer
     elif train:
         scale = 1.0 / trainer.current_gradient_accumulation_steps
+    bonus = None
+    if trainer._entropy_bonus_enabled:  # TRL: - coef * masked mean entropy / accumulation, the coefficient gated
+        coef = trainer.entropy_coef
+        if trainer.use_adaptive_entropy and not trainer._last_world_entropy <= trainer.args.entropy_target:
+            coef = 0.0
+        if coef != 0.0:
+            kept = (target != -100).to(torch.float32)
+            accumulation = trainer.current_gradient_accumulation_steps if train else 1.0
+            bonus = coef * kept / kept.sum().clamp(min=1.0) / accumulation / scale
     call = calls[0]
     weight, bias, shard = _operands(head, call, hidden)
     with _autocast(call):
@@ -307,7 +314,8 @@ def _grpo_fused(trainer, head: VpceLogProbHead, calls, codes, inputs):
             epsilon_low=trainer.epsilon_low, epsilon_high=trainer.epsilon_high, delta=trainer.args.delta,
             loss_type=trainer.loss_type, importance_sampling_level=trainer.importance_sampling_level,
             max_completion_length=trainer.max_completion_length, num_items_in_batch=num_items,
-            bias_correction_kl=trainer.args.use_bias_correction_kl, **_common(head, call), **shard)
+            bias_correction_kl=trainer.args.use_bias_correction_kl, entropy_bonus=bonus, **_common(head, call),
+            **shard)
     return out.loss * scale, logp, ent
 
 
