@@ -34,7 +34,18 @@ def reward(completions, **kwargs):
     return [float(sum(int(w[1:]) for w in c.split() if w[1:].isdigit()) % 7) for c in completions]
 
 
-def train(kind, fused, tmp_path, steps=3, options=None, **config):
+def tiny_mixtral(seed=0):
+    """A tiny random MoE (Mixtral) whose trainers add the router's load-balancing loss."""
+    config = transformers.MixtralConfig(vocab_size=96, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                        num_local_experts=4, num_experts_per_tok=2, output_router_logits=True,
+                                        router_aux_loss_coef=0.1, initializer_range=0.2, pad_token_id=0,
+                                        eos_token_id=1, bos_token_id=1)
+    torch.manual_seed(seed)
+    return transformers.MixtralForCausalLM(config).float()
+
+
+def train(kind, fused, tmp_path, steps=3, options=None, moe=False, **config):
     """Train ``steps`` steps with TRL's own loss (``fused=False``: TRL's head too) or vpce's fused losses; the
     logged entries, and how many times each fused loss ran."""
     vtrl.remove()
@@ -53,15 +64,16 @@ def train(kind, fused, tmp_path, steps=3, options=None, **config):
     post_training._linear_dpo_loss = count("dpo", dpo_real)
     try:
         if kind == "grpo":
-            path = tmp_path / "tiny-llama"
+            path = tmp_path / ("tiny-mixtral" if moe else "tiny-llama")
             if not path.exists():
-                tiny_llama().save_pretrained(path)
+                (tiny_mixtral() if moe else tiny_llama()).save_pretrained(path)
             data = datasets.Dataset.from_dict({"prompt": [phrase(i, 3) for i in range(8)]})
             trainer = trl.GRPOTrainer(model=str(path), reward_funcs=reward, train_dataset=data, eval_dataset=data,
                                       processing_class=tokenizer(),
                                       args=trl.GRPOConfig(**{**common, "max_completion_length": 6, **config}))
         else:
-            trainer = trl.DPOTrainer(model=tiny_llama(), ref_model=tiny_llama(),
+            make = tiny_mixtral if moe else tiny_llama
+            trainer = trl.DPOTrainer(model=make(), ref_model=make(),
                                      train_dataset=datasets.Dataset.from_dict(DPO_DATA), processing_class=tokenizer(),
                                      args=trl.DPOConfig(**{**common, "per_device_train_batch_size": 4, **config}))
         trainer.train()
@@ -98,6 +110,9 @@ GRPO_CASES = {
                        loss_type="grpo", importance_sampling_level="sequence", per_device_train_batch_size=2,
                        num_generations=4, gradient_accumulation_steps=2, num_iterations=2, temperature=0.8,
                        epsilon=0.02, epsilon_high=0.04, learning_rate=1e-4),
+    # a MoE: the router's auxiliary loss, scaled for accumulation as TRL does
+    "moe-bnpo": dict(moe=True, loss_type="bnpo", per_device_train_batch_size=2, num_generations=4,
+                     gradient_accumulation_steps=2),
 }
 
 
@@ -121,11 +136,14 @@ def test_grpo_trainer_matches_trl_step_by_step(case, tmp_path, monkeypatch):
         compare(train.evals, want_evals, len(want_evals))
     if case == "dapo-kl-old":
         assert any(w["kl"] > 0 for w in want)
+    if case == "moe-bnpo":
+        assert all(w["aux_loss"] > 0 for w in want)
 
 
 @pytest.mark.parametrize("config", [dict(loss_type=["sigmoid"]), dict(loss_type=["ipo"], beta=0.2),
-                                    dict(loss_type=["hinge"], precompute_ref_log_probs=True)],
-                         ids=["sigmoid", "ipo", "hinge-precomputed"])
+                                    dict(loss_type=["hinge"], precompute_ref_log_probs=True),
+                                    dict(loss_type=["sigmoid"], loss_weights=[0.5], moe=True)],
+                         ids=["sigmoid", "ipo", "hinge-precomputed", "moe-weighted"])
 def test_dpo_trainer_matches_trl_step_by_step(config, tmp_path):
     want, runs = train("dpo", False, tmp_path, **config)
     assert runs["dpo"] == 0
@@ -133,6 +151,8 @@ def test_dpo_trainer_matches_trl_step_by_step(config, tmp_path):
     assert runs["dpo"] >= 3, "vpce's DPO loss did not run"
     compare(got, want, 3)
     assert max(e["mean_token_accuracy"] for e in want) > 0
+    if config.get("moe"):
+        assert all(w["aux_loss"] > 0 for w in want)
 
 
 def test_dpo_without_logit_metrics(tmp_path):
