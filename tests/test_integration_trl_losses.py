@@ -49,19 +49,21 @@ def train(kind, fused, tmp_path, steps=3, options=None, moe=False, **config):
     """Train ``steps`` steps with TRL's own loss (``fused=False``: TRL's head too) or vpce's fused losses; the
     logged entries, and how many times each fused loss ran."""
     vtrl.remove()
-    runs = {"grpo": 0, "dpo": 0}
+    runs = {"grpo": 0, "dpo": 0, "fused": 0}  # linear_grpo_loss, linear_dpo_loss, any (linear_log_prob_loss)
     if fused:
         vtrl.apply(**(options or {}))
     common = dict(output_dir=str(tmp_path / f"{kind}-{fused}"), max_steps=steps, learning_rate=3e-2,
                   lr_scheduler_type="constant", logging_steps=1, report_to=[], save_strategy="no", seed=0,
                   data_seed=0, use_cpu=True, disable_tqdm=True, bf16=False)
     grpo_real, dpo_real = post_training._linear_grpo_loss, post_training._linear_dpo_loss
+    fused_real = post_training._log_prob_loss
 
     def count(name, real):
         return lambda *a, **k: runs.__setitem__(name, runs[name] + 1) or real(*a, **k)
 
     post_training._linear_grpo_loss = count("grpo", grpo_real)
     post_training._linear_dpo_loss = count("dpo", dpo_real)
+    post_training._log_prob_loss = count("fused", fused_real)
     try:
         if kind == "grpo":
             path = tmp_path / ("tiny-mixtral" if moe else "tiny-llama")
@@ -79,6 +81,7 @@ def train(kind, fused, tmp_path, steps=3, options=None, moe=False, **config):
         trainer.train()
     finally:
         post_training._linear_grpo_loss, post_training._linear_dpo_loss = grpo_real, dpo_real
+        post_training._log_prob_loss = fused_real
         vtrl.remove()
     logs = trainer.state.log_history
     train.evals = [e for e in logs if "eval_loss" in e]
@@ -110,6 +113,13 @@ GRPO_CASES = {
                        loss_type="grpo", importance_sampling_level="sequence", per_device_train_batch_size=2,
                        num_generations=4, gradient_accumulation_steps=2, num_iterations=2, temperature=0.8,
                        epsilon=0.02, epsilon_high=0.04, learning_rate=1e-4),
+    # beyond linear_grpo_loss (TRL's per-token math on whole rows, linear_log_prob_loss): SAPO with the off-policy
+    # sequence mask (old log-probs from steps_per_generation=2), VESPO, LUSPO with sequence-level sampling and KL
+    "sapo-opm": dict(loss_type="sapo", off_policy_mask_threshold=0.05, per_device_train_batch_size=4,
+                     num_generations=4, steps_per_generation=2),
+    "vespo": dict(loss_type="vespo", per_device_train_batch_size=4, num_generations=4, num_iterations=2),
+    "luspo-seq-kl": dict(loss_type="luspo", importance_sampling_level="sequence", beta=0.04,
+                         per_device_train_batch_size=4, num_generations=4, num_iterations=2),
     # a MoE: the router's auxiliary loss, scaled for accumulation as TRL does
     "moe-bnpo": dict(moe=True, loss_type="bnpo", per_device_train_batch_size=2, num_generations=4,
                      gradient_accumulation_steps=2),
@@ -125,11 +135,14 @@ def test_grpo_trainer_matches_trl_step_by_step(case, tmp_path, monkeypatch):
         monkeypatch.setattr(trl.trainer.utils, "_use_triton", lambda device: True)
     want, runs = train("grpo", False, tmp_path, **config)
     want_evals = train.evals
-    assert runs["grpo"] == 0
+    assert runs["fused"] == 0
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # no fallback
         got, runs = train("grpo", True, tmp_path, **config)
-    assert runs["grpo"] >= 3, "vpce's GRPO loss did not run"
+    assert runs["fused"] >= 3, "vpce's GRPO loss did not run"
+    # the loss types of linear_grpo_loss go through it
+    assert (runs["grpo"] >= 3) == (config["loss_type"] in post_training.GRPO_LOSS_TYPES
+                                   and "off_policy_mask_threshold" not in config)
     compare(got, want, 3)
     if "eval_strategy" in config:
         assert len(want_evals) >= 1
@@ -167,14 +180,14 @@ def test_dpo_without_logit_metrics(tmp_path):
 
 
 def test_unsupported_loss_falls_back_with_one_warning(tmp_path):
-    config = dict(loss_type="sapo", per_device_train_batch_size=4, num_generations=4)
+    config = dict(top_entropy_quantile=0.5, per_device_train_batch_size=4, num_generations=4)
     want, _ = train("grpo", False, tmp_path, steps=2, **config)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         got, runs = train("grpo", True, tmp_path, steps=2, **config)
     ours = [str(w.message) for w in caught if "vpce.integrations.trl" in str(w.message)]
-    assert len(ours) == 1 and "loss_type='sapo'" in ours[0] and "GRPOTrainer" in ours[0], ours
-    assert runs["grpo"] == 0
+    assert len(ours) == 1 and "top_entropy_quantile" in ours[0] and "GRPOTrainer" in ours[0], ours
+    assert runs["fused"] == 0
     compare(got, want, 2)  # TRL's loss on vpce's head
 
 

@@ -263,17 +263,79 @@ def _grpo_fallback(trainer) -> str | None:
     """Why TRL's GRPO loss must run instead of vpce's (None: covered)."""
     from vpce.post_training import GRPO_LOSS_TYPES
 
-    if trainer.loss_type not in GRPO_LOSS_TYPES:
+    if trainer.loss_type not in GRPO_LOSS_TYPES + _GRPO_MIRRORED:
         return f"loss_type={trainer.loss_type!r}"
     if trainer.top_entropy_quantile < 1.0:
         return "top_entropy_quantile < 1"
-    if trainer.off_policy_mask_threshold is not None:
-        return "off_policy_mask_threshold"
     if trainer.use_vllm and trainer.vllm_importance_sampling_correction:
         return "vllm_importance_sampling_correction"
     if _zero3():
         return "DeepSpeed ZeRO-3 (the lm_head is gathered only inside the head call)"
     return None
+
+
+#: GRPO loss types outside ``vpce.linear_grpo_loss``, fused with ``_grpo_mirror`` (TRL's per-token math on rows).
+_GRPO_MIRRORED = ("sapo", "vespo", "luspo")
+
+
+def _grpo_mirror(trainer, adv, mask, norm, old, ref, sampling, bonus, rows=True):
+    """``(loss_fn, inputs)`` for ``linear_log_prob_loss`` in scope ``"sequence"``: TRL 1.16's per-token GRPO loss
+    (``GRPOTrainer._compute_loss``, every loss type but with the vLLM correction and the entropy mask), on whole
+    rows, times each token's normalizer ``norm``, minus ``bonus * entropy``. For the loss types and the off-policy
+    mask that ``linear_grpo_loss`` does not cover; TRL's own static methods compute the off-policy mask and the
+    VESPO weights. ``rows``: the advantages are one per sequence (TRL's ``[B, 1]``), else per token."""
+    from trl import GRPOTrainer
+
+    args, level, loss_type = trainer.args, trainer.importance_sampling_level, trainer.loss_type
+    beta, eps_low, eps_high = trainer.beta, trainer.epsilon_low, trainer.epsilon_high
+    thr = trainer.off_policy_mask_threshold
+    inputs = {"adv": adv, "mask": mask, "norm": norm}
+    for k, v in (("old", old), ("ref", ref), ("sampling", sampling), ("bonus", bonus)):
+        if v is not None:
+            inputs[k] = v
+
+    def loss_fn(logp, entropy, adv, mask, norm, old=None, ref=None, sampling=None, bonus=None):
+        f = logp.dtype
+        adv, mask = (adv[:, :1] if rows else adv).to(f), mask.to(f)  # TRL's advantages: [B, 1]
+        old = logp.detach() if old is None else old.to(f)
+        sampling = old if thr is not None and sampling is None else sampling
+        log_ratio = logp - old
+        if level == "token":
+            log_w = log_ratio
+        else:
+            log_w = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+        coef_1 = torch.exp(log_w)
+        if beta != 0.0:
+            r = ref.to(f)
+            per_token_kl = torch.exp(r - logp) - (r - logp) - 1
+            if args.use_bias_correction_kl:
+                per_token_kl = per_token_kl * coef_1
+        if loss_type == "cispo":
+            per_token_loss = -torch.clamp(coef_1, max=eps_high).detach() * adv * logp
+        elif loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo"):
+            coef_2 = torch.clamp(coef_1, 1 - eps_low, 1 + eps_high)
+            if args.delta is not None:
+                coef_1 = torch.clamp(coef_1, max=args.delta)
+            per_token_loss = -torch.min(coef_1 * adv, coef_2 * adv)
+        elif loss_type == "sapo":
+            temperatures = torch.where(adv > 0, args.sapo_temperature_pos, args.sapo_temperature_neg)
+            per_token_loss = -torch.sigmoid(temperatures * (coef_1 - 1)) * 4 / temperatures * adv
+        else:  # vespo (without vLLM: no importance_sampling_ratio)
+            phi_seq = GRPOTrainer.get_gamma_weights(
+                advantages=adv, log_ratio_per_token=log_ratio.detach(), mask=mask, importance_sampling_ratio=None,
+                k_pos=args.vespo_k_pos, lambda_pos=args.vespo_lambda_pos, k_neg=args.vespo_k_neg,
+                lambda_neg=args.vespo_lambda_neg)
+            per_token_loss = -phi_seq * adv * logp
+        if thr is not None:
+            per_token_loss = per_token_loss * GRPOTrainer.get_off_policy_mask(
+                advantages=adv, per_token_logps=logp.detach(), sampling_per_token_logps=sampling.to(f), mask=mask,
+                off_policy_threshold=thr)
+        if beta != 0.0:
+            per_token_loss = per_token_loss + beta * per_token_kl
+        out = per_token_loss.expand_as(logp) * norm.to(f)
+        return out if bonus is None else out - bonus.to(f) * entropy
+
+    return loss_fn, inputs
 
 
 def _grpo_fused(trainer, head: VpceLogProbHead, calls, codes, inputs):
@@ -287,7 +349,7 @@ def _grpo_fused(trainer, head: VpceLogProbHead, calls, codes, inputs):
     target = target.masked_fill(mask.to(target.device) == 0, -100)
     train = trainer.model.training
     num_items, scale = None, 1.0
-    if trainer.loss_type in ("dapo", "cispo"):
+    if trainer.loss_type in ("dapo", "cispo", "vespo"):
         # TRL: num_items_in_batch spans the generation batch, rescaled to one accumulation window
         normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / trainer.accelerator.num_processes
         if train:
@@ -307,6 +369,9 @@ def _grpo_fused(trainer, head: VpceLogProbHead, calls, codes, inputs):
             bonus = coef * kept / kept.sum().clamp(min=1.0) / accumulation / scale
     call = calls[0]
     weight, bias, shard = _operands(head, call, hidden)
+    if trainer.loss_type in _GRPO_MIRRORED or trainer.off_policy_mask_threshold is not None:
+        return _grpo_mirrored(trainer, head, call, hidden, weight, bias, shard, target, inputs, num_items, scale,
+                              bonus)
     with _autocast(call):
         out, logp, ent = _linear_grpo_loss(
             hidden, weight, target, inputs["advantages"], bias, old_log_probs=inputs.get("old_per_token_logps"),
@@ -317,6 +382,38 @@ def _grpo_fused(trainer, head: VpceLogProbHead, calls, codes, inputs):
             bias_correction_kl=trainer.args.use_bias_correction_kl, entropy_bonus=bonus, **_common(head, call),
             **shard)
     return out.loss * scale, logp, ent
+
+
+def _grpo_mirrored(trainer, head, call, hidden, weight, bias, shard, target, inputs, num_items, scale, bonus):
+    """``_grpo_fused`` for the loss types and options beyond ``linear_grpo_loss``: ``linear_log_prob_loss`` (scope
+    ``"sequence"``) on ``_grpo_mirror``'s loss."""
+    from vpce.post_training import _log_prob_loss
+
+    kept = (target != -100).to(torch.float32)
+    b, t = target.shape
+    adv = inputs["advantages"].to(torch.float32)
+    adv = adv[:, None].expand(b, t) if adv.dim() == 1 else adv
+    if trainer.loss_type in ("grpo", "sapo"):
+        norm = kept / kept.sum(-1, keepdim=True).clamp(min=1.0) / b
+    elif trainer.loss_type == "bnpo":
+        norm = kept / kept.sum().clamp(min=1.0)
+    elif trainer.loss_type == "dr_grpo":
+        norm = kept / (b * trainer.max_completion_length)
+    elif trainer.loss_type == "luspo":
+        norm = kept / b
+    else:  # dapo, cispo, vespo
+        norm = kept / (kept.sum().clamp(min=1.0) if num_items is None else num_items)
+    old = inputs.get("old_per_token_logps")
+    # the off-policy mask's log-probs, as TRL: the sampler's, else the old ones, else the current ones (loss_fn)
+    sampling = inputs.get("sampling_per_token_logps", old) if trainer.off_policy_mask_threshold is not None else None
+    loss_fn, loss_inputs = _grpo_mirror(trainer, adv, kept, norm, old,
+                                        inputs["ref_per_token_logps"] if trainer.beta != 0.0 else None,
+                                        sampling, bonus, rows=inputs["advantages"].dim() == 1)
+    with _autocast(call):
+        loss, logp, ent = _log_prob_loss(hidden, weight, target, loss_fn, bias, inputs=loss_inputs,
+                                         scope="sequence", use_entropy=bonus is not None, entropy_stats=True,
+                                         **_common(head, call), **shard)
+    return loss * scale, logp, ent
 
 
 def _grpo_compute_loss(self, model, inputs):
