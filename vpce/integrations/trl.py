@@ -133,6 +133,11 @@ def apply(**options) -> VpceLogProbHead:
     ``options``: ``backend``, ``validate``, ``memory_budget`` (``"auto"``/``"lean"``), ``group`` (a
     tensor-parallel process group: vocab-parallel compute over it). Applying again replaces the options. Returns
     the installed head.
+
+    Fused losses (``LOSS_OPTIONS``): ``losses=True`` (the default) also makes ``trl.GRPOTrainer`` and
+    ``trl.DPOTrainer`` take their loss from vpce's fused losses (the section "Fused losses" below; ``False``: the
+    head only); ``dpo_logit_metrics=True`` (the default) logs DPO's ``logits/*`` and ``mean_token_accuracy`` from
+    the fused pass's statistics (``False``: not computed, not logged).
     """
     unknown = sorted(set(options) - set(OPTIONS))
     if unknown:
@@ -163,15 +168,17 @@ def is_applied() -> bool:
 # with the head in capture mode: each head call records its operands and returns placeholders (``_capture``), whose
 # ``log_probs`` carry each token's row number, so that the layout TRL's forward builds from them (compact: only the
 # valid tokens, on Triton devices; or every position) maps back to ``[B, T]``. The loss is then vpce's fused GRPO or
-# DPO loss on those hidden states and the lm_head: its gradients are formed in forward, at the fast route's cost.
+# DPO loss on those hidden states and the lm_head: its gradients are formed in forward, at the fast route's cost
+# (GRPO: ``vpce.linear_grpo_loss``, or for SAPO, VESPO, LUSPO and the off-policy mask ``linear_log_prob_loss`` on
+# TRL's per-token math for whole rows, ``_grpo_mirror``).
 # GRPO: TRL's ``_compute_loss`` itself then runs on vpce's detached per-token log-probs and entropy (its
 # ``_get_per_token_logps_and_entropies`` answered by the fused call), and logs every metric it logs, with its own
 # code; its loss value is replaced by vpce's. DPO: the metrics are TRL's, computed here from vpce's log-probs,
 # entropy, ``mean_logits`` and ``is_top1`` (the fused pass's statistics; ``dpo_logit_metrics``). A configuration
 # that the fused losses do not cover runs TRL's own loss (on vpce's per-token head), with one warning per reason.
 
-import functools
-import warnings
+import functools  # noqa: E402
+import warnings  # noqa: E402
 
 _PATCHED: dict = {}  # (class, name) -> TRL's attribute
 _WARNED: set = set()
