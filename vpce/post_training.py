@@ -471,12 +471,14 @@ def _linear_grpo_loss(hidden, weight, target, advantages, bias=None, *, old_log_
                       importance_sampling_level="token", max_completion_length=None, num_items_in_batch=None,
                       temperature=1.0, softcap=None, logit_scale=1.0, ignore_index=-100, group=None, vocab_start=None,
                       vocab_size=None, sequence_parallel=False, backend="auto", memory_budget="auto",
-                      validate=False, bias_correction_kl=False, entropy_bonus=None):
+                      validate=False, bias_correction_kl=False, entropy_bonus=None, token_weight=None):
     """``linear_grpo_loss`` returning ``(GRPOOutput, log_probs, entropy)``: also the detached per-token log-probs
     and entropy ``[B, T]`` (0 at ignored tokens), for metrics (``vpce.integrations.trl``). ``bias_correction_kl``:
     the KL term of the loss times the importance ratio (TRL's ``use_bias_correction_kl``; the returned ``kl`` metric
     stays the plain masked mean). ``entropy_bonus`` (``[B, T]``, or None): the loss also gets
-    ``-sum(entropy_bonus * entropy)`` (TRL's entropy bonus, its coefficient and normalizer folded in per token)."""
+    ``-sum(entropy_bonus * entropy)`` (TRL's entropy bonus, its coefficient and normalizer folded in per token).
+    ``token_weight`` (``[B, T]``, or None): each token's normalizer, given instead of ``loss_type``'s (e.g. for the
+    tokens of several sequences packed into one row, with token-level importance sampling)."""
     for name, value in (("loss_type", loss_type), ("importance_sampling_level", importance_sampling_level)):
         allowed = GRPO_LOSS_TYPES if name == "loss_type" else ("token", "sequence")
         if value not in allowed:
@@ -511,6 +513,8 @@ def _linear_grpo_loss(hidden, weight, target, advantages, bias=None, *, old_log_
         items = mask.sum() if num_items_in_batch is None else torch.as_tensor(num_items_in_batch, dtype=acc,
                                                                               device=mask.device)
         weight_tok = mask / items.clamp(min=1.0)
+    if token_weight is not None:
+        weight_tok = mask * token_weight.detach().to(acc)
     inputs = {"adv": adv, "weight": weight_tok, "mask": mask}
     current = old_log_probs is None
     if not current:

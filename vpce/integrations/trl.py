@@ -199,21 +199,51 @@ def _capture(calls, hidden, weight, bias, targets, temperature, softcap, logit_s
     return tuple(fields[k] if k in outputs else None for k in _OUTPUTS)
 
 
-def _rebuild(codes, calls, ignore_index=-100):
-    """``(hidden [B, T, D], target [B, T])`` of the captured calls at the positions of ``codes`` (the placeholder
-    ``log_probs`` as TRL's forward and trainer laid them out, ``[B, T]``; 0 where TRL masks the token). Gradients
-    flow to the captured hidden states (``masked_scatter`` keeps an all-masked batch connected, as TRL's forward)."""
+class _Layout:
+    """Each row's scored tokens moved to its front, in order (``_rebuild``): ``take`` maps a ``[B, T]`` tensor of
+    TRL's layout to the ``[B, T']`` one (``T'``: the most scored tokens of a row), ``put`` maps back (0 elsewhere).
+    The losses only sum over each row's tokens, so the order within a row is all they need; the logits GEMM then
+    skips the prompt and most of the padding."""
+
+    def __init__(self, valid):
+        b, t = valid.shape
+        counts = valid.sum(1)
+        width = max(int(counts.max()) if b else 0, 1)
+        # the valid positions first, in order: a stable sort on "not valid"
+        self.pos = torch.sort((~valid).to(torch.int8), dim=1, stable=True).indices[:, :width]
+        self.valid = torch.arange(width, device=valid.device)[None, :] < counts[:, None]
+        self.shape = (b, t)
+
+    def take(self, x):
+        x = x.to(self.pos.device)
+        return x.gather(1, self.pos) if x.dim() == 2 else x
+
+    def put(self, y):
+        y = torch.where(self.valid.to(y.device), y, torch.zeros((), dtype=y.dtype, device=y.device))
+        return y.new_zeros(self.shape).scatter(1, self.pos.to(y.device), y)
+
+
+def _rebuild(codes, calls, keep=None, ignore_index=-100):
+    """``(hidden [B, T', D], target [B, T'], layout)`` of the captured calls at the positions of ``codes`` (the
+    placeholder ``log_probs`` as TRL's forward and trainer laid them out, ``[B, T]``; 0 where TRL masks the token),
+    each row's scored tokens moved to its front (``_Layout``); ``keep`` (``[B, T]``): also drop where it is 0.
+    Gradients flow to the captured hidden states (``masked_scatter`` keeps an all-masked batch connected, as TRL's
+    forward)."""
     hid = torch.cat([c["hidden"] for c in calls]) if len(calls) > 1 else calls[0]["hidden"]
     lab = torch.cat([c["targets"] for c in calls]) if len(calls) > 1 else calls[0]["targets"]
     codes = codes.detach().to(hid.device)
-    valid = codes > 0
+    if keep is not None:
+        codes = torch.where(keep.to(hid.device) != 0, codes, 0)
+    layout = _Layout(codes > 0)
+    codes = torch.where(layout.valid, layout.take(codes), 0)
+    valid = layout.valid
     idx = (codes[valid] - 1).long()
     b, t = codes.shape
     d = hid.shape[-1]
     hidden = hid.new_zeros(b, t, d).masked_scatter(valid[..., None].expand(b, t, d), hid[idx])
     target = torch.full((b, t), ignore_index, dtype=torch.long, device=hid.device)
     target[valid] = lab[idx].to(torch.long)
-    return hidden, target
+    return hidden, target, layout
 
 
 def _operands(head: VpceLogProbHead, call: dict, hidden):
@@ -281,6 +311,9 @@ def _grpo_fallback(trainer) -> str | None:
     return None
 
 
+#: The GRPO inputs laid out as the completion tokens ``[B, T]`` (moved with the tokens: ``_Layout.take``).
+_GRPO_TOKEN_INPUTS = ("advantages", "old_per_token_logps", "ref_per_token_logps", "sampling_per_token_logps",
+                      "importance_sampling_ratio", "completion_mask", "tool_mask")
 #: GRPO loss types outside ``vpce.linear_grpo_loss``, fused with ``_grpo_mirror`` (TRL's per-token math on rows).
 _GRPO_MIRRORED = ("sapo", "vespo", "luspo")
 
@@ -352,8 +385,9 @@ def _grpo_fused(trainer, head: VpceLogProbHead, calls, codes, inputs):
     mask = inputs["completion_mask"]
     if "tool_mask" in inputs:
         mask = mask * inputs["tool_mask"]
-    hidden, target = _rebuild(codes, calls)
-    target = target.masked_fill(mask.to(target.device) == 0, -100)
+    hidden, target, layout = _rebuild(codes, calls, keep=mask)
+    inputs = {k: layout.take(v) if isinstance(v, torch.Tensor) and v.dim() == 2 and k in _GRPO_TOKEN_INPUTS else v
+              for k, v in inputs.items()}
     train = trainer.model.training
     num_items, scale = None, 1.0
     if trainer.loss_type in ("dapo", "cispo", "vespo"):
@@ -377,8 +411,13 @@ def _grpo_fused(trainer, head: VpceLogProbHead, calls, codes, inputs):
     call = calls[0]
     weight, bias, shard = _operands(head, call, hidden)
     if trainer.loss_type in _GRPO_MIRRORED or trainer.off_policy_mask_threshold is not None:
-        return _grpo_mirrored(trainer, head, call, hidden, weight, bias, shard, target, inputs, num_items, scale,
-                              bonus)
+        loss, logp, ent = _grpo_mirrored(trainer, head, call, hidden, weight, bias, shard, target, inputs,
+                                         num_items, scale, bonus)
+        return loss, layout.put(logp), layout.put(ent)
+    if trainer.importance_sampling_level == "token" and bool((target != -100).any()):
+        loss, logp, ent = _grpo_packed(trainer, head, call, hidden, weight, bias, shard, target, inputs, num_items,
+                                       scale, bonus)
+        return loss, layout.put(logp), layout.put(ent)
     with _autocast(call):
         out, logp, ent = _linear_grpo_loss(
             hidden, weight, target, inputs["advantages"], bias, old_log_probs=inputs.get("old_per_token_logps"),
@@ -388,7 +427,46 @@ def _grpo_fused(trainer, head: VpceLogProbHead, calls, codes, inputs):
             max_completion_length=trainer.max_completion_length, num_items_in_batch=num_items,
             bias_correction_kl=trainer.args.use_bias_correction_kl, entropy_bonus=bonus, **_common(head, call),
             **shard)
-    return out.loss * scale, logp, ent
+    return out.loss * scale, layout.put(logp), layout.put(ent)
+
+
+def _grpo_normalizer(trainer, kept, num_items):
+    """Each token's share of TRL's GRPO normalizer (``kept``: ``[B, T]``, 1 at the scored tokens)."""
+    b = kept.shape[0]
+    if trainer.loss_type in ("grpo", "sapo"):
+        return kept / kept.sum(-1, keepdim=True).clamp(min=1.0) / b
+    if trainer.loss_type == "bnpo":
+        return kept / kept.sum().clamp(min=1.0)
+    if trainer.loss_type == "dr_grpo":
+        return kept / (b * trainer.max_completion_length)
+    if trainer.loss_type == "luspo":
+        return kept / b
+    return kept / (kept.sum().clamp(min=1.0) if num_items is None else num_items)  # dapo, cispo, vespo
+
+
+def _grpo_packed(trainer, head, call, hidden, weight, bias, shard, target, inputs, num_items, scale, bonus):
+    """``_grpo_fused`` with token-level importance sampling: every scored token of the batch packed into one row
+    (``[1, M]``), each with TRL's normalizer of its sequence (``token_weight``), so that no padding reaches the
+    logits GEMM. Returns ``(loss, log_probs, entropy)`` in ``target``'s layout."""
+    from vpce.post_training import _linear_grpo_loss
+
+    kept = target != -100
+    b, t = target.shape
+    pack = lambda x: None if x is None else x.to(kept.device).expand(b, t)[kept][None]  # noqa: E731
+    adv = inputs["advantages"]
+    adv = adv[:, None] if adv.dim() == 1 else adv
+    norm = _grpo_normalizer(trainer, kept.to(torch.float32), num_items)
+    with _autocast(call):
+        out, logp, ent = _linear_grpo_loss(
+            hidden[kept][None], weight, target[kept][None], pack(adv), bias,
+            old_log_probs=pack(inputs.get("old_per_token_logps")),
+            ref_log_probs=pack(inputs["ref_per_token_logps"]) if trainer.beta != 0.0 else None, beta=trainer.beta,
+            epsilon_low=trainer.epsilon_low, epsilon_high=trainer.epsilon_high, delta=trainer.args.delta,
+            loss_type=trainer.loss_type, importance_sampling_level="token", token_weight=pack(norm),
+            bias_correction_kl=trainer.args.use_bias_correction_kl, entropy_bonus=pack(bonus),
+            **_common(head, call), **shard)
+    unpack = lambda y: y.new_zeros(b, t).masked_scatter(kept, y[0])  # noqa: E731
+    return out.loss * scale, unpack(logp), unpack(ent)
 
 
 def _grpo_mirrored(trainer, head, call, hidden, weight, bias, shard, target, inputs, num_items, scale, bonus):
@@ -400,16 +478,7 @@ def _grpo_mirrored(trainer, head, call, hidden, weight, bias, shard, target, inp
     b, t = target.shape
     adv = inputs["advantages"].to(torch.float32)
     adv = adv[:, None].expand(b, t) if adv.dim() == 1 else adv
-    if trainer.loss_type in ("grpo", "sapo"):
-        norm = kept / kept.sum(-1, keepdim=True).clamp(min=1.0) / b
-    elif trainer.loss_type == "bnpo":
-        norm = kept / kept.sum().clamp(min=1.0)
-    elif trainer.loss_type == "dr_grpo":
-        norm = kept / (b * trainer.max_completion_length)
-    elif trainer.loss_type == "luspo":
-        norm = kept / b
-    else:  # dapo, cispo, vespo
-        norm = kept / (kept.sum().clamp(min=1.0) if num_items is None else num_items)
+    norm = _grpo_normalizer(trainer, kept, num_items)
     old = inputs.get("old_per_token_logps")
     # the off-policy mask's log-probs, as TRL: the sampler's, else the old ones, else the current ones (loss_fn)
     sampling = inputs.get("sampling_per_token_logps", old) if trainer.off_policy_mask_threshold is not None else None
@@ -515,7 +584,7 @@ def _dpo_compute_loss(self, model, inputs, return_outputs):
     finally:
         head._captured = None
     seq_len = shift_completion_mask.size(1)
-    hidden, target = _rebuild(outputs.log_probs[:, -seq_len:], calls)
+    hidden, target, layout = _rebuild(outputs.log_probs[:, -seq_len:], calls)
     # the reference: precomputed, or TRL's reference forward (through the head, not captured)
     if self.precompute_ref_logps:
         ref_chosen_logps, ref_rejected_logps = inputs["ref_chosen_logps"], inputs["ref_rejected_logps"]
@@ -534,8 +603,10 @@ def _dpo_compute_loss(self, model, inputs, return_outputs):
         aux_loss = outputs.aux_loss
         loss = loss + self.router_aux_loss_coef * aux_loss
         self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(aux_loss).mean().item())
-    per_token_logps = per_token_logps.to(completion_mask.device)
-    per_token_entropy = per_token_entropy.to(completion_mask.device)
+    # back to TRL's layout for its metrics
+    per_token_logps = layout.put(per_token_logps).to(completion_mask.device)
+    per_token_entropy = layout.put(per_token_entropy).to(completion_mask.device)
+    logit_fields = [layout.put(x) for x in logit_fields]
     chosen_logps, rejected_logps = per_token_logps.sum(dim=1).chunk(2, dim=0)
     chosen_logratios = chosen_logps - ref_chosen_logps
     rejected_logratios = rejected_logps - ref_rejected_logps
