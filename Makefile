@@ -17,7 +17,9 @@ setup:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) "$(TORCH)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	@$(PIP) -e .
 
-# torchtune and the packages it needs come without pip resolving their requirements (pyproject.toml, `torchtune`).
+# torchtune, torchao and torchdata come first at these exact versions, without their requirements; then the
+# `torchtune` extra (torchtune==0.6.1 itself, pyproject.toml) brings what torchtune declares (kagglehub, blobfile,
+# Pillow, ...), so pip reports nothing missing. torchdata asks only for some torch >= 2: the installed one is kept.
 # About 25 s on a bare machine, then a no-op.
 TORCHTUNE ?= torchtune==0.6.1 torchao==0.15.0 torchdata==0.11.0
 # trl (the `trl` extra) also comes without its requirements: what it imports (transformers, accelerate, datasets) is

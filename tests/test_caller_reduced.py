@@ -19,7 +19,7 @@ import torch.nn.functional as F
 import vpce
 from distributed import run_ranks
 from problems import VARIANTS, leaf, make_problem
-from vpce import kernels, speculation, triton_backend
+from vpce import kernels, routing, speculation
 from vpce.reference import describe, reference, reference_log_probs, reference_metrics, rel_err, torch_eager
 
 pytest.importorskip("triton")
@@ -30,10 +30,9 @@ N, D, ROWS, VOCAB = 260, 24, 90, 83
 
 
 @pytest.fixture(autouse=True)
-def fresh_history(monkeypatch):
+def fresh_history(sizing):
     speculation.reset()
-    monkeypatch.setattr(triton_backend, "FAST_P_GIB", 1e-9)  # chunks of ROW_ALIGN = 128 tokens
-    monkeypatch.setattr(triton_backend, "MIN_P_GIB", 1e-9)
+    sizing(fast_p_gib=1e-9, min_p_gib=1e-9)  # chunks of ROW_ALIGN = 128 tokens
     yield
     speculation.reset()
 
@@ -624,10 +623,10 @@ def test_gpu_no_host_sync(entry):
 
 @gpu_only
 @pytest.mark.parametrize("entry", ["ce", "logprob"])
-def test_gpu_large_exact_and_bitwise_deterministic(entry, monkeypatch):
+def test_gpu_large_exact_and_bitwise_deterministic(entry, sizing):
     """bf16 on a GPU with several chunks (and gated blocks): a uniform call and a misprediction, each against the
     float64 oracle with torch eager's error bar (as tests/test_triton_backend.py), and each twice: bitwise equal."""
-    monkeypatch.setattr(triton_backend, "FAST_P_GIB", 0.05)  # about 1300 tokens per chunk: 7 chunks
+    sizing(fast_p_gib=0.05)  # about 1300 tokens per chunk: 7 chunks
     p = make_problem(9000, 512, 20011, dtype=torch.bfloat16, bias=True, ignore_frac=0.1, scale=3.0,
                      reduction="none", seed=4)
     site = Site(p, entry)
@@ -663,8 +662,6 @@ def test_gpu_large_exact_and_bitwise_deterministic(entry, monkeypatch):
 
 @gpu_only
 def test_gpu_auto_falls_back_to_lean_where_memory_is_short(monkeypatch):
-    from vpce import routing
-
     p = make_problem(512, 64, 1001, dtype=torch.bfloat16, ignore_frac=0.1, reduction="none", seed=5)
     site = Site(p, "ce")
     g = uniform(p, 1.0)

@@ -1,4 +1,5 @@
-"""The distillation's Triton backend (``vpce.distill_triton``) against the float64 oracle and the torch backend.
+"""The distillation's Triton backend (``vpce.triton_backend.distill_forward``) against the float64 oracle and the
+torch backend.
 
 Without CUDA the kernels run through Triton's CPU interpreter (``conftest`` sets ``TRITON_INTERPRET=1``): fp32 and
 fp16 on tiny odd shapes with several 32-column vocab tiles and a ragged last tile, several token chunks with a
@@ -17,7 +18,6 @@ import pytest
 import torch
 
 import vpce
-import vpce.distill_triton as distill_triton
 from problems import leaf
 from test_distillation import errors, make_pair, oracle
 from vpce.reference import reference_distillation, rel_err
@@ -105,10 +105,10 @@ def test_sum_and_lean_mean(divergence, beta):
 
 
 @pytest.mark.parametrize("budget", [1e-5, "lean"], ids=["vocab-blocks", "whole-vocab"])
-def test_lean_token_major(budget, monkeypatch):
+def test_lean_token_major(budget, sizing):
     """More tokens than vocab rows: the lean backward walks token blocks (22 tokens each here), with the vocab in
     two blocks (dX summed in an fp32 block accumulator) or in one (dX in one GEMM)."""
-    monkeypatch.setattr(distill_triton, "LEAN_TOKEN_BLOCK", 22)
+    sizing(lean_token_block=22)
     x = make_pair(50, 9, 14, 45, vocab_size=43, dtype=torch.float32, bias=True, reduction="none", scale=3.0, seed=4)
     check_fp32(x, divergence="jsd", beta=0.3, reduction="none", ce_weight=0.2, softcap=4.0, temperature=1.3,
                memory_budget=budget)
@@ -138,10 +138,10 @@ def test_confident_logits():
 
 @pytest.mark.parametrize("kl", [0, 1, 2])
 def test_combined_heads_equal_the_torch_combine(kl):
-    """``kernels.combine_distill_heads`` (one launch) against ``vpce.distill``'s torch ops, on 1-3 ranks: random
+    """``kernels.combine_distill_heads`` (one launch) against ``vpce.distill_stats``' torch ops, on 1-3 ranks: random
     statistics, a rank whose rows are all padding (max -inf), a row NaN on one rank (NaN out), a poison scalar."""
     from vpce import kernels
-    from vpce.distill import _combine_heads
+    from vpce.distill_stats import _combine_heads
 
     gen = torch.Generator().manual_seed(kl)
     for world in (1, 3):
@@ -243,7 +243,7 @@ def test_cuda_bf16_arithmetic_on_the_same_logits(divergence, beta, reduction, va
     the bf16 logits cuBLAS writes (``F.linear``, the bias in its epilogue), 5e-7 (a few ulps of the fp32 sums; the
     JSD with ``log m`` taken directly was 1.5e-6 off), or no further than torch eager's loss on those logits.
     Against float64 of the exact inputs both inherit the GEMM's error, mostly the tensor cores' accumulation
-    (docs/benchmarks.md, session 12), which this separates out. The float64 math on given logits is the oracle
+    (docs/benchmarks.md, run 2b1e21c), which this separates out. The float64 math on given logits is the oracle
     with the logits as the hidden states and an identity head (every logit one exact product). One H200: vpce
     1e-9 to 2.6e-7, torch eager 1e-9 to 1.3e-7 here (V = 7963; at V = 128256 torch eager's error is the
     larger)."""

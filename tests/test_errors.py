@@ -80,3 +80,31 @@ def test_ignore_index_may_be_any_int_and_targets_must_fit_padded_vocab():
     assert torch.isfinite(loss)
     with pytest.raises(ValueError, match=r"target: expected ids in \[0, 15\)"):
         vpce.linear_cross_entropy(args["hidden"], args["weight"], args["target"], vocab_size=15)
+
+
+@pytest.mark.parametrize("which", ["hidden", "weight", "target"])
+def test_meta_tensors_are_named(which):
+    """A tensor on the meta device (a model built with device="meta", not materialized) gets a ValueError naming
+    the argument and the device, not torch's "unknown device type for autocast"."""
+    tensors = dict(hidden=torch.randn(4, 8), weight=torch.randn(16, 8), target=torch.randint(0, 16, (4,)))
+    if which == "hidden":  # all on meta: hidden is named
+        tensors = {k: t.to("meta") for k, t in tensors.items()}
+        match = r"hidden: expected a tensor with data \(cpu, cuda\), got device meta"
+    else:  # one on meta beside a cpu hidden: the device check names it
+        tensors[which] = tensors[which].to("meta")
+        match = rf"{which}: expected device cpu \(hidden's\), got meta"
+    for fn in (vpce.linear_cross_entropy, vpce.linear_log_probs):
+        with pytest.raises(ValueError, match=match):
+            fn(tensors["hidden"], tensors["weight"], tensors["target"])
+
+
+@pytest.mark.parametrize("memory_budget", ["auto", "lean"])
+def test_double_backward_is_refused_by_name(memory_budget):
+    """create_graph=True: "double backward is not supported", on either route, for both public losses."""
+    h = torch.randn(4, 8, requires_grad=True)
+    w = torch.randn(16, 8, requires_grad=True)
+    y = torch.randint(0, 16, (4,))
+    for loss in (vpce.linear_cross_entropy(h, w, y, memory_budget=memory_budget),
+                 vpce.linear_log_probs(h, w, y, memory_budget=memory_budget).sum()):
+        with pytest.raises(RuntimeError, match="double backward is not supported"):
+            torch.autograd.grad(loss, h, create_graph=True)

@@ -11,14 +11,26 @@ reference logits come from torch's autograd all-gather + ``F.linear`` on the lay
 test_megatron.py), still followed by megatron's loss. Megatron includes padding rows in its softmax, so the padded
 vocab case is checked against the float64 oracle over the gathered weight instead.
 
+The ``gpt-*`` cases run a whole megatron-core ``GPTModel`` (local spec, 2 layers, megatron-core's own attention) on
+the ranks, through ``launch/train_step.py``'s ``build_gpt`` and ``megatron_on_cpu`` (CPU stand-ins for its global
+memory buffer, its CUDA RNG fork and, under SP, the current device; dropout is off): ``forward(input_ids,
+position_ids, attention_mask, labels=labels)`` of the stock model against the same model after
+``vpce.integrations.megatron.apply``: the loss and the gradient of every parameter, untied and tied, with
+``reduction="sum"``/``"mean"`` and ``loss_mask``, a padded vocab (against the stock model built with the real vocab
+and the same weights), ``main_grad``, and sequence parallelism (Megatron's own SP model and vpce's, each against the
+model without SP and the same weights); ``labels=None`` still gives the stock logits, and ``remove`` gives the stock
+model back.
+
 One spawn of ranks per tp size runs every case (megatron-core takes seconds to import); each case is its own test.
 The tp=2 ranks also run the docs' snippet (docs/integrations.md, Megatron-core) as written, in a process group of
 its own, and the parent checks its result against the float64 oracle.
 """
 
+import importlib.util
 import os
 import re
 import socket
+import sys
 from functools import partial
 from pathlib import Path
 
@@ -38,7 +50,8 @@ SEQ_PER_RANK, BATCH, D, ROWS = 5, 3, 24, 29  # ROWS: vocab rows per rank (odd, s
 TOL = 2e-6  # fp32 against fp32 (megatron) or against float64 (oracle)
 CASES = {
     2: ["replicated", "sequence-parallel", "padded-vocab", "padded-vocab-sp", "tied-embedding", "main-grad",
-        "loss-mask", "errors", "doc-snippet"],
+        "loss-mask", "gpt-untied", "gpt-tied", "gpt-padded-vocab", "gpt-main-grad", "gpt-sequence-parallel",
+        "errors", "apply-errors", "doc-snippet"],
     4: ["replicated", "sequence-parallel", "padded-vocab-sp"],
 }
 
@@ -240,6 +253,218 @@ def _case_errors(rank, world):
     return out
 
 
+# -- the whole GPTModel --------------------------------------------------------------------------------------------
+
+GPT_SEQ, GPT_BATCH, GPT_VOCAB = 10, 3, 58  # GPT_VOCAB: the real vocab; 58 = 2 * 29 rows unpadded at tp=2
+
+
+def _train_step():
+    """launch/train_step.py (not a package): build_gpt, megatron_on_cpu, ModelShape."""
+    name = "launch_train_step"
+    if name not in sys.modules:
+        path = Path(__file__).resolve().parents[1] / "launch" / "train_step.py"
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # dataclasses look their module up there
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def _gpt(world, *, tied, rows=GPT_VOCAB, seed=20, sequence_parallel=False):
+    ts = _train_step()
+    shape = ts.ModelShape(vocab=GPT_VOCAB, hidden=D, layers=2, heads=4, kv_heads=2, ffn=2 * D, tied=tied)
+    return ts.build_gpt(shape, world, torch.device("cpu"), seq=GPT_SEQ, seed=seed, attention="local",
+                        padded_vocab=rows, sequence_parallel=sequence_parallel)
+
+
+def _gpt_batch(seed):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, GPT_VOCAB, (GPT_BATCH, GPT_SEQ + 1), generator=gen)
+    position_ids = torch.arange(GPT_SEQ).expand(GPT_BATCH, GPT_SEQ)
+    causal = torch.ones(GPT_SEQ, GPT_SEQ, dtype=torch.bool).triu(1)[None, None]  # True: masked
+    loss_mask = (torch.rand(GPT_BATCH, GPT_SEQ, generator=gen) > 0.25).float()
+    grad = torch.randn(GPT_BATCH, GPT_SEQ, generator=gen)
+    return ids[:, :-1], position_ids, causal, ids[:, 1:], loss_mask, grad
+
+
+def _grads(model):
+    out = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+def _compare_grads(got: dict, want: dict, label: str) -> dict:
+    if set(got) != set(want):
+        return {f"{label}: same parameters got gradients": False}
+    worst = max(want, key=lambda n: rel_err(got[n], want[n]))
+    return {f"{label} ({len(want)} params; worst {worst})": rel_err(got[worst], want[worst])}
+
+
+def _case_gpt(rank, world, tied):
+    """The model's own forward, stock vs after apply: per-token, sum and mean with loss_mask, labels=None, remove."""
+    import vpce.integrations.megatron as vm
+
+    model = _gpt(world, tied=tied)
+    ids, pos, causal, labels, loss_mask, grad = _gpt_batch(21)
+    out = {}
+    per_token = model(ids, pos, causal, labels=labels)
+    per_token.backward(grad)
+    stock = _grads(model)
+    logits = model(ids, pos, causal).detach()
+    sums = {}
+    for reduction in ("sum", "mean"):
+        loss = (per_token.detach() * loss_mask).sum()
+        sums[reduction] = loss / loss_mask.sum() if reduction == "mean" else loss
+        (model(ids, pos, causal, labels=labels) * loss_mask / (loss_mask.sum() if reduction == "mean" else 1)
+         ).sum().backward()
+        sums[reduction + " grads"] = _grads(model)
+
+    vm.apply([model])  # Megatron-LM's list of model chunks
+    out["is_applied"] = vm.is_applied(model) and vm.is_applied([model])
+    got = model(ids, pos, causal, labels=labels)
+    got.backward(grad)
+    out["per-token loss"] = rel_err(got, per_token)
+    out["shape [b, s]"] = got.shape == per_token.shape
+    out.update(_compare_grads(_grads(model), stock, "per-token grads"))
+    for reduction in ("sum", "mean"):
+        vm.apply(model, reduction=reduction)
+        loss = model(ids, pos, causal, labels=labels, loss_mask=loss_mask)
+        loss.backward()
+        out[f"{reduction} loss"] = rel_err(loss, sums[reduction])
+        out.update(_compare_grads(_grads(model), sums[reduction + " grads"], f"{reduction} grads"))
+    out["labels=None: stock logits"] = torch.equal(model(ids, pos, causal).detach(), logits)
+    vm.remove(model)
+    out["removed"] = not vm.is_applied(model) and "_postprocess" not in model.__dict__
+    out["after remove: stock loss"] = torch.equal(model(ids, pos, causal, labels=labels).detach(), per_token.detach())
+    return out
+
+
+def _full(shard, group):
+    return torch.cat(all_gather(shard.detach().contiguous(), group=group))
+
+
+def _case_gpt_padded(rank, world):
+    """A model built with padded rows, apply(vocab_size=real), equals the stock model built with the real vocab and
+    the same weights; the padding rows get zero gradient."""
+    import vpce.integrations.megatron as vm
+    from megatron.core import parallel_state as ps
+
+    group = ps.get_tensor_model_parallel_group()
+    rows = 64  # 32 per rank: the last 6 rows of rank 1 are padding
+    real = _gpt(world, tied=False)
+    padded = _gpt(world, tied=False, rows=rows)
+    vocab_weights = ("embedding.word_embeddings.weight", "output_layer.weight")
+    state = {k: v for k, v in real.state_dict().items() if k not in vocab_weights}
+    padded.load_state_dict(state, strict=False)
+    gen = torch.Generator().manual_seed(22)
+    for name in vocab_weights:
+        full = torch.cat([_full(real.get_parameter(name), group), torch.randn(rows - GPT_VOCAB, D, generator=gen)])
+        with torch.no_grad():
+            padded.get_parameter(name).copy_(full[rank * rows // world:(rank + 1) * rows // world])
+    ids, pos, causal, labels, _, grad = _gpt_batch(23)
+    want = real(ids, pos, causal, labels=labels)
+    want.backward(grad)
+    stock = _grads(real)
+    vm.apply(padded, vocab_size=GPT_VOCAB)
+    got = padded(ids, pos, causal, labels=labels)
+    got.backward(grad)
+    grads = _grads(padded)
+    out = {"loss": rel_err(got, want)}
+    for name in vocab_weights:
+        full = _full(grads.pop(name), group)
+        out[f"{name} grad, real rows"] = rel_err(full[:GPT_VOCAB], _full(stock.pop(name), group))
+        out[f"{name} padding rows: zero grad"] = bool((full[GPT_VOCAB:] == 0).all())
+    out.update(_compare_grads(grads, stock, "other grads"))
+    return out
+
+
+def _case_gpt_main_grad(rank, world):
+    """gradient_accumulation_fusion: two micro-batches through the model's forward add the output layer's fp32
+    gradient into main_grad (megatron-core's DDP hook emulated between them); every other parameter's .grad is
+    the stock one."""
+    import vpce.integrations.megatron as vm
+
+    model = _gpt(world, tied=False)
+    batches = [_gpt_batch(s) for s in (24, 25)]
+    for ids, pos, causal, labels, _, grad in batches:
+        model(ids, pos, causal, labels=labels).backward(grad)
+    stock = _grads(model)
+
+    vm.apply(model)
+    model.config.gradient_accumulation_fusion = True  # built unfused: the decoder's layers keep their own False
+    w = model.output_layer.weight
+    w.main_grad = torch.zeros_like(w, dtype=torch.float32)
+    out = {}
+    for i, (ids, pos, causal, labels, _, grad) in enumerate(batches):
+        w.grad_added_to_main_grad = False
+        model(ids, pos, causal, labels=labels).backward(grad)
+        out[f"micro-batch {i}: grad_added_to_main_grad"] = w.grad_added_to_main_grad is True
+        w.grad = None  # megatron-core's DDP hook: .grad already in main_grad, dropped
+    grads = _grads(model)
+    out["output layer main_grad"] = rel_err(w.main_grad, stock.pop("output_layer.weight"))
+    out.update(_compare_grads(grads, stock, "other grads"))
+    return out
+
+
+def _case_gpt_sp(rank, world):
+    """Sequence parallelism (train_step's SequenceParallelNorm: torch's norm, its weight gradient all-reduced over
+    the group as finalize_model_grads does): Megatron's own SP model and the same model after apply, each against
+    the model without SP and the same weights."""
+    import vpce.integrations.megatron as vm
+    from megatron.core import parallel_state as ps
+
+    group = ps.get_tensor_model_parallel_group()
+    ref, sp = _gpt(world, tied=False), _gpt(world, tied=False, sequence_parallel=True)
+    out = {"same weights": all(torch.equal(a, b) for a, b in zip(ref.parameters(), sp.parameters()))}
+    ids, pos, causal, labels, loss_mask, grad = _gpt_batch(26)
+    want = ref(ids, pos, causal, labels=labels)
+    want.backward(grad)
+    stock = _grads(ref)
+
+    def reduced(model):
+        grads = _grads(model)
+        for name, g in grads.items():
+            if getattr(model.get_parameter(name), "sequence_parallel", False):
+                dist.all_reduce(g, group=group)
+        return grads
+
+    for label in ("megatron SP", "vpce SP"):
+        if label == "vpce SP":
+            vm.apply(sp)
+        got = sp(ids, pos, causal, labels=labels)
+        got.backward(grad)
+        out[f"{label}: loss"] = rel_err(got, want)
+        out.update(_compare_grads(reduced(sp), stock, f"{label}: grads"))
+    vm.apply(sp, reduction="sum")
+    loss = sp(ids, pos, causal, labels=labels, loss_mask=loss_mask)
+    loss.backward()
+    out["vpce SP, sum with loss_mask: loss"] = rel_err(loss, (want.detach() * loss_mask).sum())
+    ref(ids, pos, causal, labels=labels).backward(loss_mask)
+    out.update(_compare_grads(reduced(sp), _grads(ref), "vpce SP, sum with loss_mask: grads"))
+    return out
+
+
+def _case_apply_errors(rank, world):
+    import vpce.integrations.megatron as vm
+
+    model = _gpt(world, tied=False)
+    calls = {
+        "not a model": lambda: vm.apply(torch.nn.Linear(2, 2)),
+        "reduction": lambda: vm.apply(model, reduction="avg"),
+        "vocab_size too large": lambda: vm.apply(model, vocab_size=GPT_VOCAB + 1),
+        "vocab_size not int": lambda: vm.apply(model, vocab_size=57.0),
+        "unknown option": lambda: vm.apply(model, group=None),
+    }
+    out = {}
+    for name, call in calls.items():
+        try:
+            call()
+            out[name] = "no error"
+        except (ValueError, TypeError) as e:
+            out[name] = f"{type(e).__name__}: {e}"
+    return out, not vm.is_applied(model)
+
+
 def _main(rank, world, cases):
     from megatron.core import parallel_state as ps
 
@@ -253,8 +478,15 @@ def _main(rank, world, cases):
         "main-grad": lambda: _case_main_grad(rank, world),
         "loss-mask": lambda: _case_loss_mask(rank, world),
         "errors": lambda: _case_errors(rank, world),
+        "gpt-untied": lambda: _case_gpt(rank, world, tied=False),
+        "gpt-tied": lambda: _case_gpt(rank, world, tied=True),
+        "gpt-padded-vocab": lambda: _case_gpt_padded(rank, world),
+        "gpt-main-grad": lambda: _case_gpt_main_grad(rank, world),
+        "gpt-sequence-parallel": lambda: _case_gpt_sp(rank, world),
+        "apply-errors": lambda: _case_apply_errors(rank, world),
     }
-    results = {case: run[case]() for case in cases if case != "doc-snippet"}
+    with _train_step().megatron_on_cpu():
+        results = {case: run[case]() for case in cases if case != "doc-snippet"}
     dist.barrier()
     ps.destroy_model_parallel()
     if "doc-snippet" in cases:
@@ -309,7 +541,7 @@ def _results(world, case):
 
 
 @pytest.mark.parametrize("world,case", [(w, c) for w, cases in CASES.items() for c in cases
-                                        if c not in ("errors", "doc-snippet")])
+                                        if c not in ("errors", "apply-errors", "doc-snippet")])
 def test_same_as_megatron(world, case):
     for rank, checks in _results(world, case):
         for name, value in checks.items():
@@ -331,6 +563,18 @@ def test_bad_arguments_raise():
         assert messages["weight= wrong shape"].startswith("ValueError: weight"), messages
         assert messages["loss_mask wrong shape"].startswith("ValueError: loss_mask"), messages
         assert messages["not an output layer"].startswith("TypeError: output_layer"), messages
+
+
+def test_apply_bad_arguments_raise():
+    for rank, (messages, unpatched) in _results(2, "apply-errors"):
+        assert unpatched, f"rank {rank}: a refused apply left the model patched"
+        for name, msg in messages.items():
+            assert msg != "no error", f"rank {rank}: {name} did not raise"
+        assert messages["not a model"].startswith("TypeError: model: expected a megatron-core GPTModel"), messages
+        assert messages["reduction"].startswith("ValueError: reduction"), messages
+        assert messages["vocab_size too large"].startswith("ValueError: vocab_size"), messages
+        assert messages["vocab_size not int"].startswith("TypeError: vocab_size"), messages
+        assert messages["unknown option"].startswith("TypeError: apply: unexpected options ['group']"), messages
 
 
 def test_docs_snippet_runs_and_is_exact():

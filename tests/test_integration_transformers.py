@@ -9,6 +9,7 @@ import copy
 import inspect
 import pathlib
 import re
+import warnings
 
 import pytest
 import torch
@@ -17,45 +18,18 @@ from compare import assert_close, assert_grads_close, rel_err
 
 transformers = pytest.importorskip("transformers")
 
+import hf_models  # noqa: E402
+from hf_models import AUX_COEF, FAMILIES, MOE_FAMILIES, SCALED, SOFTCAP, SOFTCAPPED, V  # noqa: E402
 from vpce.integrations import transformers as vt  # noqa: E402
 from vpce.memory import PeakMemory  # noqa: E402
 
-V, D, B, S = 509, 32, 3, 17
+B, S = 3, 17
 LOSS_RTOL, GRAD_RTOL = 1e-5, 1e-4
-SOFTCAP = 3.0  # logits reach ~6 at initializer_range=0.2, so the cap changes the loss by far more than the tolerance
-SCALE = 2.5    # Cohere multiplies its logits by it, Granite divides by 1 / SCALE: far from 1 for the same reason
-TOKENS = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}  # inside the tiny vocab
-
-FAMILIES = {
-    "llama": ("LlamaForCausalLM", "LlamaConfig", {}),
-    "mistral": ("MistralForCausalLM", "MistralConfig", {"sliding_window": 8}),
-    "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", {}),
-    "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", {"head_dim": 8}),
-    "gemma2": ("Gemma2ForCausalLM", "Gemma2Config",
-               {"head_dim": 8, "query_pre_attn_scalar": 8, "sliding_window": 8, "final_logit_softcapping": SOFTCAP}),
-    "gemma3": ("Gemma3ForCausalLM", "Gemma3TextConfig",
-               {"head_dim": 8, "sliding_window": 8, "final_logit_softcapping": SOFTCAP}),
-    "cohere": ("CohereForCausalLM", "CohereConfig", {"logit_scale": SCALE, **TOKENS}),
-    "cohere2": ("Cohere2ForCausalLM", "Cohere2Config", {"logit_scale": SCALE, "head_dim": 8, "sliding_window": 8,
-                                                        **TOKENS}),
-    "granite": ("GraniteForCausalLM", "GraniteConfig", {"logits_scaling": 1 / SCALE}),
-    "phi3": ("Phi3ForCausalLM", "Phi3Config", TOKENS),
-    "olmo2": ("Olmo2ForCausalLM", "Olmo2Config", TOKENS),
-}
-SOFTCAPPED = ["gemma2", "gemma3"]
-SCALED = ["cohere", "cohere2", "granite"]
 
 
 def build(family: str, *, tie: bool = False, vocab: int = V, seed: int = 0, **vpce_options):
     """(patched, stock): one tiny fp32 model of ``family`` and an unpatched deep copy of it."""
-    model_cls, config_cls, extra = FAMILIES[family]
-    config = getattr(transformers, config_cls)(
-        vocab_size=vocab, hidden_size=D, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.2, tie_word_embeddings=tie,
-        attn_implementation="eager", **extra)
-    torch.manual_seed(seed)
-    model = getattr(transformers, model_cls)(config).float()
-    stock = copy.deepcopy(model)
+    model, stock = hf_models.pair(family, tie=tie, vocab=vocab, seed=seed)
     return vt.apply(model, **vpce_options), stock
 
 
@@ -81,7 +55,7 @@ def step(model, ids, mask, labels, **kwargs):
 def test_loss_and_grads_match_stock(family, tie):
     patched, stock = build(family, tie=tie)
     assert vt.is_applied(patched) and not vt.is_applied(stock)
-    tied = patched.lm_head.weight is patched.model.embed_tokens.weight
+    tied = patched.lm_head.weight is patched.get_input_embeddings().weight
     assert tied == tie, f"tie_word_embeddings={tie} but lm_head.weight is embed_tokens.weight: {tied}"
     ids, mask, labels = make_batch()
     got, want = step(patched, ids, mask, labels), step(stock, ids, mask, labels)
@@ -111,7 +85,7 @@ def test_logit_scale_is_the_models(family):
     read at every call (stock reads them there too); leaving the scale out fails the same tolerance (control)."""
     patched, stock = build(family)
     ids, mask, labels = make_batch()
-    if family == "granite":
+    if family.startswith("granite"):
         patched.config.logits_scaling = stock.config.logits_scaling = 0.25  # after apply: followed
     else:
         patched.logit_scale = stock.logit_scale = 3.0
@@ -202,7 +176,7 @@ def test_adamw_steps_track_stock(family, tie):
         moved, diff = (q - start[name]).abs().max().item(), (p - q).abs().max().item()
         assert moved > 10 * tol, f"{name} moved only {moved:.2e}: the comparison below would be weak"
         assert diff <= tol, f"{name}: differs by {diff:.2e} after {steps} AdamW steps (> {tol:.1e})"
-    assert (patched.lm_head.weight is patched.model.embed_tokens.weight) == tie
+    assert (patched.lm_head.weight is patched.get_input_embeddings().weight) == tie
 
 
 def test_without_labels_is_stock():
@@ -278,7 +252,7 @@ def test_autocast_bf16():
 
 def test_apply_rejects_what_it_cannot_honour():
     patched, stock = build("llama")
-    with pytest.raises(TypeError, match="expected an instance of one of"):
+    with pytest.raises(TypeError, match="expected a transformers causal LM"):
         vt.apply(torch.nn.Linear(2, 2))
     with pytest.raises(TypeError, match="expected keywords among"):
         vt.apply(stock, reduction="sum")
@@ -288,6 +262,76 @@ def test_apply_rejects_what_it_cannot_honour():
     with pytest.raises(ValueError, match="ForCausalLMLoss"):
         vt.apply(stock)
     assert not vt.is_applied(stock)
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_router_aux_loss_is_stocks(family):
+    """MoE families: vpce's loss is its cross-entropy plus ``router_aux_loss_coef * aux_loss``, as stock; the
+    output's ``aux_loss`` and ``router_logits`` are stock's. Control: the cross-entropy alone differs."""
+    patched, stock = build(family)
+    ids, mask, labels = make_batch()
+    got, want = step(patched, ids, mask, labels), step(stock, ids, mask, labels)
+    assert want.aux_loss is not None and got.aux_loss is not None
+    assert_close(got.aux_loss, want.aux_loss, LOSS_RTOL, "aux_loss")
+    assert len(got.router_logits) == len(want.router_logits)
+    assert_close(got.loss, want.loss, LOSS_RTOL, f"{family} loss with aux")
+    assert_grads_close(patched, stock, GRAD_RTOL)
+    err, _ = rel_err(got.loss - AUX_COEF * got.aux_loss, want.loss)
+    assert err > 100 * LOSS_RTOL, f"the loss without the aux term is within {err:.1e} of stock's: weak test"
+    off = patched(input_ids=ids, attention_mask=mask, labels=labels, output_router_logits=False)
+    assert off.aux_loss is None
+    assert_close(off.loss, got.loss - AUX_COEF * got.aux_loss, LOSS_RTOL, "loss without router logits")
+
+
+def test_refuses_a_logits_transform_it_does_not_reproduce():
+    """The first forward checks stock's logits against vpce's transform: a soft cap in the config that Llama's
+    forward does not apply is refused there, by name, before any loss is returned."""
+    patched, stock = build("llama")
+    patched.config.final_logit_softcapping = SOFTCAP  # vpce would cap; stock Llama does not
+    ids, mask, labels = make_batch()
+    with pytest.raises(TypeError, match="transforms lm_head's output in a way vpce does not reproduce"):
+        patched(input_ids=ids, attention_mask=mask, labels=labels)
+    patched.config.final_logit_softcapping = None
+    assert_close(patched(input_ids=ids, attention_mask=mask, labels=labels).loss,
+                 stock(input_ids=ids, attention_mask=mask, labels=labels).loss, LOSS_RTOL, "loss after the fix")
+
+
+@pytest.mark.parametrize("name,match", [
+    ("BartForCausalLM", "computes its loss with its own code"),
+    ("BambaForCausalLM", "z-loss of its own"),
+])
+def test_refuses_a_forward_it_cannot_reproduce(name, match):
+    """Classes whose forward is not ``self.loss_function`` of ``lm_head``'s logits are refused at ``apply``,
+    naming the reason and the alternative (vpce.linear_cross_entropy on the hidden states)."""
+    cls = getattr(transformers, name)
+    model = cls.__new__(cls)  # only the class's forward and lm_head are read; nothing is run
+    torch.nn.Module.__init__(model)
+    model.config = transformers.PretrainedConfig()
+    model.lm_head = torch.nn.Linear(4, 8)
+    model.get_output_embeddings = lambda: model.lm_head
+    with pytest.raises(TypeError, match=match) as info:
+        vt.apply(model)
+    assert "vpce.linear_cross_entropy" in str(info.value)
+
+
+def test_refuses_a_head_that_is_not_linear():
+    patched, stock = build("llama")
+    stock.lm_head = torch.nn.Sequential(torch.nn.Linear(hf_models.D, V))
+    with pytest.raises(TypeError, match="expected a torch.nn.Linear"):
+        vt.apply(stock)
+
+
+def test_training_forward_without_labels_warns_once():
+    patched, _ = build("llama")
+    ids, mask, _ = make_batch()
+    with pytest.warns(UserWarning, match=r"built the \[tokens, vocab\] logits") as caught:
+        patched(input_ids=ids, attention_mask=mask)
+        patched(input_ids=ids, attention_mask=mask)
+    assert len([w for w in caught if "vpce" in str(w.message)]) == 1
+    patched.eval()
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        patched(input_ids=ids, attention_mask=mask)  # inference (generate): no warning
 
 
 def test_docs_snippet_runs():

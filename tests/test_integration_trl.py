@@ -160,13 +160,27 @@ def test_vocab_parallel_head():
 
 
 def test_docs_snippet_runs():
-    """docs/integrations.md's TRL snippet runs as written."""
+    """docs/integrations.md's TRL snippet runs as written, and trains every completion token: each row is the 3
+    prompt words, the 4 completion words and EOS (8 tokens, 32 a step), and its labels are exactly the completion's
+    (a completion without its leading space once merged into the prompt's last word, and TRL dropped a token)."""
     import pathlib
+    import warnings
 
     text = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "integrations.md").read_text()
     start = text.index("tested-by: tests/test_integration_trl.py::test_docs_snippet_runs -->")
     code = text[start:].split("```python\n", 1)[1].split("```", 1)[0]
+    namespace = {"__name__": "__snippet__"}
     try:
-        exec(compile(code, "integrations.md:TRL", "exec"), {"__name__": "__snippet__"})
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            exec(compile(code, "integrations.md:TRL", "exec"), namespace)
     finally:
         vtrl.remove()
+    trainer, tokenizer = namespace["trainer"], namespace["tokenizer"]
+    completion = tokenizer("w4 w5 w6 w7")["input_ids"] + [tokenizer.eos_token_id]
+    for row in trainer.train_dataset:
+        assert len(row["input_ids"]) == 8, row
+        assert [t for t in row["labels"] if t != -100] == completion, row
+    steps = [e for e in trainer.state.log_history if "num_tokens" in e]
+    assert [e["num_tokens"] for e in steps] == [32.0 * (i + 1) for i in range(len(steps))], steps
+    assert not [w for w in caught if "left out" in str(w.message) or "mismatch" in str(w.message)], caught

@@ -63,7 +63,7 @@ def _gpu_scenario():
     n, d, v = 65536, 2048, 16001
     p = make_problem(n, d, v, dtype=torch.bfloat16, ignore_frac=0.1, seed=5)
     h, w, t = p.hidden.cuda(), p.weight.cuda(), p.target.cuda()
-    from vpce.triton_backend import fast_route_bytes
+    from vpce.routing import fast_route_bytes
 
     need = fast_route_bytes(n, d, v, torch.bfloat16, (True, True, False), LossOptions())
 

@@ -118,3 +118,85 @@ def test_wheel_in_fresh_venv_runs_sharded_example(dists, tmp_path):
     ok = dict(re.findall(r"rank (\d) of 2: OK, loss \S+, vpce \S+ from (\S+?/vpce/__init__\.py)", run.stdout))
     assert sorted(ok) == ["0", "1"], run.stdout
     assert all(Path(f).is_relative_to(env_dir) for f in ok.values()), f"not the venv's vpce: {ok}"
+
+
+#: vpce's extras and what each must pin (README.md's install table says the same; test_readme_lists_every_extra).
+EXTRAS = {
+    "test": {"pytest>=8", "pytest-timeout>=2", "numpy", "triton>=3.2", "megatron-core==0.16.1",
+             "transformers<6,>=4.57", "build", "matplotlib", "accelerate>=1.1"},
+    "bench": {"matplotlib", "numpy"},
+    "megatron": {"megatron-core>=0.12"},
+    "transformers": {"transformers<6,>=4.57", "accelerate>=1.1"},
+    "torchtune": {"torchtune==0.6.1", "torchao<0.16,>=0.13"},
+    "trl": {"trl==1.16.0"},
+}
+
+
+def _wheel_extras(wheel: Path) -> dict[str, set[str]]:
+    with zipfile.ZipFile(wheel) as whl:
+        meta = whl.read(f"vpce-{VERSION}.dist-info/METADATA").decode()
+    out: dict[str, set[str]] = {name: set() for name in re.findall(r"(?m)^Provides-Extra: (\S+)$", meta)}
+    for req, extra in re.findall(r"""(?m)^Requires-Dist: (.*?); extra == "([^"]+)"$""", meta):
+        out[extra].add(req.replace(" ", ""))
+    return out
+
+
+def test_wheel_declares_every_extra_with_its_pins(dists):
+    assert _wheel_extras(dists["wheel"]) == {k: {r.replace(" ", "") for r in v} for k, v in EXTRAS.items()}
+
+
+def test_readme_lists_every_extra():
+    """README.md's install section names every extra with its pins, as the wheel declares them."""
+    install = (ROOT / "README.md").read_text().split("## Install", 1)[1].split("\n## ", 1)[0]
+    for extra, reqs in EXTRAS.items():
+        row = next((line for line in install.splitlines() if line.startswith(f"| `{extra}` |")), None)
+        assert row is not None, f"README.md's install table has no row for the `{extra}` extra"
+        for req in reqs:
+            name = re.split(r"[<>=!~]", req, maxsplit=1)[0]
+            pins = re.findall(r"[<>=!~]=?[^,<>=!~]+", req)
+            assert name in row and all(p in row.replace(" ", "") for p in pins), f"{extra}: {req} not in {row}"
+
+
+def _offline_indexes() -> list[str]:
+    """The pip indexes on this machine's disk (``file://`` URLs in ``pip config``): the test stays offline."""
+    out = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True, timeout=60)
+    urls = [u for line in out.stdout.splitlines() if "index-url" in line
+            for u in line.split("=", 1)[1].strip("'\" ").split() if u.startswith("file://")]
+    return [a for i, u in enumerate(urls) for a in (("--index-url" if i == 0 else "--extra-index-url"), u)]
+
+
+@pytest.fixture(scope="module")
+def bare_venv(tmp_path_factory) -> Path:
+    env_dir = tmp_path_factory.mktemp("extras") / "venv"
+    venv.create(env_dir, system_site_packages=True, with_pip=False)
+    return env_dir / "bin" / "python"
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="venv layout")
+@pytest.mark.parametrize("extra", list(EXTRAS))
+def test_every_extra_resolves_from_the_wheel(dists, bare_venv, extra, tmp_path):
+    """``pip install "vpce[<extra>] @ file://<wheel>"`` into a fresh venv resolves (``--dry-run``), offline: from
+    the wheel, what is installed, and the pip indexes on this machine's disk. A requirement that only PyPI has
+    (torchtune's tree pulls kagglesdk) skips that extra, naming it; any other failure fails."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "TRITON_INTERPRET")}
+    indexes = _offline_indexes() or ["--no-index"]
+    cmd = [sys.executable, "-m", "pip", "--python", bare_venv, "install", "--dry-run", "--disable-pip-version-check",
+           *indexes, "--find-links", dists["wheel"].parent, f"vpce[{extra}] @ {dists['wheel'].as_uri()}"]
+    out = subprocess.run([str(c) for c in cmd], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+    if out.returncode != 0:
+        absent = re.findall(r"No matching distribution found for (\S+)", out.stderr)
+        if absent and "--no-index" not in indexes:
+            pytest.skip(f"vpce[{extra}] needs {absent[0]}, which is neither installed nor in this machine's offline "
+                        f"indexes (PyPI has it)")
+        pytest.fail(f"vpce[{extra}] does not resolve:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
+    assert re.search(rf"Would install .*vpce-{re.escape(VERSION)}", out.stdout), out.stdout[-2000:]
+
+
+def test_install_from_a_path_resolves(bare_venv, tmp_path):
+    """README's `pip install "vpce[trl] @ file:///path/to/vpce"` (the same as `pip install ".[trl]"` in the clone):
+    pip builds the metadata from the source tree and resolves the extra, offline (``--dry-run``)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "TRITON_INTERPRET")}
+    cmd = [sys.executable, "-m", "pip", "--python", bare_venv, "install", "--dry-run", "--disable-pip-version-check",
+           "--no-build-isolation", *(_offline_indexes() or ["--no-index"]), f"vpce[trl] @ {ROOT.as_uri()}"]
+    out = _run(cmd, cwd=tmp_path, env=env)
+    assert re.search(rf"Would install .*vpce-{re.escape(VERSION)}", out.stdout), out.stdout[-2000:]

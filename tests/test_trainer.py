@@ -127,3 +127,77 @@ def test_docs_trainer_snippet_runs():
     """docs/integrations.md's Trainer snippet runs as written (it compares the logged losses with stock)."""
     code = _snippet("docs/integrations.md", "test_docs_trainer_snippet_runs")
     exec(compile(code, "integrations.md:Trainer", "exec"), {"__name__": "__snippet__"})
+
+
+# -- every family, two Trainer steps -------------------------------------------------------------------------------
+
+import hf_models  # noqa: E402
+
+
+def two_steps(model, tmp_path, name: str, **trainer_kwargs):
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / name), max_steps=2, per_device_train_batch_size=BATCH, gradient_accumulation_steps=2,
+        learning_rate=LR, lr_scheduler_type="constant", logging_steps=1, report_to=[], save_strategy="no", seed=0,
+        data_seed=0, use_cpu=True, dataloader_num_workers=0, disable_tqdm=True,
+        **{k: trainer_kwargs.pop(k) for k in ("label_smoothing_factor",) if k in trainer_kwargs})
+    return transformers.Trainer(model=model, args=args, train_dataset=Rows(2 * BATCH * 2), **trainer_kwargs)
+
+
+def logged(trainer):
+    trainer.train()
+    return [(e["loss"], e["grad_norm"]) for e in trainer.state.log_history if "loss" in e]
+
+
+@pytest.mark.parametrize("family", list(hf_models.FAMILIES))
+def test_every_family_two_trainer_steps_match_stock(family, tmp_path):
+    """Each family's patched model, trained by Trainer for 2 steps (gradient accumulation on), logs stock's losses
+    and gradient norms (MoE families: router aux loss included, as stock adds it)."""
+    model, stock = hf_models.pair(family)
+    got = logged(two_steps(apply(model), tmp_path, "vpce"))
+    want = logged(two_steps(stock, tmp_path, "stock"))
+    assert len(got) == len(want) == 2, (got, want)
+    for i, ((loss, norm), (stock_loss, stock_norm)) in enumerate(zip(got, want), 1):
+        assert rel(loss, stock_loss) <= LOSS_RTOL, f"{family} step {i} loss: vpce {loss} vs stock {stock_loss}"
+        assert rel(norm, stock_norm) <= 1e-4, f"{family} step {i} grad_norm: vpce {norm} vs stock {stock_norm}"
+
+
+def test_label_smoothing_factor_becomes_vpces(tmp_path):
+    """apply(trainer) maps Trainer's label_smoothing_factor onto vpce's label_smoothing: the logged losses are those
+    of stock Trainer's LabelSmoother (the same definition), with no logits. Control: without smoothing the gradient
+    norms differ (the loss of a near-uniform random model hardly moves)."""
+    model, stock = hf_models.pair("llama")
+    trainer = apply(two_steps(model, tmp_path, "vpce", label_smoothing_factor=0.1))
+    assert trainer.label_smoother is None and is_applied(trainer)
+    got = logged(trainer)
+    want = logged(two_steps(stock, tmp_path, "stock", label_smoothing_factor=0.1))
+    plain = logged(two_steps(hf_models.model("llama"), tmp_path, "plain"))
+    for (loss, norm), (stock_loss, stock_norm), (_, plain_norm) in zip(got, want, plain):
+        assert rel(loss, stock_loss) <= LOSS_RTOL and rel(norm, stock_norm) <= 1e-4, (got, want)
+        assert rel(plain_norm, stock_norm) > 100 * 1e-4, f"smoothing changes the grad norm too little: {plain}"
+
+
+def test_label_smoothing_factor_with_apply_model_is_refused_at_the_first_step(tmp_path):
+    trainer = two_steps(apply(hf_models.model("llama")), tmp_path, "vpce", label_smoothing_factor=0.1)
+    with pytest.raises(ValueError, match=r"label_smoothing_factor=0.1.*apply\(trainer\)"):
+        trainer.train()
+
+
+def test_compute_metrics_is_refused_never_given_an_empty_tuple(tmp_path):
+    """compute_metrics needs logits: apply(trainer) refuses it at once; a model patched before the Trainer was
+    built raises at the first evaluation step, before compute_metrics could receive ``predictions == ()``."""
+    seen = []
+
+    def metrics(prediction):
+        seen.append(prediction)
+        return {}
+
+    trainer = two_steps(hf_models.model("llama"), tmp_path, "a", compute_metrics=metrics, eval_dataset=Rows(2))
+    with pytest.raises(ValueError, match="compute_metrics needs the .tokens, vocab. logits"):
+        apply(trainer)
+    assert not is_applied(trainer)
+    trainer = two_steps(apply(hf_models.model("llama")), tmp_path, "b", compute_metrics=metrics, eval_dataset=Rows(2))
+    with pytest.raises(ValueError, match="compute_metrics needs the .tokens, vocab. logits"):
+        trainer.evaluate()
+    assert not seen
+    trainer.args.prediction_loss_only = True  # eval_loss only: vpce's, no logits
+    assert "eval_loss" in trainer.evaluate()

@@ -89,26 +89,21 @@ def test_vocab_a_multiple_of_the_tile(dtype, budget):
 
 
 @pytest.mark.parametrize("blocks", ["one-vocab-block", "many-blocks"])
-def test_lean_backward_token_major(monkeypatch, blocks):
+def test_lean_backward_token_major(sizing, blocks):
     # N > V_local: the lean backward walks token blocks (dX finished per block, dW summed in fp32); small blocks
     # give several token blocks (110 tokens: 48 + 48 + a ragged 14) and, for "many-blocks", several vocab blocks
     # per token block (32 + 32 + 19 of the 83 vocab rows)
-    from vpce import triton_backend
-
-    monkeypatch.setattr(triton_backend, "LEAN_TOKEN_BLOCK", 48)
+    sizing(lean_token_block=48)
     if blocks == "many-blocks":
-        monkeypatch.setattr(triton_backend, "LEAN_BLOCK_GIB", 1e-9)  # one tile column per vocab block
+        sizing(lean_block_gib=1e-9)  # one tile column per vocab block
     p = make_problem(110, 24, 90, dtype=torch.float32, bias=True, vocab_size=83, ignore_frac=0.2, scale=20.0,
                      seed=8)
     check(p, reduction="mean", memory_budget="lean", **VARIANTS["all"])
     check(p, reduction="none", memory_budget="auto")
 
 
-def test_lean_backward_token_major_class_weight(monkeypatch):
-    from vpce import triton_backend
-
-    monkeypatch.setattr(triton_backend, "LEAN_TOKEN_BLOCK", 48)
-    monkeypatch.setattr(triton_backend, "LEAN_BLOCK_GIB", 1e-9)
+def test_lean_backward_token_major_class_weight(sizing):
+    sizing(lean_token_block=48, lean_block_gib=1e-9)
     p = make_problem(130, 16, 70, dtype=torch.float32, bias=True, vocab_size=66, ignore_frac=0.2, seed=4)
     cw = torch.rand(70, generator=torch.Generator().manual_seed(1), dtype=torch.float64) * 2
     h, w, b = (leaf(x.to(DEV)) for x in (p.hidden, p.weight, p.bias))
@@ -121,11 +116,8 @@ def test_lean_backward_token_major_class_weight(monkeypatch):
         assert rel_err(got, want) <= 2e-5, f"{name}: {rel_err(got, want):.2e}"
 
 
-def test_lean_backward_token_major_main_grad(monkeypatch):
-    from vpce import triton_backend
-
-    monkeypatch.setattr(triton_backend, "LEAN_TOKEN_BLOCK", 48)
-    monkeypatch.setattr(triton_backend, "LEAN_BLOCK_GIB", 1e-9)
+def test_lean_backward_token_major_main_grad(sizing):
+    sizing(lean_token_block=48, lean_block_gib=1e-9)
     p = make_problem(150, 16, 70, dtype=torch.float32, vocab_size=64, ignore_frac=0.1, seed=3)
     w = torch.nn.Parameter(p.weight.to(DEV))
     w.main_grad = torch.zeros(w.shape, dtype=torch.float32, device=DEV)

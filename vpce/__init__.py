@@ -1,11 +1,12 @@
 """vpce: exact vocab-parallel fused linear + cross-entropy that never materializes [tokens, vocab] logits.
 
-Layout: ``api`` (the public functions and module, argument checks), ``routing`` (the route of a call),
-``parallel`` (the agreement between ranks, shard ranges, statistics exchange, autograd-aware collectives),
-``autograd`` (the autograd shells), ``torch_backend`` (pure-PyTorch chunked backend, the CPU path),
-``triton_backend`` and ``kernels`` (fused GPU kernels), ``reference`` (the float64 reference), ``nn`` (torch's
-``linear_cross_entropy`` / ``LinearCrossEntropyLoss`` signatures on vpce), ``post_training`` (losses of log-probs:
-any ``loss_fn``, GRPO, DPO), ``bench`` (``python -m vpce.bench``).
+Layout (docs/design.md has the map): ``api``, ``distill`` and ``post_training`` (the public functions and their option checks),
+``prepare`` (call preparation under both: checks, autocast, the route, the agreement), ``routing`` (the plan of a
+call: route and sizes), ``parallel`` (the agreement between ranks, shard ranges, statistics exchange,
+autograd-aware collectives), ``autograd`` (the autograd shells), ``torch_backend`` (pure-PyTorch chunked backend,
+the CPU path), ``triton_backend`` and ``kernels`` (fused GPU kernels), ``reference`` (the float64 reference),
+``nn`` (torch's ``linear_cross_entropy`` / ``LinearCrossEntropyLoss`` signatures on vpce), ``bench``
+(``python -m vpce.bench``).
 """
 
 from . import nn

@@ -11,70 +11,21 @@ collectives, and calls the autograd shell (``vpce.autograd``) or, under ``torch.
 from __future__ import annotations
 
 import dataclasses
-import math
-import numbers
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import torch
 
-from . import parallel, speculation
+from . import speculation
 from .autograd import LinearCrossEntropyFunction, LinearLogProbsFunction, accumulation_dtype
 from .grads import check_main_grad
-from .options import BACKENDS, BUDGET_NAMES, METRICS, REDUCTIONS, LogProbOptions, LossOptions
-from .parallel import CallFacts
-from .routing import Call, Plan, plan_cross_entropy, plan_log_probs, resolve_backend, settle, settle_by_memory
+from .options import BACKENDS, METRICS, REDUCTIONS, LogProbOptions, LossOptions
+from .prepare import Entry, check_bool, check_class_weight, check_int, check_logit_scale, check_memory_budget, \
+    check_number, check_token_weight, enter, prepare_call
+from .routing import plan_cross_entropy, plan_log_probs, settle_by_memory, size_cross_entropy, size_log_probs
 
 __all__ = ["linear_cross_entropy", "linear_log_probs", "LinearCrossEntropy", "CrossEntropyOutput"]
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
-
-
-def check_number(name: str, value, *, low=None, low_open=False, high_open=None, allow_none=False, high=None):
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name}: expected a real number, got {type(value).__name__} {value!r}")
-    if value != value:
-        raise ValueError(f"{name}: expected a number, got NaN")
-    if low is not None and (value < low or (low_open and value == low)):
-        raise ValueError(f"{name}: expected {'>' if low_open else '>='} {low}, got {value}")
-    if high_open is not None and value >= high_open:
-        raise ValueError(f"{name}: expected < {high_open}, got {value}")
-    if high is not None and value > high:
-        raise ValueError(f"{name}: expected <= {high}, got {value}")
-
-
-def check_int(name: str, value, *, low=None, allow_none=True):
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name}: expected an int, got {type(value).__name__} {value!r}")
-    if low is not None and value < low:
-        raise ValueError(f"{name}: expected an int >= {low}, got {value}")
-
-
-def check_bool(name: str, value):
-    if not isinstance(value, bool):
-        raise TypeError(f"{name}: expected a bool, got {type(value).__name__}")
-
-
-def check_memory_budget(value):
-    """``"auto"``, ``"fast"``, ``"lean"``, or a number of GiB ``> 0`` (returned as a float)."""
-    if isinstance(value, str):
-        if value not in BUDGET_NAMES:
-            raise ValueError(f"memory_budget: expected one of {BUDGET_NAMES} or a positive number of GiB, "
-                             f"got {value!r}")
-        return value
-    check_number("memory_budget", value, low=0.0, low_open=True)
-    return float(value)
-
-
-def _check_logit_scale(value):
-    """A finite number > 0: it multiplies the logits (a negative one would turn the ranking upside down, and 0
-    would make every class equally likely whatever the inputs; negate or zero the weight for that)."""
-    check_number("logit_scale", value, low=0.0, low_open=True)
-    if math.isinf(value):
-        raise ValueError(f"logit_scale: expected a finite number > 0, got {value}")
 
 
 def make_options(*, ignore_index=-100, reduction="mean", label_smoothing=0.0, z_loss=0.0, softcap=None,
@@ -92,7 +43,7 @@ def make_options(*, ignore_index=-100, reduction="mean", label_smoothing=0.0, z_
     check_number("z_loss", z_loss, low=0.0)
     check_number("softcap", softcap, low=0.0, low_open=True, allow_none=True)
     memory_budget = check_memory_budget(memory_budget)
-    _check_logit_scale(logit_scale)
+    check_logit_scale(logit_scale)
     return LossOptions(ignore_index=int(ignore_index), reduction=reduction,
                        label_smoothing=float(label_smoothing), z_loss=float(z_loss),
                        softcap=None if softcap is None else float(softcap), memory_budget=memory_budget,
@@ -111,161 +62,6 @@ class CrossEntropyOutput(NamedTuple):
     """1 where the target is the argmax of the logits (ties to the lowest global id, as ``torch.argmax``)."""
     entropy: torch.Tensor | None = None
     """The entropy of the softmax, ``lse - sum_j p_j z_j``."""
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _check_tensors(hidden, weight, target, bias, world: int, sequence_parallel: bool, backend: str):
-    for name, t in (("hidden", hidden), ("weight", weight), ("target", target)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if bias is not None and not isinstance(bias, torch.Tensor):
-        raise TypeError(f"bias: expected a torch.Tensor or None, got {type(bias).__name__}")
-    floats = _FLOATS + ((torch.float64,) if backend == "torch" else ())
-    if hidden.dtype not in floats:
-        raise TypeError(f"hidden: expected dtype in {[str(f) for f in floats]} for backend {backend!r}, "
-                        f"got {hidden.dtype}")
-    if hidden.dim() < 1:
-        raise ValueError("hidden: expected shape [..., D], got a 0-d tensor")
-    if weight.dim() != 2:
-        raise ValueError(f"weight: expected shape [V_local, D], got {tuple(weight.shape)}")
-    if weight.shape[1] != hidden.shape[-1]:
-        hint = ""
-        if hidden.shape[-1] == weight.shape[0] != weight.shape[1]:
-            hint = (f" (hidden's last dim {hidden.shape[-1]} is the vocab size: pass the hidden states that go into "
-                    f"the lm_head, not its logits)")
-        raise ValueError(f"weight: expected shape [V_local, {hidden.shape[-1]}] to match hidden's last dim, "
-                         f"got {tuple(weight.shape)}{hint}")
-    if weight.shape[0] == 0 and world == 1:
-        raise ValueError("weight: expected at least one row, got shape " f"{tuple(weight.shape)}")
-    if weight.dtype != hidden.dtype:
-        raise TypeError(f"weight: expected dtype {hidden.dtype} (hidden's), got {weight.dtype}")
-    if bias is not None:
-        if bias.shape != (weight.shape[0],):
-            raise ValueError(f"bias: expected shape ({weight.shape[0]},), got {tuple(bias.shape)}")
-        if bias.dtype != hidden.dtype:
-            raise TypeError(f"bias: expected dtype {hidden.dtype} (hidden's), got {bias.dtype}")
-    if target.dtype not in (torch.int64, torch.int32):
-        raise TypeError(f"target: expected dtype torch.int64 or torch.int32, got {target.dtype}")
-    for name, t in (("weight", weight), ("target", target), ("bias", bias)):
-        if t is not None and t.device != hidden.device:
-            raise ValueError(f"{name}: expected device {hidden.device} (hidden's), got {t.device}")
-    lead = tuple(hidden.shape[:-1])
-    if sequence_parallel:
-        if hidden.dim() < 2:
-            raise ValueError(f"hidden: expected shape [S_local, ..., D] with sequence_parallel=True, "
-                             f"got {tuple(hidden.shape)}")
-        lead = (lead[0] * world,) + lead[1:]
-    if tuple(target.shape) != lead:
-        what = " (hidden's leading dims, dim 0 times the group size under sequence_parallel)" \
-            if sequence_parallel else " (hidden's leading dims)"
-        raise ValueError(f"target: expected shape {lead}{what}, got {tuple(target.shape)}")
-
-
-def _check_weights(name: str, value, shape: tuple, of: str, device: torch.device):
-    """Per-token or per-class loss weights: None, or a floating tensor of ``shape`` on ``device`` with no grad."""
-    if value is None:
-        return
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor or None, got {type(value).__name__}")
-    if not value.is_floating_point():
-        raise TypeError(f"{name}: expected a floating dtype, got {value.dtype}")
-    if tuple(value.shape) != tuple(shape):
-        raise ValueError(f"{name}: expected shape {tuple(shape)} ({of}), got {tuple(value.shape)}")
-    if value.device != device:
-        raise ValueError(f"{name}: expected device {device} ({of.split(':')[0]}), got {value.device}")
-    if value.requires_grad:
-        raise ValueError(f"{name}: expected a tensor that does not require grad (no gradient flows to the "
-                         f"weights), got requires_grad=True; pass {name}.detach()")
-
-
-def check_token_weight(token_weight, target: torch.Tensor):
-    _check_weights("token_weight", token_weight, target.shape, "target's", target.device)
-
-
-def _check_class_weight(class_weight, weight: torch.Tensor):
-    _check_weights("class_weight", class_weight, (weight.shape[0],), "weight's rows: this shard's classes",
-                   weight.device)
-
-
-def autocast_operands(hidden, weight, bias):
-    """Under ``torch.autocast`` the GEMM operands are cast to the autocast dtype, as ``nn.Linear``'s are. The casts
-    are differentiable, so the gradients come back in the parameters' own dtype (fp32 for fp32 parameters); the
-    logits and the statistics stay fp32, as on 16-bit inputs."""
-    if not isinstance(hidden, torch.Tensor) or not torch.is_autocast_enabled(hidden.device.type):
-        return hidden, weight, bias
-    dtype = torch.get_autocast_dtype(hidden.device.type)
-    cast = lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.dtype == torch.float32 else t  # noqa: E731
-    return cast(hidden), cast(weight), cast(bias)
-
-
-def prepare_call(entry: str, hidden, weight, target, bias, *, group, vocab_start, vocab_size, sequence_parallel,
-             backend, validate, ignore_index: int, local_checks: Callable[[torch.Tensor, bool], None],
-             plan: Callable[[tuple, torch.dtype, str, bool, bool], Plan], fields: Callable[[], list],
-             memory: Callable[..., tuple[Plan, bool | None]] = lambda p, *_: (p, None)):
-    """Checks, the route, and the group's agreement: ``(hidden 2-D, weight, bias, target, Call)``.
-
-    DTensor inputs are unwrapped to this rank's tensors first (a ``Shard(0)`` hidden means sequence parallel).
-    Under a group, every check's error is exchanged in the agreement and raised on every rank.
-    """
-    hidden, weight, bias, target, group, vocab_start, vocab_size, sequence_parallel = parallel.from_dtensors(
-        hidden, weight, bias, target, group=group, vocab_start=vocab_start, vocab_size=vocab_size,
-        sequence_parallel=sequence_parallel)
-    original_weight = weight
-    hidden, weight, bias = autocast_operands(hidden, weight, bias)
-    _, world = parallel.group_rank_and_size(group)
-    error, call_plan, needs, agreed, fast_fits = None, None, (False, False, False), [], None
-    try:
-        if not isinstance(hidden, torch.Tensor):
-            raise TypeError(f"hidden: expected a torch.Tensor, got {type(hidden).__name__}")
-        backend = resolve_backend(backend, hidden)
-        check_bool("sequence_parallel", sequence_parallel)
-        check_bool("validate", validate)
-        check_int("vocab_start", vocab_start, low=0)
-        check_int("vocab_size", vocab_size, low=1)
-        if sequence_parallel and group is None:
-            raise ValueError("sequence_parallel: expected a process group in `group` with sequence_parallel=True, "
-                             "got group=None")
-        _check_tensors(hidden, weight, target, bias, world, sequence_parallel, backend)
-        local_checks(original_weight, weight is not original_weight)
-        needs = tuple(torch.is_grad_enabled() and t is not None and t.requires_grad for t in (hidden, weight, bias))
-        call_plan = plan(needs, hidden.dtype, backend, world > 1, sequence_parallel)
-        call_plan, fast_fits = memory(call_plan, hidden, weight.shape[0], needs, world)
-        agreed = [("hidden tokens", hidden.numel() // hidden.shape[-1]), ("hidden size", hidden.shape[-1]),
-                  ("hidden dtype", dtype_name(hidden.dtype)), ("weight dtype", dtype_name(weight.dtype)),
-                  ("bias", bias is not None), ("target dtype", dtype_name(target.dtype)),
-                  ("sequence_parallel", sequence_parallel), ("requires_grad", sum(b << i for i, b in enumerate(needs))),
-                  *fields(), ("backend", call_plan.backend), ("route", call_plan.route),
-                  ("dx_reduce", call_plan.dx_reduce)]  # the options before the route they decide
-    except (ValueError, TypeError) as e:
-        if world == 1:
-            raise
-        error = e
-    device = hidden.device if isinstance(hidden, torch.Tensor) else torch.device("cpu")
-    compiling = torch.compiler.is_compiling()
-    # read the agreement on the host where it costs nothing (CPU), where asked (validate), or where the layout must
-    # be learned; else it is decided on the device (NaN on disagreement, no sync)
-    learn_layout = world > 1 and (vocab_start is None or vocab_size is None)
-    read = not compiling and (device.type != "cuda" or validate is not False or learn_layout or fast_fits is not None)
-    facts = CallFacts(entry=entry, fields=tuple(agreed), rows=weight.shape[0] if error is None else -1,
-                      vocab_start=vocab_start if error is None else None,
-                      vocab_size=vocab_size if error is None else None,
-                      target=target.reshape(-1) if error is None else None, ignore_index=ignore_index, error=error,
-                      fast_fits=fast_fits)
-    shard, poison, all_fit = parallel.agree(group, facts, device, read=read)
-    if all_fit is not None:  # the route left to memory: fast only where it fits on every rank
-        call_plan = settle(call_plan, all_fit)
-    call = Call(shard, call_plan, needs, poison=poison)
-    return hidden.reshape(-1, hidden.shape[-1]), weight, bias, target, call
-
-
-def _enter(h2: torch.Tensor, call: Call) -> torch.Tensor:
-    """The hidden states as the backend needs them (``vpce.routing``: where dX is summed over the group)."""
-    if call.plan.dx_reduce == "region":
-        return parallel.enter_vocab_parallel(h2, call.shard, call.plan.sequence_parallel)
-    return h2
 
 
 def linear_cross_entropy(hidden, weight, target, bias=None, *, ignore_index=-100, reduction="mean",
@@ -321,61 +117,76 @@ def linear_cross_entropy(hidden, weight, target, bias=None, *, ignore_index=-100
         ``return_*`` set, a ``CrossEntropyOutput(loss, z_loss, token_accuracy, entropy)`` with None where not
         asked. The full contract is docs/api.md in the source distribution.
     """
-    box = {}
-
-    def checks():
-        box["opts"] = make_options(ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
-                                   z_loss=z_loss, softcap=softcap, memory_budget=memory_budget,
-                                   logit_scale=logit_scale, token_scaling=token_scaling,
-                                   return_z_loss=return_z_loss, return_token_accuracy=return_token_accuracy,
-                                   return_entropy=return_entropy)
-    return _cross_entropy(hidden, weight, target, bias, box, checks, token_weight=token_weight, group=group,
-                          vocab_start=vocab_start, vocab_size=vocab_size, sequence_parallel=sequence_parallel,
-                          backend=backend, validate=validate, accumulate_main_grad=accumulate_main_grad,
-                          ignore_index=ignore_index, class_weight=class_weight)
+    options = dict(ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing, z_loss=z_loss,
+                   softcap=softcap, memory_budget=memory_budget, logit_scale=logit_scale, token_scaling=token_scaling,
+                   return_z_loss=return_z_loss, return_token_accuracy=return_token_accuracy,
+                   return_entropy=return_entropy)
+    entry = CrossEntropyEntry(options, target, token_weight, class_weight, accumulate_main_grad, ignore_index)
+    return _cross_entropy(entry, hidden, weight, target, bias, group=group, vocab_start=vocab_start,
+                          vocab_size=vocab_size, sequence_parallel=sequence_parallel, backend=backend,
+                          validate=validate)
 
 
-def _cross_entropy(hidden, weight, target, bias, box: dict, make: Callable[[], None], *, token_weight, group,
-                   vocab_start, vocab_size, sequence_parallel, backend, validate, accumulate_main_grad,
-                   ignore_index, class_weight=None):
-    def local_checks(w, cast_by_autocast):
-        make()
-        box["weight"] = w  # the caller's weight, before any autocast cast: the speculative route's call site
-        check_token_weight(token_weight, target)
-        _check_class_weight(class_weight, w)
-        check_bool("accumulate_main_grad", accumulate_main_grad)
-        if accumulate_main_grad:
+class CrossEntropyEntry(Entry):
+    """``linear_cross_entropy`` (and ``LinearCrossEntropy``) in ``prepare_call``: ``options`` are the keyword
+    arguments of ``make_options``, validated in ``checks``, or ``LossOptions`` validated already (the module)."""
+
+    name = "ce"
+
+    def __init__(self, options: dict | LossOptions, target, token_weight, class_weight, accumulate_main_grad: bool,
+                 ignore_index):
+        self.opts = options if isinstance(options, LossOptions) else None
+        self.options = options
+        self.target, self.token_weight, self.class_weight = target, token_weight, class_weight
+        self.accumulate_main_grad = accumulate_main_grad
+        self.ignore_index = ignore_index if isinstance(ignore_index, int) else -100
+        self.weight = None
+
+    def checks(self, w, cast_by_autocast):
+        if self.opts is None:
+            self.opts = make_options(**self.options)
+        self.weight = w  # the caller's weight, before any autocast cast: the speculative route's call site
+        check_token_weight(self.token_weight, self.target)
+        check_class_weight(self.class_weight, w)
+        check_bool("accumulate_main_grad", self.accumulate_main_grad)
+        if self.accumulate_main_grad:
             check_main_grad(w)
             if cast_by_autocast:
                 raise ValueError(f"accumulate_main_grad: expected a weight that torch.autocast leaves as it is, got "
                                  f"a {w.dtype} weight cast to {torch.get_autocast_dtype(w.device.type)}; keep the "
                                  f"lm_head weight in the compute dtype or call vpce outside the autocast region")
 
-    def plan(needs, dtype, backend_name, sharded, sp):
-        o = box["opts"]
+    def plan(self, needs, dtype, backend_name, sharded, sp):
+        o = self.opts
         speculate = False
         if o.reduction == "none" and not o.lean:
-            key = (o, token_weight is not None, class_weight is not None, accumulate_main_grad)
-            speculate, box["history"] = speculation.decide("ce", box["weight"], key, backend_name, sharded, needs)
+            key = (o, self.token_weight is not None, self.class_weight is not None, self.accumulate_main_grad)
+            speculate, self.history = speculation.decide("ce", self.weight, key, backend_name, sharded, needs)
         return plan_cross_entropy(o, needs, backend_name, sharded, sp, speculate)
 
-    def memory(p, h, rows, needs, world):
-        return settle_by_memory(p, h, rows, needs, box["opts"], world)
+    def memory(self, p, h, rows, needs, world):
+        return settle_by_memory(p, h, rows, needs, self.opts, world)
 
-    def fields():
-        o = box["opts"]
+    def size(self, plan, shard, d, dtype, tokens):
+        return size_cross_entropy(plan, self.opts, shard, d, dtype, tokens)
+
+    def fields(self):
+        o = self.opts
         return [("reduction", o.reduction), ("ignore_index", o.ignore_index), ("label_smoothing", o.label_smoothing),
                 ("z_loss", o.z_loss), ("softcap", o.softcap), ("memory_budget", o.memory_budget),
-                ("token_weight", token_weight is not None), ("accumulate_main_grad", accumulate_main_grad),
-                ("logit_scale", o.logit_scale), ("class_weight", class_weight is not None),
-                ("token_scaling", o.token_scaling), *((f"return_{k}", k in o.metrics) for k in METRICS)]
+                ("token_weight", self.token_weight is not None),
+                ("accumulate_main_grad", self.accumulate_main_grad), ("logit_scale", o.logit_scale),
+                ("class_weight", self.class_weight is not None), ("token_scaling", o.token_scaling),
+                *((f"return_{k}", k in o.metrics) for k in METRICS)]
 
+
+def _cross_entropy(entry: CrossEntropyEntry, hidden, weight, target, bias, *, group, vocab_start, vocab_size,
+                   sequence_parallel, backend, validate):
     h2, weight, bias, target, call = prepare_call(
-        "ce", hidden, weight, target, bias, group=group, vocab_start=vocab_start, vocab_size=vocab_size,
-        sequence_parallel=sequence_parallel, backend=backend, validate=validate,
-        ignore_index=ignore_index if isinstance(ignore_index, int) else -100, local_checks=local_checks,
-        plan=plan, fields=fields, memory=memory)
-    opts = box["opts"]
+        entry, hidden, weight, target, bias, group=group, vocab_start=vocab_start, vocab_size=vocab_size,
+        sequence_parallel=sequence_parallel, backend=backend, validate=validate)
+    opts, token_weight, class_weight = entry.opts, entry.token_weight, entry.class_weight
+    accumulate_main_grad = entry.accumulate_main_grad
     t1 = target.reshape(-1)
     tw1 = None if token_weight is None else token_weight.reshape(-1).to(accumulation_dtype(h2.dtype))
     cw1 = None if class_weight is None else class_weight.to(accumulation_dtype(h2.dtype)).contiguous()
@@ -391,9 +202,9 @@ def _cross_entropy(hidden, weight, target, bias, box: dict, make: Callable[[], N
             loss = library.linear_cross_entropy(h2, weight, bias, t1, tw1, call.plan.backend, opts,
                                                 call.shard.vocab_size, call.needs_grad, cw1)
     else:
-        call = Call(call.shard, call.plan, call.needs_grad, accumulate_main_grad, call.poison, box.get("history"))
+        call = dataclasses.replace(call, main_grad=accumulate_main_grad, history=entry.history)
         with torch.autocast(h2.device.type, enabled=False):
-            loss = LinearCrossEntropyFunction.apply(_enter(h2, call), weight, bias, t1, tw1, opts, call, cw1)
+            loss = LinearCrossEntropyFunction.apply(enter(h2, call), weight, bias, t1, tw1, opts, call, cw1)
     shape = (lambda x: x.reshape(target.shape)) if opts.reduction == "none" else (lambda x: x)
     if not opts.metrics:
         return shape(loss)
@@ -440,54 +251,72 @@ def linear_log_probs(hidden, weight, target, bias=None, *, temperature=1.0, soft
         ``log_probs`` and ``entropy``, sharded or not (the building block for PPO/GRPO-style losses); the last
         three are detached.
     """
-    box = {}
-
-    def local_checks(w, _cast):
-        box["weight"] = w  # the caller's weight, before any autocast cast: the speculative route's call site
-        box["budget"] = check_memory_budget(memory_budget)
-        check_int("ignore_index", ignore_index, allow_none=False)
-        check_number("temperature", temperature, low=0.0, low_open=True)
-        check_number("softcap", softcap, low=0.0, low_open=True, allow_none=True)
-        check_bool("return_entropy", return_entropy)
-        _check_logit_scale(logit_scale)
-        check_bool("return_top1", return_top1)
-        check_bool("return_mean_logits", return_mean_logits)
-        check_bool("return_log_sum_sq_probs", return_log_sum_sq_probs)
-
-    def fields():
-        return [("ignore_index", ignore_index), ("temperature", float(temperature)),
-                ("softcap", None if softcap is None else float(softcap)), ("return_entropy", return_entropy),
-                ("logit_scale", float(logit_scale)), ("return_top1", return_top1),
-                ("return_mean_logits", return_mean_logits), ("return_log_sum_sq_probs", return_log_sum_sq_probs),
-                ("memory_budget", box["budget"])]
-
-    def plan(needs, dtype, backend_name, sharded, sp):
-        speculate = False
-        if box["budget"] != "lean":
-            speculate, box["history"] = speculation.decide("logprob", box["weight"], tuple(fields()), backend_name,
-                                                           sharded, needs)
-        return plan_log_probs(needs, backend_name, sharded, sp, speculate)
-
-    def memory(p, h, rows, needs, world):
-        return settle_by_memory(p, h, rows, needs, LossOptions(memory_budget=box["budget"]), world)
-
+    entry = LogProbsEntry(dict(ignore_index=ignore_index, temperature=temperature, softcap=softcap,
+                               return_entropy=return_entropy, logit_scale=logit_scale, return_top1=return_top1,
+                               return_mean_logits=return_mean_logits,
+                               return_log_sum_sq_probs=return_log_sum_sq_probs), memory_budget)
     h2, weight, bias, target, call = prepare_call(
-        "logprob", hidden, weight, target, bias, group=group, vocab_start=vocab_start, vocab_size=vocab_size,
-        sequence_parallel=sequence_parallel, backend=backend, validate=validate,
-        ignore_index=ignore_index if isinstance(ignore_index, int) else -100, local_checks=local_checks,
-        plan=plan, fields=fields, memory=memory)
-    call = dataclasses.replace(call, history=box.get("history"))
-    # the logit scale s folds into the cap and the temperature: cap_c(s x) / T = cap_{c/s}(x) * (s / T)
-    s = float(logit_scale)
-    lp = LogProbOptions(ignore_index=int(ignore_index), softcap=None if softcap is None else float(softcap) / s,
-                        inv_t=s / float(temperature), entropy=return_entropy, top1=return_top1,
-                        mean_logits=return_mean_logits, log_sum_sq=return_log_sum_sq_probs,
-                        memory_budget=box["budget"])
+        entry, hidden, weight, target, bias, group=group, vocab_start=vocab_start, vocab_size=vocab_size,
+        sequence_parallel=sequence_parallel, backend=backend, validate=validate)
+    call = dataclasses.replace(call, history=entry.history)
+    lp = entry.lp
     with torch.autocast(h2.device.type, enabled=False):  # the operands are already in the compute dtype
-        out = LinearLogProbsFunction.apply(_enter(h2, call), weight, bias, target.reshape(-1), lp, call)
+        out = LinearLogProbsFunction.apply(enter(h2, call), weight, bias, target.reshape(-1), lp, call)
     if isinstance(out, tuple):
         return tuple(x.reshape(target.shape) for x in out)
     return out.reshape(target.shape)
+
+
+class LogProbsEntry(Entry):
+    """``linear_log_probs`` in ``prepare_call``; ``args``: its keyword arguments but ``memory_budget``."""
+
+    name = "logprob"
+
+    def __init__(self, args: dict, memory_budget):
+        self.args, self.memory_budget = args, memory_budget
+        self.ignore_index = args["ignore_index"] if isinstance(args["ignore_index"], int) else -100
+        self.weight = self.budget = self.lp = None
+
+    def checks(self, w, _cast):
+        a = self.args
+        self.weight = w  # the caller's weight, before any autocast cast: the speculative route's call site
+        self.budget = check_memory_budget(self.memory_budget)
+        check_int("ignore_index", a["ignore_index"], allow_none=False)
+        check_number("temperature", a["temperature"], low=0.0, low_open=True)
+        check_number("softcap", a["softcap"], low=0.0, low_open=True, allow_none=True)
+        check_bool("return_entropy", a["return_entropy"])
+        check_logit_scale(a["logit_scale"])
+        check_bool("return_top1", a["return_top1"])
+        check_bool("return_mean_logits", a["return_mean_logits"])
+        check_bool("return_log_sum_sq_probs", a["return_log_sum_sq_probs"])
+        # the logit scale s folds into the cap and the temperature: cap_c(s x) / T = cap_{c/s}(x) * (s / T)
+        s, softcap = float(a["logit_scale"]), a["softcap"]
+        self.lp = LogProbOptions(ignore_index=int(a["ignore_index"]),
+                                 softcap=None if softcap is None else float(softcap) / s,
+                                 inv_t=s / float(a["temperature"]), entropy=a["return_entropy"],
+                                 top1=a["return_top1"], mean_logits=a["return_mean_logits"],
+                                 log_sum_sq=a["return_log_sum_sq_probs"], memory_budget=self.budget)
+
+    def fields(self):
+        a = self.args
+        return [("ignore_index", a["ignore_index"]), ("temperature", float(a["temperature"])),
+                ("softcap", None if a["softcap"] is None else float(a["softcap"])),
+                ("return_entropy", a["return_entropy"]), ("logit_scale", float(a["logit_scale"])),
+                ("return_top1", a["return_top1"]), ("return_mean_logits", a["return_mean_logits"]),
+                ("return_log_sum_sq_probs", a["return_log_sum_sq_probs"]), ("memory_budget", self.budget)]
+
+    def plan(self, needs, dtype, backend_name, sharded, sp):
+        speculate = False
+        if self.budget != "lean":
+            speculate, self.history = speculation.decide("logprob", self.weight, tuple(self.fields()), backend_name,
+                                                         sharded, needs)
+        return plan_log_probs(needs, backend_name, sharded, sp, speculate)
+
+    def memory(self, p, h, rows, needs, world):
+        return settle_by_memory(p, h, rows, needs, LossOptions(memory_budget=self.budget), world)
+
+    def size(self, plan, shard, d, dtype, tokens):
+        return size_log_probs(plan, self.lp, shard, d, dtype, tokens)
 
 
 class LinearCrossEntropy(torch.nn.Module):
@@ -516,12 +345,11 @@ class LinearCrossEntropy(torch.nn.Module):
         self.accumulate_main_grad = accumulate_main_grad
 
     def forward(self, hidden, weight, target, bias=None, token_weight=None, class_weight=None):
-        box = {"opts": self.options}
-        return _cross_entropy(hidden, weight, target, bias, box, lambda: None, token_weight=token_weight,
-                              group=self.group, vocab_start=self.vocab_start, vocab_size=self.vocab_size,
-                              sequence_parallel=self.sequence_parallel, backend=self.backend,
-                              validate=self.validate, accumulate_main_grad=self.accumulate_main_grad,
-                              ignore_index=self.options.ignore_index, class_weight=class_weight)
+        entry = CrossEntropyEntry(self.options, target, token_weight, class_weight, self.accumulate_main_grad,
+                                  self.options.ignore_index)
+        return _cross_entropy(entry, hidden, weight, target, bias, group=self.group, vocab_start=self.vocab_start,
+                              vocab_size=self.vocab_size, sequence_parallel=self.sequence_parallel,
+                              backend=self.backend, validate=self.validate)
 
     def extra_repr(self) -> str:
         o = self.options

@@ -1,10 +1,11 @@
 """The autograd shells: one ``torch.autograd.Function`` per public loss, the same for both backends.
 
-Each is a thin wrapper over the chosen backend's plain functions (``vpce.torch_backend`` or
-``vpce.triton_backend``: ``cross_entropy``, ``log_probs``, ``recompute_grads``, ``scale_cast``) and the shared
-formulas (``vpce.formulas``): forward runs the backend and keeps what backward needs; backward either finishes
-the fast route's held gradients (``vpce.grads.finish_fast_grads``), recomputes them (the lean route), or finishes
-the speculative route's unit-scale gradients for a per-token upstream gradient (``vpce.speculation``;
+Each is a thin wrapper over the chosen backend's plain functions (``vpce.torch_backend`` or ``vpce.triton_backend``:
+``cross_entropy``, ``log_probs``, ``recompute_grads``, ``scale_cast``; for the distillation ``distill_forward``,
+``distill_recompute_grads``), chosen in one place (``backend_module``), and the shared formulas (``vpce.formulas``,
+``vpce.distill_stats``): forward runs the backend and keeps what backward needs; backward either finishes the fast
+route's held gradients (``vpce.grads.finish_fast_grads``), recomputes them (the lean route), or finishes the
+speculative route's unit-scale gradients for a per-token upstream gradient (``vpce.speculation``;
 ``triton_backend.speculative_grads``; a second backward there recomputes, as the lean route). A call eligible for
 the speculative route reports to its ``Call.history`` whether its upstream gradient was uniform, whichever route it
 took. The ``torch.library`` ops (``vpce.library``) call the same functions.
@@ -14,14 +15,18 @@ from __future__ import annotations
 
 import torch
 
-from .formulas import RowStats, ce_coefficients, logprob_coefficients, logprob_extras, logprob_outputs
+from .formulas import (RowStats, ce_coefficients, evaluate_loss_fn, logprob_coefficients, logprob_extras,
+                       logprob_outputs, logprob_part_outputs, loss_fn_coefficients, loss_fn_metric_outputs,
+                       store_metric_outputs)
 from .grads import finish_fast_grads
-from .options import LogProbOptions, LossOptions
+from .distill_stats import DistillRows
+from .options import DistillOptions, LogProbLossOptions, LogProbOptions, LossOptions
 from .routing import Call
 from .speculation import split_upstream
 from .targets import ClassWeights, TokenTargets
 
-__all__ = ["backend_module", "LinearCrossEntropyFunction", "LinearLogProbsFunction", "cross_entropy_grads"]
+__all__ = ["backend_module", "LinearCrossEntropyFunction", "LinearLogProbsFunction", "LinearDistillationFunction",
+           "LogProbLossFunction", "cross_entropy_grads"]
 
 
 def backend_module(name: str):
@@ -69,6 +74,14 @@ def cross_entropy_grads(hidden, weight, bias, target, token_weight, rows: RowSta
                                                              *opts.folded_cap(), main_weight)
 
 
+
+def _no_double_backward():
+    """A backward with ``create_graph=True`` runs in grad mode; vpce's gradients are not differentiable again."""
+    if torch.is_grad_enabled():
+        raise RuntimeError("vpce: double backward is not supported: the gradients of linear_cross_entropy and "
+                           "linear_log_probs cannot be differentiated again (backward or autograd.grad with "
+                           "create_graph=True); compute a gradient penalty on another path")
+
 class LinearCrossEntropyFunction(torch.autograd.Function):
     """``hidden [N, D]`` (this rank's slice under sequence parallelism when the backend reduces dX in forward),
     ``target [N]``, optional ``token_weight [N]`` and ``class_weight [V_local]`` (fp32/fp64, no grad); returns the
@@ -94,6 +107,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad, *_metrics):  # the metrics are detached: their gradients are ignored
+        _no_double_backward()
         with torch.autocast(grad.device.type, enabled=False):  # (a backward called inside an autocast region)
             return LinearCrossEntropyFunction._backward(ctx, grad)
 
@@ -117,7 +131,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                                            class_rows)
 
                 *out, uniform = backend_module(call.plan.backend).speculative_grads(
-                    grads, hidden, weight, bias, tg, rows, g, coefficients, call, *opts.folded_cap(), opts,
+                    grads, hidden, weight, bias, tg, rows, g, coefficients, call, *opts.folded_cap(),
                     ctx.main_weight)
                 if call.history is not None:
                     call.history.report(uniform)
@@ -164,6 +178,7 @@ class LinearLogProbsFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_logp, *rest):
+        _no_double_backward()
         g_ent = rest[0] if ctx.lp.entropy else None  # (the extras after it are detached)
         with torch.autocast(ctx.saved_tensors[0].device.type, enabled=False):
             return LinearLogProbsFunction._backward(ctx, g_logp, g_ent)
@@ -179,7 +194,7 @@ class LinearLogProbsFunction(torch.autograd.Function):
             dx, dw, db, uniform = backend_module(call.plan.backend).speculative_grads(
                 grads, hidden, weight, bias, tg, RowStats(m, log_s, q), torch.zeros_like(m) if g is None else g,
                 lambda r: logprob_coefficients(tg, r, None, None, lp.inv_t, like=m), call, lp.softcap, lp.inv_t,
-                lp.chunk_options(), None)
+                None)
             if call.history is not None:
                 call.history.report(uniform)
             return dx, dw, db, None, None, None
@@ -190,3 +205,99 @@ class LinearLogProbsFunction(torch.autograd.Function):
         grads = backend_module(call.plan.backend).recompute_grads(hidden, weight, bias, tg, RowStats(m, log_s, q),
                                                                   coef, call, lp.softcap, lp.inv_t)
         return (*grads, None, None, None)
+
+
+class LinearDistillationFunction(torch.autograd.Function):
+    """Student ``hidden [N, D_s]``, ``weight``, ``bias``; teacher ``t_hidden [N, D_t]``, ``t_weight``, ``t_bias``
+    (detached: no gradient); ``target [N]``; ``token_weight [N]`` or None. Returns the loss per ``o.reduction``."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, t_hidden, t_weight, t_bias, target, token_weight, o: DistillOptions,
+                call: Call):
+        tg = TokenTargets(target, call.shard, o.ignore_index, token_weight)
+        forward = backend_module(call.plan.backend).distill_forward
+        loss_tok, rows, fast = forward(hidden, weight, bias, t_hidden, t_weight, t_bias, tg, o, call)
+        ctx.o, ctx.call, ctx.fast = o, call, fast  # fast: None after its one use
+        ctx.denominator = tg.denominator(loss_tok.dtype)
+        ctx.dtype, ctx.rows = hidden.dtype, weight.shape[0]
+        if rows is not None:
+            ctx.save_for_backward(hidden, weight, bias, t_hidden, t_weight, t_bias, target, token_weight, *rows)
+        return tg.reduce(loss_tok, o.reduction)
+
+    @staticmethod
+    def backward(ctx, grad):
+        with torch.autocast(grad.device.type, enabled=False):
+            return LinearDistillationFunction._backward(ctx, grad)
+
+    @staticmethod
+    def _backward(ctx, grad):
+        none = (None,) * 7
+        o, call = ctx.o, ctx.call
+        g = grad.detach().to(ctx.denominator.dtype)
+        if o.reduction == "mean":
+            g = g / ctx.denominator
+        if call.plan.route != "fast":
+            hidden, weight, bias, t_hidden, t_weight, t_bias, target, token_weight, *rows = ctx.saved_tensors
+            tg = TokenTargets(target, call.shard, o.ignore_index, token_weight)
+            scale = tg.row_scale(g.expand(hidden.shape[0]) if g.dim() == 0 else g.reshape(-1))
+            recompute = backend_module(call.plan.backend).distill_recompute_grads
+            return (*recompute(hidden, weight, bias, t_hidden, t_weight, t_bias, tg, DistillRows(*rows), scale, o,
+                               call), *none)
+        if ctx.fast is None:
+            raise RuntimeError("vpce: this loss formed its gradients in forward and they were already used; for "
+                               "a second backward pass use memory_budget='lean'")
+        grads, ctx.fast = ctx.fast, None
+        scale_cast = backend_module(call.plan.backend).scale_cast
+        return (*finish_fast_grads(grads, g, ctx.dtype, ctx.rows, None, scale_cast), *none)
+
+
+class LogProbLossFunction(torch.autograd.Function):
+    """``sum(loss_fn(log_probs, entropy, **inputs))`` (``vpce.post_training``) with its gradients formed in forward;
+    backward scales them by the upstream scalar. The fast route: the backend's chunk loop evaluates ``loss_fn`` per
+    chunk (``triton_backend.log_prob_loss``). Otherwise two passes, both in forward: the statistics of every token
+    (the backend's ``log_probs``), ``loss_fn`` on all of them, then the gradients recomputed (``recompute_grads``).
+    Also returns the detached per-token ``log_probs`` and ``entropy`` (zeros unless computed), and ``is_top1`` and
+    ``mean_logits`` (``o.top1``, ``o.mean_logits``; empty unless asked)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, target, o: LogProbLossOptions, call: Call, inputs: dict):
+        tg = TokenTargets(target, call.shard, o.ignore_index)
+        backend = backend_module(call.plan.backend)
+        if call.plan.route == "fast":
+            loss, logp, ent, grads, metrics = backend.log_prob_loss(hidden, weight, bias, tg, o, call, inputs)
+        else:
+            st = backend.log_probs(hidden, weight, bias, tg, o.stats_options(), call)
+            everything = slice(None)
+            logp, ent = logprob_part_outputs(tg, st, everything, o.entropy_stats)
+            metrics = loss_fn_metric_outputs(o, hidden.shape[0], hidden.device)
+            store_metric_outputs(metrics, tg, st, everything, call.shard.vocab_size)
+            ev = evaluate_loss_fn(o, logp, ent if o.entropy else None, tg.keep, inputs, everything)
+            loss, grads = ev.value, None
+            if any(call.needs_grad):
+                coef = loss_fn_coefficients(tg, everything, ev, st, o.inv_t)
+                grads = backend.recompute_grads(hidden, weight, bias, tg, RowStats.of(st), coef, call, o.softcap,
+                                                o.inv_t)
+        ctx.grads, ctx.dtype, ctx.rows = grads, hidden.dtype, weight.shape[0]
+        ctx.fast, ctx.backend = call.plan.route == "fast", call.plan.backend
+        ent = torch.zeros_like(logp) if ent is None else ent
+        top1 = metrics.get("is_top1", logp.new_zeros(0, dtype=torch.bool))
+        mean_logits = metrics.get("mean_logits", logp.new_zeros(0))
+        ctx.mark_non_differentiable(logp, ent, top1, mean_logits)
+        return loss, logp, ent, top1, mean_logits
+
+    @staticmethod
+    def backward(ctx, g_loss, *_):
+        grads, ctx.grads = ctx.grads, None
+        if grads is None:
+            raise RuntimeError("vpce.linear_log_prob_loss: a second backward through the same graph is not supported "
+                               "(its gradients are formed in forward and handed out once)")
+        none = (None, None, None, None)
+        if g_loss is None:
+            return (None, None, None, *none)
+        if ctx.fast:
+            g = g_loss.detach().to(torch.float32)
+            return (*finish_fast_grads(grads, g, ctx.dtype, ctx.rows, None, backend_module(ctx.backend).scale_cast),
+                    *none)
+        g = g_loss.detach()
+        scale = lambda t: None if t is None else (t * g.to(t.dtype)).to(ctx.dtype)  # noqa: E731
+        return (*(scale(t) for t in grads), *none)

@@ -30,11 +30,12 @@ through ``q`` keeps a confident token's ``p_t - 1`` exact where ``p_t`` itself r
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import NamedTuple
 
 import torch
 
-from .options import LossOptions
+from .options import LogProbLossOptions, LossOptions
 from .parallel import RankStats
 from .targets import TokenTargets
 
@@ -155,6 +156,24 @@ def logprob_outputs(tg: TokenTargets, st: RankStats, entropy: bool):
     return tg.token_loss(-st.nll, everything), ent
 
 
+def loss_fn_metric_outputs(o, n: int, dev) -> dict:
+    """Buffers of the metric outputs a ``LogProbLossOptions`` asks for (``is_top1``, ``mean_logits``), by name."""
+    out = {}
+    if o.top1:
+        out["is_top1"] = torch.zeros(n, dtype=torch.bool, device=dev)
+    if o.mean_logits:
+        out["mean_logits"] = torch.zeros(n, dtype=torch.float32, device=dev)
+    return out
+
+
+def store_metric_outputs(out: dict, tg: TokenTargets, st: RankStats, part: slice, vocab_size: int) -> None:
+    """The metric outputs of tokens ``part`` from their global statistics (as ``logprob_extras``)."""
+    if "is_top1" in out:
+        out["is_top1"][part] = tg.metric(st.top1, part) == 1
+    if "mean_logits" in out:
+        out["mean_logits"][part] = tg.metric(st.sums[0] / vocab_size, part)
+
+
 def logprob_extras(tg: TokenTargets, st: RankStats, lp, vocab_size: int) -> list[torch.Tensor]:
     """The detached extras ``linear_log_probs`` asks for, in its return order: ``is_top1`` (bool), the mean logit,
     ``log sum_j p_j^2``; 0 (False) on ignored tokens."""
@@ -183,3 +202,56 @@ def logprob_coefficients(tg: TokenTargets, g_logp: torch.Tensor | None, g_ent: t
         a, b = gh * centred_mean_z - gl, -gh
     a = torch.where(tg.bad, float("nan"), a)
     return Coefficients(a.contiguous(), None if b is None else b.contiguous(), gl.contiguous(), None)
+
+
+# -- a loss of the log-probabilities (``linear_log_prob_loss``): its per-token upstream gradients ------------------
+
+class Evaluation(NamedTuple):
+    """``loss_fn`` on some tokens: its summed value, and the gradients of that sum with respect to the tokens'
+    ``log_probs`` and ``entropy`` (None where ``loss_fn`` does not get it)."""
+
+    value: torch.Tensor
+    g_logp: torch.Tensor
+    g_ent: torch.Tensor | None
+
+    def rows(self, sl: slice) -> "Evaluation":
+        return Evaluation(self.value, self.g_logp[sl], None if self.g_ent is None else self.g_ent[sl])
+
+
+def evaluate_loss_fn(o: LogProbLossOptions, logp: torch.Tensor, ent: torch.Tensor | None, keep: torch.Tensor,
+                     inputs: dict, sl: slice) -> Evaluation:
+    """``loss_fn`` on tokens ``sl`` (flat; whole rows in scope ``"sequence"``), with autograd on detached copies of
+    their ``log_probs`` and ``entropy`` only: the per-token upstream gradients of the gradient pass."""
+    shape = (-1, o.row) if o.scope == "sequence" else (-1,)
+    with torch.enable_grad(), torch.autocast(logp.device.type, enabled=False):
+        lp = logp.detach().reshape(shape).requires_grad_()
+        en = None if ent is None else ent.detach().reshape(shape).requires_grad_()
+        kw = {k: v[sl].reshape(shape + tuple(v.shape[1:])) for k, v in inputs.items()}
+        out = o.loss_fn(lp, en, **kw)
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"loss_fn: expected it to return a torch.Tensor, got {type(out).__name__}")
+        if out.shape == lp.shape:  # a per-token result: dropped at ignored tokens
+            out = torch.where(keep[sl].reshape(shape), out, 0)
+        total = out.sum()
+        wrt = [lp] if en is None else [lp, en]
+        grads = torch.autograd.grad(total, wrt, allow_unused=True) if total.requires_grad else [None] * len(wrt)
+    g_logp = torch.zeros_like(logp) if grads[0] is None else grads[0].reshape(-1)
+    g_ent = None
+    if en is not None:
+        g_ent = torch.zeros_like(logp) if grads[1] is None else grads[1].reshape(-1)
+    return Evaluation(total.detach().to(logp.dtype), g_logp, g_ent)
+
+
+def logprob_part_outputs(tg: TokenTargets, st: RankStats, part: slice, entropy: bool):
+    """``(log_probs, entropy or None)`` of tokens ``part`` from their global statistics (0 at ignored tokens)."""
+    logp = tg.token_loss(-st.nll, part)
+    ent = tg.token_loss(st.lse - st.expectations[0], part) if entropy else None
+    return logp, ent
+
+
+def loss_fn_coefficients(tg: TokenTargets, part: slice, ev: Evaluation, st: RankStats, inv_t: float
+                         ) -> Coefficients:
+    """The gradient pass's coefficients of tokens ``part`` for the upstream gradients ``ev`` (of those tokens)."""
+    sub = SimpleNamespace(keep=tg.keep[part], bad=tg.bad[part])
+    centred = st.expectations[0] - st.m if ev.g_ent is not None else None
+    return logprob_coefficients(sub, ev.g_logp, ev.g_ent, centred, inv_t, like=st.m)

@@ -1,4 +1,4 @@
-"""The options every backend receives, validated once at the public boundary (``vpce.api``)."""
+"""The options every backend receives, validated once at the public boundary (``vpce.api``, ``vpce.distill``)."""
 
 from __future__ import annotations
 
@@ -83,3 +83,76 @@ class LogProbOptions:
     def chunk_options(self) -> LossOptions:
         """The options the Triton backend's ``P`` chunk is sized from."""
         return LossOptions(memory_budget=self.memory_budget)
+
+
+DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DistillOptions:
+    """What ``linear_distillation_loss`` computes per token, validated at the public boundary."""
+
+    kind: str = "forward_kl"
+    """The divergence computed: ``"forward_kl"``, ``"reverse_kl"`` or ``"jsd"`` (a JSD with beta 0 or 1 is the
+    matching KL)."""
+    beta: float = 0.5
+    """The teacher's weight in the JSD's mixture ``m = beta q + (1 - beta) p`` (``kind="jsd"`` only)."""
+    inv_t: float = 1.0
+    """One over the temperature of both heads."""
+    kd_scale: float = 1.0
+    """The divergence's weight in the loss: ``(1 - ce_weight) * (T**2 if temperature_squared else 1)``."""
+    ce_weight: float = 0.0
+    """The hard-label cross-entropy's weight (on the untempered student logits)."""
+    ignore_index: int = -100
+    """Tokens whose target equals it count for nothing (-1 when no target was given: none is ignored)."""
+    reduction: str = "mean"
+    softcap: float | None = None
+    """The student's soft cap, before the temperature."""
+    teacher_softcap: float | None = None
+    """The teacher's soft cap, before the temperature."""
+    memory_budget: str | float = "auto"
+    """``"auto"``/``"fast"``, ``"lean"``, or GiB of live chunk data."""
+
+    @property
+    def extra(self) -> bool:
+        """Whether the divergence's gradient needs a per-token statistic besides the two ``lse``'s."""
+        return self.kind != "forward_kl"
+
+    def chunk_gib(self) -> float:
+        return self.memory_budget if isinstance(self.memory_budget, float) else DEFAULT_CHUNK_GIB
+
+
+#: Scopes of ``linear_log_prob_loss``'s ``loss_fn``.
+SCOPES = ("token", "sequence", "batch")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LogProbLossOptions:
+    """What ``linear_log_prob_loss`` computes (validated at the public boundary, ``vpce.post_training``)."""
+
+    loss_fn: object
+    """``loss_fn(log_probs, entropy, **inputs) -> Tensor``; the loss is the sum of its elements."""
+    scope: str = "token"
+    """``"token"``, ``"sequence"`` or ``"batch"`` (``SCOPES``)."""
+    entropy: bool = False
+    """Whether ``loss_fn`` gets the entropy (else None)."""
+    entropy_stats: bool = False
+    """Whether the entropy is computed (for ``loss_fn``, or only as an output: a metric)."""
+    row: int = 1
+    """Tokens per row (``target.shape[-1]``); ``loss_fn`` sees ``[rows, row]`` in scope ``"sequence"``."""
+    ignore_index: int = -100
+    softcap: float | None = None
+    """The soft cap applied to the raw logits (the logit scale folded in, as ``LogProbOptions``)."""
+    inv_t: float = 1.0
+    """``logit_scale / temperature``."""
+    memory_budget: str | float = "auto"
+    top1: bool = False
+    """Whether ``is_top1`` is computed as an output (a metric; ``linear_log_probs``' definition)."""
+    mean_logits: bool = False
+    """Whether the mean logit is computed as an output (a metric; ``linear_log_probs``' definition)."""
+
+    def stats_options(self) -> LogProbOptions:
+        """The options of the statistics pass (``log_probs``) of the two-pass form."""
+        return LogProbOptions(ignore_index=self.ignore_index, softcap=self.softcap, inv_t=self.inv_t,
+                              entropy=self.entropy_stats, top1=self.top1, mean_logits=self.mean_logits,
+                              memory_budget=self.memory_budget)

@@ -37,249 +37,21 @@ completion and its rejected one side by side (the hidden states are interleaved 
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-from types import SimpleNamespace
-from typing import Callable, NamedTuple
-
 import torch
 import torch.nn.functional as F
+from typing import NamedTuple
 
-from .api import _enter, check_bool, check_int, check_memory_budget, check_number, prepare_call, _check_logit_scale
-from .autograd import backend_module
-from .formulas import RowStats, logprob_coefficients
-from .grads import finish_fast_grads
-from .options import LossOptions
-from .routing import Plan, plan_cross_entropy, plan_log_probs, settle_by_memory
-from .targets import TokenTargets
+from .autograd import LogProbLossFunction
+from .options import SCOPES, LogProbLossOptions, LossOptions
+from .prepare import (Entry, check_bool, check_int, check_logit_scale, check_memory_budget, check_number, enter,
+                      prepare_call)
+from .routing import Plan, plan_cross_entropy, plan_log_probs, settle_by_memory, size_log_prob_loss
 
 __all__ = ["linear_log_prob_loss", "linear_grpo_loss", "GRPOOutput", "linear_dpo_loss", "DPOOutput", "SCOPES",
            "GRPO_LOSS_TYPES", "DPO_LOSS_TYPES"]
 
-SCOPES = ("token", "sequence", "batch")
 GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
 DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo")
-
-
-@dataclass(frozen=True)
-class LogProbLossSpec:
-    """What ``LogProbLossFunction`` evaluates (validated at the public boundary)."""
-
-    loss_fn: Callable
-    """``loss_fn(log_probs, entropy, **inputs) -> Tensor``; the loss is the sum of its elements."""
-    scope: str
-    """``"token"``, ``"sequence"`` or ``"batch"``."""
-    entropy: bool
-    """Whether ``loss_fn`` gets the entropy (else None)."""
-    entropy_stats: bool
-    """Whether the entropy is computed (for ``loss_fn``, or only as an output: a metric)."""
-    row: int
-    """Tokens per row (``target.shape[-1]``); ``loss_fn`` sees ``[rows, row]`` in scope ``"sequence"``."""
-    ignore_index: int
-    softcap: float | None
-    """The soft cap applied to the raw logits (the logit scale folded in, as ``LogProbOptions``)."""
-    inv_t: float
-    """``logit_scale / temperature``."""
-    memory_budget: str | float
-    top1: bool = False
-    """Whether to compute ``is_top1`` as an output (a metric; ``linear_log_probs``' definition)."""
-    mean_logits: bool = False
-    """Whether to compute the mean logit as an output (a metric; ``linear_log_probs``' definition)."""
-
-
-class Evaluation(NamedTuple):
-    """``loss_fn`` on some tokens: its summed value, and the gradients of that sum with respect to the tokens'
-    ``log_probs`` and ``entropy`` (None where unused)."""
-
-    value: torch.Tensor
-    g_logp: torch.Tensor
-    g_ent: torch.Tensor | None
-
-
-def evaluate(spec: LogProbLossSpec, logp: torch.Tensor, ent: torch.Tensor | None, keep: torch.Tensor,
-             inputs: dict, sl: slice) -> Evaluation:
-    """``loss_fn`` on tokens ``sl`` (flat; whole rows in scope ``"sequence"``), with autograd on detached copies of
-    their ``log_probs`` and ``entropy`` only: the per-token upstream gradients of the fused backward."""
-    shape = (-1, spec.row) if spec.scope == "sequence" else (-1,)
-    with torch.enable_grad(), torch.autocast(logp.device.type, enabled=False):
-        lp = logp.detach().reshape(shape).requires_grad_()
-        en = None if ent is None else ent.detach().reshape(shape).requires_grad_()
-        kw = {k: v[sl].reshape(shape + tuple(v.shape[1:])) for k, v in inputs.items()}
-        out = spec.loss_fn(lp, en, **kw)
-        if not isinstance(out, torch.Tensor):
-            raise TypeError(f"loss_fn: expected it to return a torch.Tensor, got {type(out).__name__}")
-        if out.shape == lp.shape:  # a per-token result: dropped at ignored tokens
-            out = torch.where(keep[sl].reshape(shape), out, 0)
-        total = out.sum()
-        wrt = [lp] if en is None else [lp, en]
-        if total.requires_grad:
-            grads = torch.autograd.grad(total, wrt, allow_unused=True)
-        else:
-            grads = [None] * len(wrt)
-    g_logp = torch.zeros_like(logp) if grads[0] is None else grads[0].reshape(-1)
-    g_ent = None
-    if en is not None:
-        g_ent = torch.zeros_like(logp) if grads[1] is None else grads[1].reshape(-1)
-    return Evaluation(total.detach().to(logp.dtype), g_logp, g_ent)
-
-
-def _part_outputs(tg: TokenTargets, st, part: slice, entropy: bool):
-    """``(log_probs, entropy)`` of tokens ``part`` from their global statistics ``st`` (0 at ignored tokens)."""
-    logp = tg.token_loss(-st.nll, part)
-    ent = tg.token_loss(st.lse - st.expectations[0], part) if entropy else None
-    return logp, ent
-
-
-def _coefficients(tg: TokenTargets, part: slice, ev: Evaluation, st, inv_t: float, like):
-    """The gradient pass's per-token coefficients of tokens ``part`` for upstream gradients ``ev``."""
-    sub = SimpleNamespace(keep=tg.keep[part], bad=tg.bad[part])
-    centred = st.expectations[0] - st.m if ev.g_ent is not None else None
-    return logprob_coefficients(sub, ev.g_logp, ev.g_ent, centred, inv_t, like=like)
-
-
-def _new_extras(spec: LogProbLossSpec, n: int, dev) -> dict:
-    """Buffers of the metric outputs ``spec`` asks for (``is_top1``, ``mean_logits``), by name."""
-    out = {}
-    if spec.top1:
-        out["is_top1"] = torch.zeros(n, dtype=torch.bool, device=dev)
-    if spec.mean_logits:
-        out["mean_logits"] = torch.zeros(n, dtype=torch.float32, device=dev)
-    return out
-
-
-def _store_extras(extras: dict, tg: TokenTargets, st, part: slice, vocab_size: int) -> None:
-    """The metric outputs of tokens ``part`` from their global statistics (``formulas.logprob_extras``)."""
-    if "is_top1" in extras:
-        extras["is_top1"][part] = tg.metric(st.top1, part) == 1
-    if "mean_logits" in extras:
-        extras["mean_logits"][part] = tg.metric(st.sums[0] / vocab_size, part)
-
-
-def _formed(hidden, weight, bias, tg: TokenTargets, spec: LogProbLossSpec, call, inputs: dict):
-    """The fused route (Triton): the fast route's chunk loop with ``loss_fn`` evaluated per chunk (per part in scope
-    ``"token"``; on a chunk's whole rows in scope ``"sequence"``). Returns ``(loss, log_probs, entropy, FastGrads,
-    extras)``."""
-    from . import triton_backend as tb
-
-    shard, plan = call.shard, call.plan
-    if plan.dx_reduce == "forward" and plan.sequence_parallel:
-        hidden = tb.gather_sequence(hidden, shard)
-    n, d = hidden.shape
-    dev = hidden.device
-    v = shard.valid_rows
-    hidden = hidden.contiguous()
-    w = weight[:v]
-    b = None if bias is None else bias[:v]
-    chunk = min(max(n, 1), tb._fast_chunk(LossOptions(memory_budget=spec.memory_budget), shard.columns_per_rank,
-                                          hidden.dtype, d))
-    if spec.scope == "sequence":  # whole rows per chunk, at least one
-        chunk = min(max(n, 1), max(spec.row, (chunk // spec.row) * spec.row))
-    p = None
-    if v > 0:
-        p = torch.empty(chunk, v, dtype=hidden.dtype, device=dev)
-        if n > 0:
-            tb._ChunkStats.first_logits(p, hidden, w, b, chunk, call)
-    logp = torch.zeros(n, dtype=torch.float32, device=dev)
-    ent = torch.zeros(n, dtype=torch.float32, device=dev) if spec.entropy_stats else None
-    total = torch.zeros((), dtype=torch.float32, device=dev)
-    stats = tb._ChunkStats(chunk, v, hidden, spec.mean_logits, spec.entropy_stats,
-                           before=tg.before.to(torch.int32) if spec.top1 else None)
-    extras = _new_extras(spec, n, dev)
-    fn_ent = lambda sl: ent[sl] if spec.entropy else None  # noqa: E731  (what loss_fn gets)
-
-    def outputs(part, st):
-        lp, en = _part_outputs(tg, st, part, spec.entropy_stats)
-        logp[part] = lp
-        if en is not None:
-            ent[part] = en
-        _store_extras(extras, tg, st, part, shard.vocab_size)
-
-    def on_part(part, st):  # scope "token"
-        nonlocal total
-        outputs(part, st)
-        ev = evaluate(spec, logp[part], fn_ent(part), tg.keep, inputs, part)
-        total = total + ev.value
-        return _coefficients(tg, part, ev, st, spec.inv_t, like=st.m)
-
-    def on_chunk(sl, got):  # scope "sequence": the chunk's whole rows at once
-        nonlocal total
-        for part, _, st in got:
-            outputs(part, st)
-        ev = evaluate(spec, logp[sl], fn_ent(sl), tg.keep, inputs, sl)
-        total = total + ev.value
-        out = []
-        for part, _, st in got:
-            at = slice(part.start - sl.start, part.stop - sl.start)
-            sub = Evaluation(ev.value, ev.g_logp[at], None if ev.g_ent is None else ev.g_ent[at])
-            out.append(_coefficients(tg, part, sub, st, spec.inv_t, like=st.m))
-        return out
-
-    grads = tb._formed_grads(hidden, w, b, tg.local_columns(), stats, p, chunk, call, spec.softcap, spec.inv_t, None,
-                             on_part, on_chunk=on_chunk if spec.scope == "sequence" else None)
-    return total, logp, ent, grads, extras
-
-
-def _two_pass(hidden, weight, bias, tg: TokenTargets, spec: LogProbLossSpec, call, inputs: dict):
-    """Any backend and scope: the statistics of every token, ``loss_fn`` on all of them, then the gradients from
-    the logits recomputed (the lean route's backward, run in forward). Returns ``(loss, log_probs, entropy, (dX,
-    dW, db), extras)`` with dX this rank's contribution (summed over the group in backward, ``_enter``)."""
-    from .options import LogProbOptions
-
-    backend = backend_module(call.plan.backend)
-    lp = LogProbOptions(ignore_index=spec.ignore_index, softcap=spec.softcap, inv_t=spec.inv_t,
-                        entropy=spec.entropy_stats, top1=spec.top1, mean_logits=spec.mean_logits,
-                        memory_budget=spec.memory_budget)
-    st = backend.log_probs(hidden, weight, bias, tg, lp, call)
-    everything = slice(None)
-    logp, ent = _part_outputs(tg, st, everything, spec.entropy_stats)
-    extras = _new_extras(spec, hidden.shape[0], hidden.device)
-    _store_extras(extras, tg, st, everything, call.shard.vocab_size)
-    ev = evaluate(spec, logp, ent if spec.entropy else None, tg.keep, inputs, everything)
-    grads = (None, None, None)
-    if any(call.needs_grad):
-        coef = _coefficients(tg, everything, ev, st, spec.inv_t, like=st.m)
-        grads = backend.recompute_grads(hidden, weight, bias, tg, RowStats.of(st), coef, call, spec.softcap,
-                                        spec.inv_t)
-    return ev.value, logp, ent, grads, extras
-
-
-class LogProbLossFunction(torch.autograd.Function):
-    """``sum(loss_fn(log_probs, entropy, **inputs))`` with its gradients formed in forward; backward scales them by
-    the upstream scalar. Also returns the detached per-token ``log_probs`` and ``entropy`` (for metrics)."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, bias, target, spec: LogProbLossSpec, call, inputs: dict):
-        tg = TokenTargets(target, call.shard, spec.ignore_index)
-        if call.plan.route == "fast":
-            loss, logp, ent, grads, extras = _formed(hidden, weight, bias, tg, spec, call, inputs)
-        else:
-            loss, logp, ent, grads, extras = _two_pass(hidden, weight, bias, tg, spec, call, inputs)
-        ctx.grads, ctx.dtype, ctx.rows = grads, hidden.dtype, weight.shape[0]
-        ctx.fast = call.plan.route == "fast"
-        ctx.backend = call.plan.backend
-        ent = torch.zeros_like(logp) if ent is None else ent
-        top1 = extras.get("is_top1", logp.new_zeros(0, dtype=torch.bool))
-        mean_logits = extras.get("mean_logits", logp.new_zeros(0))
-        ctx.mark_non_differentiable(logp, ent, top1, mean_logits)
-        return loss, logp, ent, top1, mean_logits
-
-    @staticmethod
-    def backward(ctx, g_loss, *_):
-        grads, ctx.grads = ctx.grads, None
-        if grads is None:
-            raise RuntimeError("vpce.linear_log_prob_loss: a second backward through the same graph is not supported "
-                               "(its gradients are formed in forward and handed out once)")
-        none = (None, None, None, None)
-        if g_loss is None:
-            return (None, None, None, *none)
-        if ctx.fast:
-            scale_cast = backend_module(ctx.backend).scale_cast
-            g = g_loss.detach().to(torch.float32)
-            return (*finish_fast_grads(grads, g, ctx.dtype, ctx.rows, None, scale_cast), *none)
-        g = g_loss.detach()
-        dx, dw, db = grads
-        scale = lambda t: None if t is None else (t * g.to(t.dtype)).to(ctx.dtype)  # noqa: E731
-        return scale(dx), scale(dw), scale(db), *none
 
 
 def _check_inputs(inputs, target: torch.Tensor) -> dict:
@@ -332,7 +104,8 @@ def linear_log_prob_loss(hidden, weight, target, loss_fn, bias=None, *, inputs=N
     Returns:
         The loss, a 0-d fp32 tensor (fp64 for fp64 inputs), or ``(loss, log_probs, entropy)``.
     """
-    check_bool("return_outputs", return_outputs)
+    if not isinstance(return_outputs, bool):
+        raise TypeError(f"return_outputs: expected a bool, got {type(return_outputs).__name__}")
     out = _log_prob_loss(hidden, weight, target, loss_fn, bias, inputs=inputs, scope=scope, use_entropy=use_entropy,
                          temperature=temperature, softcap=softcap, logit_scale=logit_scale, ignore_index=ignore_index,
                          group=group, vocab_start=vocab_start, vocab_size=vocab_size,
@@ -349,56 +122,80 @@ def _log_prob_loss(hidden, weight, target, loss_fn, bias=None, *, inputs=None, s
     an output (a metric) even where ``loss_fn`` does not get it. ``top1`` / ``mean_logits``: also return
     ``linear_log_probs``' ``is_top1`` and ``mean_logits`` (detached metrics, from the same pass; each ``(0,)``
     where not asked): ``(loss, log_probs, entropy, is_top1, mean_logits)``."""
-    inputs_in, box = inputs, {}
-
-    def local_checks(_w, _cast):
-        if not callable(loss_fn):
-            raise TypeError(f"loss_fn: expected a callable, got {type(loss_fn).__name__}")
-        if scope not in SCOPES:
-            raise ValueError(f"scope: expected one of {SCOPES}, got {scope!r}")
-        if scope == "sequence" and target.dim() != 2:
-            raise ValueError(f"target: expected [B, T] with scope='sequence', got shape {tuple(target.shape)}")
-        check_bool("use_entropy", use_entropy)
-        check_int("ignore_index", ignore_index, allow_none=False)
-        check_number("temperature", temperature, low=0.0, low_open=True)
-        check_number("softcap", softcap, low=0.0, low_open=True, allow_none=True)
-        _check_logit_scale(logit_scale)
-        box["budget"] = check_memory_budget(memory_budget)
-        box["inputs"] = _check_inputs(inputs_in, target)
-
-    def fields():
-        return [("ignore_index", ignore_index), ("temperature", float(temperature)),
-                ("softcap", None if softcap is None else float(softcap)), ("logit_scale", float(logit_scale)),
-                ("scope", scope), ("use_entropy", use_entropy), ("memory_budget", box["budget"]),
-                ("inputs", ",".join(f"{k}:{tuple(v.shape[1:])}" for k, v in sorted(box["inputs"].items())))]
-
-    def plan(needs, _dtype, backend_name, sharded, sp) -> Plan:
-        if backend_name == "triton" and scope != "batch" and box["budget"] != "lean" and any(needs):
-            return plan_cross_entropy(LossOptions(memory_budget=box["budget"]), needs, backend_name, sharded, sp)
-        return plan_log_probs(needs, backend_name, sharded, sp)
-
-    def memory(p, h, rows, needs, world):
-        return settle_by_memory(p, h, rows, needs, LossOptions(memory_budget=box["budget"]), world)
-
-    h2, weight, bias, target, call = prepare_call(
-        "logprob_loss", hidden, weight, target, bias, group=group, vocab_start=vocab_start, vocab_size=vocab_size,
-        sequence_parallel=sequence_parallel, backend=backend, validate=validate,
-        ignore_index=ignore_index if isinstance(ignore_index, int) else -100, local_checks=local_checks,
-        plan=plan, fields=fields, memory=memory)
-    s = float(logit_scale)
-    spec = LogProbLossSpec(loss_fn=loss_fn, scope=scope, entropy=use_entropy, entropy_stats=use_entropy or entropy_stats,
-                           row=target.shape[-1] if target.dim() else 1,
-                           ignore_index=int(ignore_index), softcap=None if softcap is None else float(softcap) / s,
-                           inv_t=s / float(temperature), memory_budget=box["budget"], top1=bool(top1),
-                           mean_logits=bool(mean_logits))
+    entry = LogProbLossEntry(loss_fn, target, inputs, scope, use_entropy, entropy_stats, temperature, softcap,
+                             logit_scale, ignore_index, memory_budget, top1=top1, mean_logits=mean_logits)
+    h2, weight, bias, target, call = prepare_call(entry, hidden, weight, target, bias, group=group,
+                                                  vocab_start=vocab_start, vocab_size=vocab_size,
+                                                  sequence_parallel=sequence_parallel, backend=backend,
+                                                  validate=validate)
     with torch.autocast(h2.device.type, enabled=False):  # the operands are already in the compute dtype
-        loss, logp, ent, is_top1, mean_z = LogProbLossFunction.apply(_enter(h2, call), weight, bias,
-                                                                     target.reshape(-1), spec, call, box["inputs"])
+        loss, logp, ent, is_top1, mean_z = LogProbLossFunction.apply(enter(h2, call), weight, bias, target.reshape(-1),
+                                                                     entry.options, call, entry.inputs)
     out = loss, logp.reshape(target.shape), ent.reshape(target.shape)
     if top1 or mean_logits:
         shape = lambda x: x.reshape(target.shape) if x.numel() else x  # noqa: E731
         return (*out, shape(is_top1), shape(mean_z))
     return out
+
+
+class LogProbLossEntry(Entry):
+    """``linear_log_prob_loss`` in ``prepare_call``: its checks, the fields every rank must agree on, its plan (the
+    fast route on the Triton backend for scopes ``"token"`` and ``"sequence"`` where its buffers fit; else the
+    two-pass form) and sizes."""
+
+    name = "logprob_loss"
+
+    def __init__(self, loss_fn, target, inputs, scope, use_entropy, entropy_stats, temperature, softcap, logit_scale,
+                 ignore_index, memory_budget, top1=False, mean_logits=False):
+        self.args = dict(loss_fn=loss_fn, target=target, inputs=inputs, scope=scope, use_entropy=use_entropy,
+                         entropy_stats=entropy_stats, temperature=temperature, softcap=softcap,
+                         logit_scale=logit_scale, ignore_index=ignore_index, memory_budget=memory_budget)
+        self.metrics = dict(top1=bool(top1), mean_logits=bool(mean_logits))
+        self.ignore_index = ignore_index if isinstance(ignore_index, int) else -100
+        self.options = self.inputs = self.budget = None
+
+    def checks(self, _w, _cast):
+        a = self.args
+        if not callable(a["loss_fn"]):
+            raise TypeError(f"loss_fn: expected a callable, got {type(a['loss_fn']).__name__}")
+        if a["scope"] not in SCOPES:
+            raise ValueError(f"scope: expected one of {SCOPES}, got {a['scope']!r}")
+        target = a["target"]
+        if a["scope"] == "sequence" and target.dim() != 2:
+            raise ValueError(f"target: expected [B, T] with scope='sequence', got shape {tuple(target.shape)}")
+        check_bool("use_entropy", a["use_entropy"])
+        check_int("ignore_index", a["ignore_index"], allow_none=False)
+        check_number("temperature", a["temperature"], low=0.0, low_open=True)
+        check_number("softcap", a["softcap"], low=0.0, low_open=True, allow_none=True)
+        check_logit_scale(a["logit_scale"])
+        self.budget = check_memory_budget(a["memory_budget"])
+        self.inputs = _check_inputs(a["inputs"], target)
+        # the logit scale s folds into the cap and the temperature: cap_c(s x) / T = cap_{c/s}(x) * (s / T)
+        s, softcap = float(a["logit_scale"]), a["softcap"]
+        self.options = LogProbLossOptions(
+            loss_fn=a["loss_fn"], scope=a["scope"], entropy=a["use_entropy"],
+            entropy_stats=a["use_entropy"] or a["entropy_stats"], row=target.shape[-1] if target.dim() else 1,
+            ignore_index=int(a["ignore_index"]), softcap=None if softcap is None else float(softcap) / s,
+            inv_t=s / float(a["temperature"]), memory_budget=self.budget, **self.metrics)
+
+    def fields(self):
+        a = self.args
+        return [("ignore_index", a["ignore_index"]), ("temperature", float(a["temperature"])),
+                ("softcap", None if a["softcap"] is None else float(a["softcap"])),
+                ("logit_scale", float(a["logit_scale"])), ("scope", a["scope"]), ("use_entropy", a["use_entropy"]),
+                ("entropy", self.options.entropy_stats), ("memory_budget", self.budget),
+                ("inputs", ",".join(f"{k}:{tuple(v.shape[1:])}" for k, v in sorted(self.inputs.items())))]
+
+    def plan(self, needs, _dtype, backend_name, sharded, sp) -> Plan:
+        if backend_name == "triton" and self.args["scope"] != "batch" and self.budget != "lean" and any(needs):
+            return plan_cross_entropy(LossOptions(memory_budget=self.budget), needs, backend_name, sharded, sp)
+        return plan_log_probs(needs, backend_name, sharded, sp)
+
+    def memory(self, p, h, rows, needs, world):
+        return settle_by_memory(p, h, rows, needs, LossOptions(memory_budget=self.budget), world)
+
+    def size(self, plan, shard, d, dtype, tokens):
+        return size_log_prob_loss(plan, self.options, shard, d, dtype, tokens)
 
 
 # -- GRPO (TRL 1.16 GRPOTrainer._compute_loss) -------------------------------------------------------------------
@@ -584,6 +381,10 @@ class DPOOutput(NamedTuple):
     """The same for the rejected completions ``[B]`` (detached)."""
 
 
+def _no_loss(logp, entropy):
+    return logp.new_zeros(())
+
+
 def _dpo_pair_loss(delta, beta, loss_type):
     if loss_type == "sigmoid":
         return -F.logsigmoid(beta * delta)
@@ -641,12 +442,10 @@ def _linear_dpo_loss(hidden, weight, target, ref_chosen_log_probs=None, ref_reje
     common = dict(temperature=temperature, softcap=softcap, logit_scale=logit_scale, ignore_index=ignore_index,
                   group=group, vocab_start=vocab_start, vocab_size=vocab_size, backend=backend)
     if ref_hidden is not None:
-        from .api import linear_log_probs
-
         if ref_weight is None:
             raise ValueError("ref_weight: expected the reference head's weight with ref_hidden, got None")
-        with torch.no_grad():
-            ref_tok = linear_log_probs(ref_hidden, ref_weight, target, ref_bias, **common)
+        with torch.no_grad():  # the reference's log-probs alone: one statistics pass, no gradient
+            _, ref_tok, _ = _log_prob_loss(ref_hidden, ref_weight, target, _no_loss, ref_bias, **common)
         ref_seq = ref_tok.sum(-1)
         ref_chosen, ref_rejected = ref_seq[:b_], ref_seq[b_:]
     else:

@@ -1,5 +1,6 @@
-"""The route of one call, decided once, in one place, from the validated options and facts that every rank of the
-group shares (and checks, through ``vpce.parallel.agree``).
+"""The plan of one call, decided once, in one place, from the validated options and facts that every rank of the
+group shares (and checks, through ``vpce.parallel.agree``): the backend, the route, where dX is summed, and the
+chunk and buffer sizes the backends read (they size nothing themselves).
 
 * ``backend``: ``"triton"`` (fused kernels; CUDA, or the CPU interpreter) or ``"torch"`` (chunked PyTorch).
 * ``route``: ``"fast"`` (6NDV: the gradients are formed in forward while each chunk's logits are live; the
@@ -19,24 +20,77 @@ group shares (and checks, through ``vpce.parallel.agree``).
   ``"region"`` (``vpce.parallel.enter_vocab_parallel`` around the backend: all-reduce or reduce-scatter in
   backward) or ``"forward"`` (the Triton fast route sums each chunk's ``dX`` in forward, overlapped with its dW
   GEMM; under sequence parallelism it gathers the hidden states itself).
+* ``sizes`` (``Sizes``; ``size_cross_entropy``, ``size_log_probs``, ``size_distillation`` once the shard is
+  agreed): tokens per forward chunk, tokens per recompute block, the lean backward's buffer budget; all from
+  ``SIZING`` (``Sizing``: the defaults) and values equal on every rank, so every rank runs the same chunks and
+  collectives.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from .options import BACKENDS, LossOptions
+from .options import BACKENDS, DEFAULT_CHUNK_GIB, DistillOptions, LogProbLossOptions, LogProbOptions, LossOptions
 from .parallel import VocabShard
 
-__all__ = ["Plan", "Call", "resolve_backend", "plan_cross_entropy", "plan_log_probs", "settle_by_memory",
-           "settle"]
+__all__ = ["Plan", "Sizes", "Call", "resolve_backend", "plan_cross_entropy", "plan_log_probs", "plan_distillation",
+           "settle_by_memory", "settle", "size_cross_entropy", "size_log_probs", "size_log_prob_loss",
+           "size_distillation", "fast_route_bytes", "SIZING", "Sizing"]
 
+ROW_ALIGN = 128      # chunk and sub-chunk boundaries are multiples of the kernel's largest BLOCK_M
 FAST_HEADROOM = 0.9      # the fast route's buffers may take at most this share of the free device memory
 AUTO_CHECK_BYTES = 2**30  # under a group, "auto" weighs memory only when the fp32 dX alone is at least this
+
+
+@dataclass(frozen=True, kw_only=True)
+class Sizing:
+    """The defaults the sizes of a call are computed from (``SIZING``; tests replace it through a fixture)."""
+
+    fast_p_gib: float = 1.5
+    """The Triton fast route's ``P`` chunk (freed before backward's peak), ..."""
+    min_p_gib: float = 0.25
+    """... and its floor when the fp32 dW accumulator is smaller than ``fast_p_gib``."""
+    lean_block_gib: float = 0.2
+    """The Triton lean backward's ``[N_b, V_b]`` block (softmax losses)."""
+    lean_token_block: int = 4096
+    """Tokens per block of the Triton lean backward's token-major order (``N > V_local``)."""
+    stats_tokens: int = 8192
+    """Tokens per Triton stats-only launch (bounds the per-tile statistics buffers)."""
+    distill_fast_gib: float = 1.5
+    """Both logits buffers of the distillation's Triton fast route together, ..."""
+    distill_dw_share: float = 1.5
+    """... at most this times the fp32 dW accumulator's size (every chunk's dW GEMM reads and writes that
+    accumulator: one H200, the JSD step 138.00 ms in 2048-token chunks against 134.94 ms in 3072-token chunks,
+    docs/benchmarks.md, 2026-11-24), ..."""
+    distill_min_gib: float = 0.25
+    """... and their floor when that accumulator is small."""
+    distill_lean_gib: float = 0.4
+    """Both buffers of the distillation's Triton lean route (forward chunks and backward blocks)."""
+
+
+SIZING = Sizing()
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """The token and vocab block sizes of one call, decided with its route, equal on every rank of the group
+    (they depend only on agreed values: ``columns_per_rank``, the hidden size, the dtype and the options)."""
+
+    chunk: int
+    """Tokens per forward chunk: the Triton fast and speculative routes' ``P`` (the speculative backward's token
+    blocks too), Triton's stats-only launches, the distillation's two logits buffers, or the torch backend's
+    chunk. The backends clamp it to the tokens there are."""
+    block_tokens: int
+    """Tokens per block of the recompute: the Triton lean backward's token-major blocks, or the torch backend's
+    recompute chunk."""
+    block_gib: float
+    """GiB of the Triton lean backward's logits buffers, all of them together."""
 
 
 @dataclass(frozen=True)
@@ -50,6 +104,8 @@ class Plan:
     """``"none"``, ``"region"`` or ``"forward"``."""
     sequence_parallel: bool
     """``hidden`` is this rank's slice along dim 0 (Megatron SP)."""
+    sizes: Sizes | None = None
+    """Chunk and buffer sizes; None until the shard is agreed (``size_cross_entropy`` and its kin)."""
 
 
 @dataclass(frozen=True)
@@ -71,7 +127,7 @@ class Call:
 
 def _triton_importable() -> bool:
     try:
-        from . import triton_backend  # noqa: F401
+        from . import kernels  # noqa: F401 - Triton and vpce's kernels (all the Triton backend needs beyond torch)
     except ImportError:
         return False
     return True
@@ -126,6 +182,47 @@ def settle(plan: Plan, fast: bool) -> Plan:
                 plan.sequence_parallel)
 
 
+def round_to(x: int, m: int) -> int:
+    return max(m, (x // m) * m)
+
+
+def _fast_chunk(opts: LossOptions, cols: int, dtype: torch.dtype, d: int) -> int:
+    """Tokens per fast-route chunk for ``cols`` vocab columns per rank; equal on every rank (``cols`` is
+    ``vocab_size / world``, not V_local).
+
+    By default ``P`` gets ``Sizing.fast_p_gib``, but never more than the fp32 dW accumulator (at least
+    ``Sizing.min_p_gib``): under tensor parallelism the shard's accumulator shrinks with the group and so does ``P``.
+    """
+    if isinstance(opts.memory_budget, float):
+        gib = opts.memory_budget
+    else:
+        gib = min(SIZING.fast_p_gib, max(SIZING.min_p_gib, cols * d * 4 / 2**30))
+    per_tok = cols * torch.empty((), dtype=dtype).element_size()
+    return round_to(int(gib * 2**30) // per_tok, ROW_ALIGN)
+
+
+def _even(chunk: int, tokens: int, unit: int = ROW_ALIGN) -> int:
+    """``chunk`` made as small as the same number of chunks allows: ``tokens`` split evenly over
+    ``ceil(tokens / chunk)`` chunks, rounded up to ``unit`` (never above ``chunk``). 8192 tokens at a 6144-token
+    cap take two chunks of 4096, so ``P`` holds 1 GiB on the Llama-3-8B head instead of 1.5 GiB at no more
+    passes over the fp32 dW accumulator."""
+    if tokens <= 0 or chunk <= 0:
+        return chunk
+    k = -(-tokens // chunk)
+    return min(chunk, -(-(-(-tokens // k)) // unit) * unit)
+
+
+def fast_route_bytes(tokens: int, d: int, rows: int, dtype: torch.dtype, needs: tuple[bool, bool, bool],
+                     opts: LossOptions) -> int:
+    """What the fast route holds beyond its inputs and outputs for ``tokens`` tokens (all of them under sequence
+    parallelism) and ``rows`` vocab rows: the ``P`` chunk, its tile statistics, fp32 dX and the fp32 dW
+    accumulator (``vpce.routing`` weighs it against free memory)."""
+    chunk = min(max(tokens, 1), _fast_chunk(opts, max(rows, 1), dtype, d))
+    p = chunk * rows * torch.empty((), dtype=dtype).element_size()
+    tiles = chunk * 2 * math.ceil(rows / 128) * 4
+    return p + tiles + (tokens * d * 4 if needs[0] else 0) + (rows * d * 4 if needs[1] else 0)
+
+
 def _fits(need: int, device: torch.device) -> bool:
     """Whether ``need`` bytes fit, with ``FAST_HEADROOM``, in the device's free memory: the driver's, plus what
     PyTorch's caching allocator holds unused. The allocator's counters (a slow host call, ~1 ms) are read only when
@@ -141,8 +238,6 @@ def _fits(need: int, device: torch.device) -> bool:
 def _fast_route_fits(hidden: torch.Tensor, tokens: int, rows: int, needs: tuple[bool, bool, bool],
                      opts: LossOptions, extra: int = 0) -> bool:
     """Whether the fast route's buffers for ``tokens`` tokens (plus ``extra`` bytes) fit on ``hidden``'s device."""
-    from .triton_backend import fast_route_bytes
-
     need = fast_route_bytes(tokens, hidden.shape[-1], rows, hidden.dtype, needs, opts) + extra
     return _fits(need, hidden.device)
 
@@ -196,3 +291,80 @@ def plan_distillation(reduction: str, lean: bool, needs_grad: tuple[bool, bool, 
     else:
         route = "fast"
     return Plan(backend, route, _dx_reduce(backend, route, sharded), sequence_parallel)
+
+
+# -- sizes, once the shard is agreed -----------------------------------------------------------------------------
+
+
+def _torch_chunk(budget_gib: float, cols: int, dtype: torch.dtype, per_acc: int) -> int:
+    """The torch backend's tokens per chunk: ``[C, cols]`` logits in the input dtype and ``per_acc`` fp32 (fp64)
+    tensors of that shape fit ``budget_gib``."""
+    acc = 8 if dtype == torch.float64 else 4
+    per_logit = 2 * torch.finfo(dtype).bits // 8 + per_acc * acc
+    return max(1, int(budget_gib * 2**30) // (cols * per_logit))
+
+
+def size_cross_entropy(plan: Plan, opts: LossOptions, shard: VocabShard, d: int, dtype: torch.dtype,
+                       tokens: int = 0) -> Plan:
+    """The cross-entropy's plan with its sizes. Torch: chunks of live logits, their fp32 copy, the probabilities
+    and their cast within the budget (the recompute at the default budget). Triton: the fast and speculative
+    routes' ``P`` chunk (``_fast_chunk``), else stats-only launches."""
+    cols = shard.columns_per_rank
+    if plan.backend == "torch":
+        per_acc = 3 if opts.softcap is not None else 2
+        sizes = Sizes(_torch_chunk(opts.chunk_gib(), cols, dtype, per_acc),
+                      _torch_chunk(DEFAULT_CHUNK_GIB, cols, dtype, per_acc), SIZING.lean_block_gib)
+    else:
+        formed = plan.route in ("fast", "speculative")
+        chunk = _even(_fast_chunk(opts, cols, dtype, d), tokens) if formed else SIZING.stats_tokens
+        sizes = Sizes(chunk, SIZING.lean_token_block, SIZING.lean_block_gib)
+    return dataclasses.replace(plan, sizes=sizes)
+
+
+def size_log_probs(plan: Plan, lp: LogProbOptions, shard: VocabShard, d: int, dtype: torch.dtype,
+                   tokens: int = 0) -> Plan:
+    """``linear_log_probs``' plan with its sizes: as the cross-entropy's, at the default budget on the torch
+    backend; the speculative route's ``P`` from ``memory_budget`` on the Triton one."""
+    cols = shard.columns_per_rank
+    if plan.backend == "torch":
+        chunk = _torch_chunk(DEFAULT_CHUNK_GIB, cols, dtype, 3 if lp.softcap is not None else 2)
+        sizes = Sizes(chunk, chunk, SIZING.lean_block_gib)
+    else:
+        chunk = _even(_fast_chunk(lp.chunk_options(), cols, dtype, d), tokens) \
+            if plan.route == "speculative" else SIZING.stats_tokens
+        sizes = Sizes(chunk, SIZING.lean_token_block, SIZING.lean_block_gib)
+    return dataclasses.replace(plan, sizes=sizes)
+
+
+def size_log_prob_loss(plan: Plan, o: LogProbLossOptions, shard: VocabShard, d: int, dtype: torch.dtype,
+                       tokens: int = 0) -> Plan:
+    """``linear_log_prob_loss``'s plan with its sizes: the fast route's ``P`` as the cross-entropy's (scope
+    ``"sequence"``: whole rows, at least one), else the two-pass form's statistics launches and recompute blocks,
+    as ``linear_log_probs``' lean route."""
+    if plan.backend == "triton" and plan.route == "fast":
+        chunk = _fast_chunk(LossOptions(memory_budget=o.memory_budget), shard.columns_per_rank, dtype, d)
+        if o.scope == "sequence":  # whole rows, at least one, spread evenly over the chunks
+            chunk = _even(max(1, chunk // o.row), tokens // o.row, 1) * o.row
+        else:
+            chunk = _even(chunk, tokens)
+        return dataclasses.replace(plan, sizes=Sizes(chunk, SIZING.lean_token_block, SIZING.lean_block_gib))
+    return size_log_probs(plan, o.stats_options(), shard, d, dtype, tokens)
+
+
+def size_distillation(plan: Plan, o: DistillOptions, shard: VocabShard, d: int, dtype: torch.dtype) -> Plan:
+    """The distillation's plan with its sizes. Torch: about eight fp32 (fp64) ``[C, V_local]`` tensors live (both
+    heads' logits, their exps and the gradient's temporaries). Triton: both heads' ``[C, V_local]`` logits buffers
+    fit the budget (by default on the fast route ``distill_fast_gib``, at most ``distill_dw_share`` times the fp32
+    dW accumulator, at least ``distill_min_gib``; ``distill_lean_gib`` on the lean route), ``C`` a multiple of
+    ``ROW_ALIGN`` where it can be; the lean backward's blocks fit the same budget."""
+    cols = shard.columns_per_rank
+    if plan.backend == "torch":
+        chunk = _torch_chunk(o.chunk_gib(), cols, dtype, 8)
+        return dataclasses.replace(plan, sizes=Sizes(chunk, chunk, SIZING.lean_block_gib))
+    lean_gib = o.memory_budget if isinstance(o.memory_budget, float) else SIZING.distill_lean_gib
+    gib = lean_gib
+    if plan.route == "fast" and not isinstance(o.memory_budget, float):
+        gib = min(SIZING.distill_fast_gib, max(SIZING.distill_min_gib, SIZING.distill_dw_share * cols * d * 4 / 2**30))
+    c = max(1, int(gib * 2**30) // (2 * cols * torch.empty((), dtype=dtype).element_size()))
+    chunk = c - c % ROW_ALIGN if c >= ROW_ALIGN else c
+    return dataclasses.replace(plan, sizes=Sizes(chunk, SIZING.lean_token_block, lean_gib))

@@ -1,17 +1,20 @@
 """Pure-PyTorch backend: exact, memory-bounded linear + cross-entropy over a (possibly sharded) vocab; the CPU
 path. (The float64 reference the tests and the bench check against is ``vpce.reference``.)
 
-It never allocates ``[N, V_local]``: it walks the tokens in chunks of ``C`` rows, ``C`` sized so that the live
-chunk data (the logits in the input dtype, their fp32 copy, the probabilities and their cast) stay inside the
-memory budget (default 0.25 GiB). Softmax statistics are fp32 (float64 for float64 inputs).
+It never allocates ``[N, V_local]``: it walks the tokens in chunks of ``C`` rows, ``C`` sized (by ``vpce.routing``,
+in the call's plan) so that the live chunk data (the logits in the input dtype, their fp32 copy, the probabilities
+and their cast) stay inside the memory budget (default 0.25 GiB). Softmax statistics are fp32 (float64 for float64
+inputs).
 
 Per chunk: logits -> local statistics (max, sum of exp but the target's, target logit, ...) -> the global
-``RankStats`` (one packed collective under a group, ``vpce.parallel``) -> per-token outputs and, on the fast
-route, the chunk's gradient while its logits are live: ``dX`` rows written once, ``dW`` accumulated across
-chunks in fp32 (``vpce.routing`` picks the route). The formulas are ``vpce.formulas``, shared with the Triton
-backend. Under a group every rank runs the same number of chunks (the chunk size depends only on values that
-are equal on every rank), so the per-chunk collectives line up. ``dX`` is this shard's contribution; the caller
-(``vpce.parallel.enter_vocab_parallel``) sums it over the group.
+``RankStats`` (one packed collective under a group, ``vpce.parallel``) -> per-token outputs and, on the fast route,
+the chunk's gradient while its logits are live: ``dX`` rows written once, ``dW`` accumulated across chunks in fp32
+(``vpce.routing`` picks the route). One chunk loop (``_chunk_loop``) serves every loss and route: each loss
+(cross-entropy, log-probs, the distillation of ``vpce.distill_stats``) passes a per-chunk step that returns the
+chunk's logit gradient; the recompute (``_recompute_loop``) walks the same chunks. The formulas are
+``vpce.formulas``, shared with the Triton backend. Under a group every rank runs the same number of chunks (the
+chunk size depends only on values that are equal on every rank), so the per-chunk collectives line up. ``dX`` is
+this shard's contribution; the caller (``vpce.parallel.enter_vocab_parallel``) sums it over the group.
 """
 
 from __future__ import annotations
@@ -23,19 +26,15 @@ import torch
 from .formulas import Coefficients, RowStats, ce_coefficients, ce_token_outputs
 from .gemm import mm_out
 from .grads import FastGrads, pad_rows, weight_grad
-from .options import DEFAULT_CHUNK_GIB, LogProbOptions, LossOptions
-from .parallel import RankStats, VocabShard, exchange_softmax_stats
+from .distill_stats import DistillRows, DistillStats, exchange_chunk_stats, heads, local_stats, log_mixture, \
+    log_softmax, mixture_sums, row_weights, token_loss
+from .options import DistillOptions, LogProbOptions, LossOptions
+from .parallel import RankStats, exchange_softmax_stats
 from .routing import Call
 from .targets import TokenTargets
 
-__all__ = ["chunk_tokens", "cross_entropy", "log_probs", "recompute_grads", "scale_cast"]
-
-
-def chunk_tokens(budget_gib: float, shard: VocabShard, dtype: torch.dtype, softcap: bool) -> int:
-    """Tokens per chunk so that the chunk's live data fits ``budget_gib``; equal on every rank of the group."""
-    acc = 8 if dtype == torch.float64 else 4
-    per_logit = 2 * torch.finfo(dtype).bits // 8 + (3 if softcap else 2) * acc
-    return max(1, int(budget_gib * 2**30) // (shard.columns_per_rank * per_logit))
+__all__ = ["cross_entropy", "log_probs", "recompute_grads", "scale_cast", "distill_forward",
+           "distill_recompute_grads"]
 
 
 def _acc(dtype: torch.dtype) -> torch.dtype:
@@ -128,52 +127,83 @@ def accumulate_grads(g: torch.Tensor, h: torch.Tensor, w: torch.Tensor, sl: slic
         db += g.sum(0)
 
 
-def recompute_grads(hidden, weight, bias, tg: TokenTargets, rows: RowStats, coef: Coefficients, call: Call,
-                    softcap, inv_t: float, main_weight=None):
-    """dX, dW, db from logits recomputed chunk by chunk (any per-token coefficients)."""
+# -- the engine: one chunk loop for the gradients formed in forward, one for the recompute ---------------------
+#
+# Each loss supplies a per-chunk step that returns the chunk's logit gradient; the loops own the chunking and the
+# accumulation into dX, dW and db (``accumulate_grads``).
+
+
+def _unit_grads(hidden: torch.Tensor, v: int, needs: tuple[bool, bool, bool], acc: torch.dtype) -> FastGrads:
+    """The fast route's accumulators, zeroed: dX ``[N, D]``, dW ``[V_valid, D]``, db ``[V_valid]``."""
     n, d = hidden.shape
-    shard = call.shard
-    acc, dtype, v = rows.m.dtype, hidden.dtype, shard.valid_rows
-    w = weight[:v]
-    b = None if bias is None else bias[:v]
+    return FastGrads(torch.zeros(n, d, dtype=acc, device=hidden.device) if needs[0] else None,
+                     torch.zeros(v, d, dtype=acc, device=hidden.device) if needs[1] else None,
+                     torch.zeros(v, dtype=acc, device=hidden.device) if needs[2] else None)
+
+
+def _chunk_loop(hidden, w, chunk: int, step, grads: FastGrads | None):
+    """Per chunk ``sl`` of ``chunk`` tokens the per-loss ``step(sl)`` takes the chunk's statistics and outputs and
+    returns its logit gradient ``[c, V_valid]`` (None where nothing is formed), added into ``grads``: dX rows
+    ``sl`` written once, dW and db accumulated. One chunk's logits are live at a time."""
+    n = hidden.shape[0]
+    for c0 in range(0, n, chunk):
+        sl = slice(c0, min(n, c0 + chunk))
+        g = step(sl)
+        if g is not None:
+            accumulate_grads(g, hidden[sl], w, sl, grads.dx, grads.dw, grads.db)
+        del g  # before the next chunk's logits exist
+
+
+def _recompute_loop(hidden, weight, bias, call: Call, chunk: int, acc: torch.dtype, step, main_weight=None):
+    """dX, dW, db in the inputs' dtype from the logit gradient ``step(sl)`` recomputes per chunk of tokens
+    (``main_weight``: dW added into its ``main_grad``)."""
+    n, d = hidden.shape
+    dtype, v = hidden.dtype, call.shard.valid_rows
     need_dx, need_dw, need_db = call.needs_grad
-    chunk = chunk_tokens(DEFAULT_CHUNK_GIB, shard, dtype, softcap is not None)
-    cw = None if tg.class_weight is None else tg.class_weight.columns
     dx = torch.zeros(n, d, dtype=acc, device=hidden.device) if need_dx else None
     dw = torch.zeros(v, d, dtype=acc, device=hidden.device) if need_dw else None
     db = torch.zeros(v, dtype=acc, device=hidden.device) if need_db and bias is not None else None
     if v > 0:
-        for c0 in range(0, n, chunk):
-            sl = slice(c0, min(n, c0 + chunk))
-            z = chunk_logits(hidden[sl], w, b, softcap, acc, inv_t)
-            g = _logit_grad_(z, rows.rows(sl), coef.rows(sl), tg.idx[sl], tg.in_shard[sl], softcap, inv_t, cw)
-            accumulate_grads(g, hidden[sl], w, sl, dx, dw, db)
-            del z, g  # before the next chunk's logits exist
+        _chunk_loop(hidden, weight[:v], chunk, step, FastGrads(dx, dw, db))
     return (None if dx is None else dx.to(dtype),
             weight_grad(dw, weight.shape[0] if main_weight is None else main_weight, dtype),
             pad_rows(db, weight.shape[0], dtype))
 
 
+def recompute_grads(hidden, weight, bias, tg: TokenTargets, rows: RowStats, coef: Coefficients, call: Call,
+                    softcap, inv_t: float, main_weight=None):
+    """dX, dW, db from logits recomputed chunk by chunk (any per-token coefficients)."""
+    shard = call.shard
+    acc, v = rows.m.dtype, shard.valid_rows
+    w = weight[:v]
+    b = None if bias is None else bias[:v]
+    chunk = call.plan.sizes.block_tokens
+    cw = None if tg.class_weight is None else tg.class_weight.columns
+
+    def step(sl):
+        z = chunk_logits(hidden[sl], w, b, softcap, acc, inv_t)
+        return _logit_grad_(z, rows.rows(sl), coef.rows(sl), tg.idx[sl], tg.in_shard[sl], softcap, inv_t, cw)
+    return _recompute_loop(hidden, weight, bias, call, chunk, acc, step, main_weight)
+
+
 def cross_entropy(hidden, weight, bias, tg: TokenTargets, opts: LossOptions, call: Call):
     """Per-token loss ``[N]`` (weighted, 0 on ignored tokens), and what backward needs: the fast route's
     unscaled ``FastGrads``, or the lean route's ``RowStats``."""
-    n, d = hidden.shape
+    n = hidden.shape[0]
     shard = call.shard
     acc = _acc(hidden.dtype)
     v = shard.valid_rows
     w = weight[:v]
     b = None if bias is None else bias[:v]
     smooth = opts.label_smoothing > 0
-    chunk = chunk_tokens(opts.chunk_gib(), shard, hidden.dtype, opts.softcap is not None)
+    chunk = call.plan.sizes.chunk
     fast = call.plan.route == "fast"
-    needs = call.needs_grad
+    grads = None
     if fast:
         # Rows at unit scale; 1/count (mean) and the upstream gradient are applied in backward, so the cast of the
         # chunk gradient to fp16 keeps full precision (and loss scaling keeps working).
         unit = tg.row_scale(hidden.new_ones((), dtype=acc).expand(n))
-        dx = torch.zeros(n, d, dtype=acc, device=hidden.device) if needs[0] else None
-        dw = torch.zeros(v, d, dtype=acc, device=hidden.device) if needs[1] else None
-        db = torch.zeros(v, dtype=acc, device=hidden.device) if needs[2] else None
+        grads = _unit_grads(hidden, v, call.needs_grad, acc)
     loss_tok = torch.empty(n, dtype=acc, device=hidden.device)
     keep = call.plan.route == "lean"
     rows = RowStats.empty(n, acc, hidden.device) if keep else None
@@ -182,38 +212,38 @@ def cross_entropy(hidden, weight, bias, tg: TokenTargets, opts: LossOptions, cal
     metrics = {k: torch.empty(n, dtype=acc, device=hidden.device) for k in opts.metrics}
     if opts.token_scaling:
         tg.scaling = torch.empty(n, dtype=acc, device=hidden.device)
-    for c0 in range(0, n, chunk):
-        sl = slice(c0, min(n, c0 + chunk))
+
+    def step(sl):
         z, st = _chunk_stats(hidden, w, b, tg, sl, call, cap, acc, sum_z=smooth, inv_t=mult, class_weight=cw,
                              sum_ez="entropy" in opts.metrics, top1="token_accuracy" in opts.metrics)
         ce_token_outputs(st, opts, shard.vocab_size, tg, sl, loss_tok, metrics)
         if keep:
             rows.store(sl, st)
-        if fast and v > 0:
-            scale = unit[sl] if tg.scaling is None else unit[sl] * tg.scaling[sl]
-            co = ce_coefficients(scale, st.lse, opts, shard.vocab_size, tg.class_rows(sl))
-            g = _logit_grad_(z, RowStats.of(st), co, tg.idx[sl], tg.in_shard[sl], cap, mult, cw)
-            accumulate_grads(g, hidden[sl], w, sl, dx, dw, db)
-        del z  # before the next chunk's logits exist: one chunk live at a time
+        if not (fast and v > 0):
+            return None
+        scale = unit[sl] if tg.scaling is None else unit[sl] * tg.scaling[sl]
+        co = ce_coefficients(scale, st.lse, opts, shard.vocab_size, tg.class_rows(sl))
+        return _logit_grad_(z, RowStats.of(st), co, tg.idx[sl], tg.in_shard[sl], cap, mult, cw)
+
+    _chunk_loop(hidden, w, chunk, step, grads)
     tg.metrics = metrics
-    return loss_tok, rows, FastGrads(dx, dw, db) if fast else None
+    return loss_tok, rows, grads
 
 
 def log_probs(hidden, weight, bias, tg: TokenTargets, lp: LogProbOptions, call: Call):
     """Per-token global statistics for ``linear_log_probs``: ``(RankStats of all tokens, RowStats)``."""
-    n = hidden.shape[0]
     acc = _acc(hidden.dtype)
     v = call.shard.valid_rows
     w = weight[:v]
     b = None if bias is None else bias[:v]
-    chunk = chunk_tokens(DEFAULT_CHUNK_GIB, call.shard, hidden.dtype, lp.softcap is not None)
+    chunk = call.plan.sizes.chunk
     parts = []
-    for c0 in range(0, n, chunk):
-        sl = slice(c0, min(n, c0 + chunk))
-        z, st = _chunk_stats(hidden, w, b, tg, sl, call, lp.softcap, acc, sum_z=lp.mean_logits, sum_ez=lp.entropy,
+
+    def step(sl):
+        _, st = _chunk_stats(hidden, w, b, tg, sl, call, lp.softcap, acc, sum_z=lp.mean_logits, sum_ez=lp.entropy,
                              inv_t=lp.inv_t, sum_sq=lp.log_sum_sq, top1=lp.top1)
-        del z
         parts.append(st)
+    _chunk_loop(hidden, w, chunk, step, None)
     return RankStats.cat(parts, int(lp.mean_logits), int(lp.entropy), hidden.new_empty(0, dtype=acc),
                          lp.log_sum_sq, lp.top1)
 
@@ -221,3 +251,96 @@ def log_probs(hidden, weight, bias, tg: TokenTargets, lp: LogProbOptions, call: 
 def scale_cast(src: torch.Tensor, g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``(src * g).to(dtype)``, in place on ``src``."""
     return src.mul_(g).to(dtype)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# the distillation (``vpce.distill_stats``): statistics, the gradient of a chunk, forward and the recompute
+
+
+def _distill_chunk_stats(z1, y, tg: TokenTargets, sl: slice, o: DistillOptions, call: Call, acc,
+                         device) -> DistillStats:
+    """The torch backend's chunk statistics (``z1 = None``: this shard's rows are all padding)."""
+    c = sl.stop - sl.start
+    packed = local_stats(z1, y, tg, sl, o, c, acc, device)
+
+    def jsd_sums(st):
+        return torch.zeros(2, c, dtype=acc, device=device) if z1 is None else mixture_sums(z1, y, st, o)
+    return exchange_chunk_stats(packed, jsd_sums, o, call)
+
+
+def _distill_logit_grad(z1, y, rows: DistillRows, kd: torch.Tensor, ce: torch.Tensor | None, t_idx, in_shard,
+                o: DistillOptions) -> torch.Tensor:
+    """The gradient ``[c, v]`` with respect to the student's pre-cap logits; per-row weights ``kd`` (the
+    divergence's, with ``1 / T`` folded in) and ``ce`` (the cross-entropy's)."""
+    z = z1 * o.inv_t if o.inv_t != 1.0 else z1
+    s = log_softmax(z, rows.m_z, rows.log_s_z)
+    p = s.exp()
+    if o.kind == "forward_kl":
+        g = p - log_softmax(y, rows.m_y, rows.log_s_y).exp_()
+    elif o.kind == "reverse_kl":
+        g = torch.where(p == 0, 0.0, p * ((z - y) - rows.e[:, None]))
+    else:
+        log_m = log_mixture(s, log_softmax(y, rows.m_y, rows.log_s_y), o.beta)
+        g = torch.where(p == 0, 0.0, (1 - o.beta) * p * ((s - log_m) - rows.e[:, None]))
+    del s, p
+    g.mul_(kd[:, None])
+    if ce is not None:
+        p1 = log_softmax(z1, rows.m1, rows.log_s1).exp_()
+        idx = t_idx[:, None]
+        p1.scatter_(1, idx, torch.where(in_shard, -rows.q1, p1.gather(1, idx).squeeze(1))[:, None])  # p1_t - 1
+        g.add_(p1.mul_(ce[:, None]))
+    if o.softcap is not None:
+        g.mul_(1 - (z1 / o.softcap) ** 2)
+    return g
+
+
+def distill_forward(hidden, weight, bias, t_hidden, t_weight, t_bias, tg: TokenTargets, o: DistillOptions,
+                    call: Call):
+    """Per-token loss ``[N]`` (weighted, 0 on ignored tokens), and what backward needs: the fast route's unscaled
+    ``FastGrads``, or the lean route's ``DistillRows``."""
+    n = hidden.shape[0]
+    acc = _acc(hidden.dtype)
+    v = call.shard.valid_rows
+    w, b, tw, tb = heads(weight, bias, t_weight, t_bias, v)
+    chunk = call.plan.sizes.chunk
+    fast = call.plan.route == "fast"
+    keep = call.plan.route == "lean"
+    grads = None
+    if fast:  # unit upstream scale; 1/count (mean) and the upstream gradient are applied in backward
+        unit = tg.row_scale(hidden.new_ones((), dtype=acc).expand(n))
+        grads = _unit_grads(hidden, v, call.needs_grad, acc)
+    loss_tok = torch.empty(n, dtype=acc, device=hidden.device)
+    rows = DistillRows.empty(n, o, acc, hidden.device) if keep else None
+
+    def step(sl):
+        z1 = y = None
+        if v > 0:
+            z1 = chunk_logits(hidden[sl], w, b, o.softcap, acc)
+            y = chunk_logits(t_hidden[sl], tw, tb, o.teacher_softcap, acc, o.inv_t)
+        st = _distill_chunk_stats(z1, y, tg, sl, o, call, acc, hidden.device)
+        loss_tok[sl] = tg.token_loss(token_loss(st, o), sl)
+        if keep:
+            rows.store(sl, DistillRows.of(st, o))
+        if not (fast and v > 0):
+            return None
+        kd, ce = row_weights(unit[sl], o)
+        return _distill_logit_grad(z1, y, DistillRows.of(st, o), kd, ce, tg.idx[sl], tg.in_shard[sl], o)
+
+    _chunk_loop(hidden, w, chunk, step, grads)
+    return loss_tok, rows, grads
+
+
+def distill_recompute_grads(hidden, weight, bias, t_hidden, t_weight, t_bias, tg: TokenTargets, rows: DistillRows,
+                            scale: torch.Tensor, o: DistillOptions, call: Call):
+    """dX, dW, db from both heads' logits recomputed chunk by chunk, for per-token row scales ``scale``."""
+    acc, v = rows.m_z.dtype, call.shard.valid_rows
+    w, b, tw, tb = heads(weight, bias, t_weight, t_bias, v)
+    chunk = call.plan.sizes.block_tokens
+    kd, ce = row_weights(scale, o)
+
+    def step(sl):
+        z1 = chunk_logits(hidden[sl], w, b, o.softcap, acc)
+        y = chunk_logits(t_hidden[sl], tw, tb, o.teacher_softcap, acc, o.inv_t)
+        return _distill_logit_grad(z1, y, rows.rows(sl), kd[sl], None if ce is None else ce[sl], tg.idx[sl],
+                                   tg.in_shard[sl], o)
+    return _recompute_loop(hidden, weight, bias, call, chunk, acc, step)

@@ -13,7 +13,7 @@ Fast route (default; cross-entropy with ``mean``/``sum`` and gradients), 6NDV. P
 4. cuBLAS: ``dX[chunk] = dz @ W`` (fp32 out) and ``dW += dz.T @ X[chunk]`` into an fp32 accumulator; under a
    group the chunk's ``dX`` rows are summed over the group (async, under the dW GEMM; ``HiddenGradReduce``).
 
-Measured on one H200 (docs/benchmarks.md, 2026-11-23 session 6): per 4096-token chunk cuBLAS plus the two
+Measured on one H200 (docs/benchmarks.md, 2026-11-23 run 83140c1): per 4096-token chunk cuBLAS plus the two
 bandwidth passes cost the same as the fused Triton GEMM with its epilogue plus the P -> gradient pass it needed on
 the Llama-3-8B head (D = 4096), 3 % less on the Gemma-2-2B head (D = 2304, where the fused GEMM could not hide its
 epilogue) and 4-5 % less with a soft cap. The logits are then rounded to the inputs' dtype before the softmax, as
@@ -24,15 +24,53 @@ them in one pass. Memory: ``P`` (``C * V_local`` values; by default 1.5 GiB but 
 accumulator's size), the fp32 ``dW`` accumulator, fp32 ``dX``.
 
 Lean route (``memory_budget="lean"``, ``reduction="none"``, and ``linear_log_probs``), 8NDV.
-Forward runs the fused GEMM (``kernels.logits_tiles``) in stats mode only and keeps the global ``lse`` (and
-``E[z]`` for the entropy) per token. Backward recomputes the gradient in blocks with the GEMM in grad mode
-(``recompute_grads``), in the order that holds the smaller fp32 accumulator: vocab-major while ``N <= V_local``
-(each ``[N, Vb]`` block's dW in one GEMM over all tokens, no dW accumulator; ``dX += dz @ W[block]`` into fp32
-``[N, D]``), token-major beyond (each token block's dX finished before the next, ``dW += dz.T @ X[block]`` into
-fp32 ``[V_local, D]`` or straight into ``main_grad``), so the extra memory stops growing with N. Memory: one
-``LEAN_BLOCK_GIB`` block plus the smaller of the two accumulators.
+Forward runs the fused GEMM (``kernels.logits_tiles``) in stats mode only and keeps the global ``lse`` (and ``E[z]``
+for the entropy) per token. Backward recomputes the gradient in blocks with the GEMM in grad mode
+(``recompute_grads``; the one block loop ``_block_loop``), in the order that holds the smaller fp32 accumulator:
+vocab-major while ``N <= V_local`` (each ``[N, Vb]`` block's dW in one GEMM over all tokens, no dW accumulator;
+``dX += dz @ W[block]`` into fp32 ``[N, D]``), token-major beyond (each token block's dX finished before the next,
+``dW += dz.T @ X[block]`` into fp32 ``[V_local, D]`` or straight into ``main_grad``), so the extra memory stops
+growing with N. Memory: one block of the plan's ``block_gib`` (``routing.Sizing.lean_block_gib``) plus the smaller
+of the two accumulators.
 
 No-grad: the stats-mode fused GEMM over token chunks; O(N) memory beyond the small per-tile statistics.
+
+The distillation (``distill_forward``, ``distill_recompute_grads``; ``vpce.distill_stats``):
+cuBLAS writes both heads' chunk logits, bandwidth-bound Triton kernels (``vpce.kernels.distill``) read
+them. The formulas, the packed statistics and their exchange are ``vpce.distill_stats``', shared with
+the torch backend.
+
+Fast route (``mean``/``sum`` with gradients), per chunk of ``C`` tokens:
+
+1. cuBLAS writes the student's logits ``h W^T (+ b)`` and the teacher's ``h' W'^T (+ b')`` into two ``[C, V_local]``
+   buffers in the inputs' dtype (``torch.mm(..., out=)``, the bias through ``addmm``);
+2. ``kernels.distill_stats``: one pass over both buffers (soft caps and temperature applied on load, in fp32)
+   writes per-(row, tile) statistics, then a per-row reduce over the tiles packs this shard's ``[R, C]``
+   statistics exactly as the torch backend packs them; ``distill_stats.exchange_chunk_stats`` exchanges and combines
+   them (one all-gather under a group);
+3. JSD only: ``kernels.distill_mixture``, a second pass over both buffers, gives this shard's ``[K_q, K_p]``, and
+   the second all-gather (the same call of ``exchange_chunk_stats``);
+4. ``kernels.distill_grad_`` overwrites the student's buffer with ``dL/dx`` at unit upstream scale;
+5. cuBLAS: ``dX[chunk] = G @ W`` (fp32 out; under a group summed over the ranks asynchronously, under the dW GEMM
+   and the next chunk: ``parallel.HiddenGradReduce``, as the cross-entropy's Triton fast route) and
+   ``dW += G^T @ X[chunk]`` into an fp32 accumulator.
+
+Under sequence parallelism the fast route gathers both heads' hidden slices itself: the student's first, then the
+teacher's (the larger, at ``D_t``) beside the first chunk's student GEMM.
+
+Backward scales the held fp32 gradients by the upstream gradient (``grads.finish_fast_grads``). Memory: the two
+buffers (``routing.Sizing.distill_fast_gib`` together by default, at most ``distill_dw_share`` times the fp32 dW
+accumulator's size: in bf16 chunks of at most 1.5 D tokens), their tile statistics, the fp32 dX and dW.
+
+Lean route (``reduction="none"``, ``memory_budget="lean"``): forward is steps 1-3 over chunks of
+``routing.Sizing.distill_lean_gib``, keeping each token's ``DistillRows``. Backward recomputes both heads' logits
+block by block with cuBLAS and runs the gradient kernel, in the cross-entropy's block loop (``_block_loop``), in the
+order that holds the smaller fp32 accumulator: vocab-major while ``N <= V_local`` (each ``[N, V_b]`` block's dW in
+one GEMM, ``dX`` summed over the blocks in fp32), token-major beyond (each token block's ``dX`` finished before the
+next, ``dW`` summed over the token blocks in fp32). The backward needs no exchange.
+
+The logits are rounded to the inputs' dtype once, as ``F.linear`` rounds them in plain PyTorch; everything after
+is fp32. No host syncs, no atomics: every kernel writes each output element from one program.
 """
 
 from __future__ import annotations
@@ -42,56 +80,23 @@ import math
 import torch
 
 from . import kernels
-from .formulas import Coefficients, RowStats, ce_coefficients, ce_token_outputs, logprob_coefficients
+from .distill_stats import KL_HEAD, DistillRows, exchange_chunk_stats, heads, local_stats, row_weights, \
+    rows_layout, token_loss
+from .formulas import (Coefficients, RowStats, ce_coefficients, ce_token_outputs, evaluate_loss_fn, logprob_coefficients,
+                       logprob_part_outputs, loss_fn_coefficients, loss_fn_metric_outputs, store_metric_outputs)
 from .gemm import addmm_out_, logits_into, mm_into, mm_out
 from .grads import FastGrads, add_block, pad_rows, weight_grad, weight_grad_to_main, written_rows
-from .options import LogProbOptions, LossOptions
-from .parallel import HiddenGradReduce, RankStats, gather_sequence, start_stats_exchange
-from .routing import Call
+from .options import DistillOptions, LogProbLossOptions, LogProbOptions, LossOptions
+from .parallel import HiddenGradReduce, RankStats, gather_sequence, start_gather_sequence, start_stats_exchange
+from .routing import ROW_ALIGN, Call, round_to
 from .speculation import block_flags, split_upstream
 from .targets import TokenTargets
 
 __all__ = ["cross_entropy", "log_probs", "log_probs_formed", "recompute_grads", "speculative_grads", "scale_cast",
-           "fast_route_bytes", "FAST_P_GIB", "LEAN_BLOCK_GIB"]
+           "distill_forward", "distill_recompute_grads"]
 
-FAST_P_GIB = 1.5     # default size of the fast route's P chunk (freed before backward's peak)
-MIN_P_GIB = 0.25     # ... and its floor when the fp32 dW accumulator is smaller than FAST_P_GIB
-LEAN_BLOCK_GIB = 0.2  # default size of the lean route's [N, Vb] block
-LEAN_TOKEN_BLOCK = 4096  # tokens per block of the lean backward's token-major order (N > V_local)
-STATS_TOKENS = 8192  # tokens per stats-only launch (bounds the per-tile statistics buffers)
-ROW_ALIGN = 128      # chunk and sub-chunk boundaries are multiples of the kernel's largest BLOCK_M
 
 scale_cast = kernels.scale_cast
-
-
-def _round_to(x: int, m: int) -> int:
-    return max(m, (x // m) * m)
-
-
-def _fast_chunk(opts: LossOptions, cols: int, dtype: torch.dtype, d: int) -> int:
-    """Tokens per fast-route chunk for ``cols`` vocab columns per rank; equal on every rank (``cols`` is
-    ``vocab_size / world``, not V_local).
-
-    By default ``P`` gets ``FAST_P_GIB``, but never more than the fp32 dW accumulator (at least
-    ``MIN_P_GIB``): under tensor parallelism the shard's accumulator shrinks with the group and so does ``P``.
-    """
-    if isinstance(opts.memory_budget, float):
-        gib = opts.memory_budget
-    else:
-        gib = min(FAST_P_GIB, max(MIN_P_GIB, cols * d * 4 / 2**30))
-    per_tok = cols * torch.empty((), dtype=dtype).element_size()
-    return _round_to(int(gib * 2**30) // per_tok, ROW_ALIGN)
-
-
-def fast_route_bytes(tokens: int, d: int, rows: int, dtype: torch.dtype, needs: tuple[bool, bool, bool],
-                     opts: LossOptions) -> int:
-    """What the fast route holds beyond its inputs and outputs for ``tokens`` tokens (all of them under sequence
-    parallelism) and ``rows`` vocab rows: the ``P`` chunk, its tile statistics, fp32 dX and the fp32 dW
-    accumulator (``vpce.routing`` weighs it against free memory)."""
-    chunk = min(max(tokens, 1), _fast_chunk(opts, max(rows, 1), dtype, d))
-    p = chunk * rows * torch.empty((), dtype=dtype).element_size()
-    tiles = chunk * 2 * math.ceil(rows / 128) * 4
-    return p + tiles + (tokens * d * 4 if needs[0] else 0) + (rows * d * 4 if needs[1] else 0)
 
 
 class _ChunkStats:
@@ -157,7 +162,7 @@ class _ChunkStats:
     @staticmethod
     def _cuts(c: int, call: Call) -> list[int]:
         if call.shard.sharded and c >= 4 * ROW_ALIGN:
-            return [0, _round_to(c // 2, ROW_ALIGN), c]  # the first half's exchange hides behind the second's GEMM
+            return [0, round_to(c // 2, ROW_ALIGN), c]  # the first half's exchange hides behind the second's GEMM
         return [0, c]
 
     @staticmethod
@@ -181,10 +186,18 @@ class _ChunkStats:
             yield part, r, pend.wait()
 
 
-def recompute_grads(hidden, weight, bias, tg: TokenTargets, rows: RowStats, coef: Coefficients, call: Call,
-                    softcap, inv_t: float, main_weight=None):
-    """dX, dW and db from the logits recomputed in blocks (grad mode), in whichever order holds the smaller fp32
-    accumulator:
+# -- the engine: one forward chunk loop (``_chunk_loop``), one block loop for the recompute (``_block_loop``) -------
+#
+# Each loss supplies a small per-chunk (per-block) step; the loops own the chunking, the GEMMs of dX, dW and db, and
+# their accumulators. The softmax losses (cross-entropy, log-probs, and any loss of the log-probs and the entropy)
+# share one step whose ``on_part(part, stats) -> Coefficients`` is the per-loss seam; the distillation has its own
+# (the step in ``distill_forward``, ``_DistillBlocks``). The speculative route's flag-gated recompute
+# (``_gated_recompute``) is a loop of its own: its kernels are gated by a device flag and its dW GEMM is Triton's.
+
+
+def _block_loop(hidden, weight, bias, call: Call, step, main_weight=None):
+    """The lean block loop: dX, dW and db from the gradient recomputed block by block by ``step``, in whichever
+    order holds the smaller fp32 accumulator:
 
     * vocab-major (``N <= V_local``): each vocab block over all tokens; its dW in one GEMM (no dW accumulator),
       dX summed over the blocks in fp32 ``[N, D]``;
@@ -192,22 +205,24 @@ def recompute_grads(hidden, weight, bias, tg: TokenTargets, rows: RowStats, coef
       before the next block (fp32 ``[N_b, D]`` only), dW summed over the token blocks in fp32 ``[V_local, D]``
       (or straight into ``main_grad``). The extra memory then stays fixed as N grows.
 
+    ``step``: its ``buffers`` logits buffers of ``[N_b, V_b]`` fit the plan's ``block_gib``, ``V_b`` a multiple of
+    ``step.align``, ``N_b`` the plan's ``block_tokens`` (token-major); ``step.alloc(nb, vb, n, v)`` allocates them,
+    ``step.tokens(tok)`` gives what a token block needs, ``step.block(h, tok, per_tok, v0, v1)`` recomputes the
+    gradient of tokens ``tok`` and vocab rows ``[v0, v1)`` into its buffer and returns it. ``hidden`` contiguous.
     ``main_weight``: add dW in fp32 into its ``main_grad`` instead of returning it.
     """
     n, d = hidden.shape
-    hidden = hidden.contiguous()
     v, n_rows, dtype = call.shard.valid_rows, weight.shape[0], hidden.dtype
-    tl_local = tg.local_columns()
     need_dx, need_dw, need_db = call.needs_grad
     into_main = main_weight is not None and need_dw
     db = torch.zeros(n_rows, dtype=torch.float32, device=hidden.device) if need_db and bias is not None else None
-    bn = kernels.tile_n(hidden)
     token_major = 0 < v < n
-    nb = max(1, min(n, LEAN_TOKEN_BLOCK) if token_major else n)
-    vb = _round_to(int(LEAN_BLOCK_GIB * 2**30) // max(1, nb * hidden.element_size()), bn)
-    block = torch.empty(nb, min(vb, max(v, 1)), dtype=dtype, device=hidden.device) if n and v else None
+    sizes = call.plan.sizes
+    nb = max(1, min(n, sizes.block_tokens) if token_major else n)
+    vb = round_to(int(sizes.block_gib * 2**30) // max(1, step.buffers * nb * hidden.element_size()), step.align)
+    vb = min(vb, max(v, 1))
+    step.alloc(nb, vb, n, v)
     dx = dw = dx_acc = None
-    cw = None if tg.class_weight is None else tg.class_weight.columns.float()
     if token_major:
         if need_dx:
             dx = torch.empty(n, d, dtype=dtype, device=hidden.device)
@@ -217,19 +232,16 @@ def recompute_grads(hidden, weight, bias, tg: TokenTargets, rows: RowStats, coef
     else:
         dx = written_rows(n, d, n if v else 0, torch.float32, hidden.device) if need_dx else None
         dw = written_rows(n_rows, d, v if n else 0, dtype, hidden.device) if need_dw and not into_main else None
+    main_grad = main_weight.main_grad if into_main else None
     for n0 in range(0, n if v else 0, nb):
         n1 = min(n, n0 + nb)
         h, tok = hidden[n0:n1], slice(n0, n1)
-        per_row = rows.rows(tok)
-        per_row = (per_row.m, per_row.lse, per_row.q)
+        per_tok = step.tokens(tok)
         for v0 in range(0, v, vb):
             v1 = min(v, v0 + vb)
-            gz = block[: n1 - n0, : v1 - v0]
-            kernels.logits_tiles(h, weight[v0:v1], None if bias is None else bias[v0:v1], tl_local[tok] - v0,
-                                 softcap=softcap, inv_t=inv_t, p=gz, rows=per_row, coef=coef.rows(tok),
-                                 class_weight=None if cw is None else cw[v0:v1])
+            gz = step.block(h, tok, per_tok, v0, v1)
             add_block(gz, h, weight[v0:v1], slice(v0, v1), tok, dx=dx, dx_acc=dx_acc, dw=dw, db=db,
-                      token_major=token_major, main_grad=main_weight.main_grad if into_main else None)
+                      token_major=token_major, main_grad=main_grad)
         if dx_acc is not None and dx is not None:
             dx[tok] = dx_acc[: n1 - n0]
     if dx is not None and dx.dtype != dtype:
@@ -241,16 +253,59 @@ def recompute_grads(hidden, weight, bias, tg: TokenTargets, rows: RowStats, coef
     return dx, dw, None if db is None else db.to(dtype)
 
 
-def _formed_grads(hidden, w, b, tl_local, stats: _ChunkStats, p, chunk: int, call: Call, softcap, inv_t, cw,
-                  on_part, on_chunk=None) -> FastGrads:
-    """The fast route's chunk loop: per chunk of ``chunk`` tokens the statistics (``stats.parts``, the first
-    chunk's logits already in ``p``: ``_ChunkStats.first_logits``), then per part ``on_part(part, st)``, which
-    stores the part's outputs and returns its gradient ``Coefficients``; the gradient overwrites ``P`` and the
-    chunk's dX rows and dW (db) go into fp32 (with ``dx_reduce == "forward"``, dX summed over the group).
-    ``on_chunk(sl, [(part, rows, st), ...])`` instead: the coefficients of every part at once, once the whole
-    chunk's statistics are in (a loss over whole rows, ``vpce.post_training``)."""
-    shard, plan, needs = call.shard, call.plan, call.needs_grad
+class _SoftmaxBlocks:
+    """The softmax losses' block step: the fused GEMM in grad mode (``kernels.logits_tiles``) recomputes a block's
+    logits and writes their gradient for the per-token ``coef`` into one ``[N_b, V_b]`` buffer."""
+
+    buffers = 1
+
+    def __init__(self, hidden, weight, bias, tg: TokenTargets, rows: RowStats, coef: Coefficients, softcap, inv_t):
+        self.weight, self.bias, self.rows, self.coef = weight, bias, rows, coef
+        self.softcap, self.inv_t = softcap, inv_t
+        self.tl_local = tg.local_columns()
+        self.cw = None if tg.class_weight is None else tg.class_weight.columns.float()
+        self.align = kernels.tile_n(hidden)
+        self.like = hidden
+
+    def alloc(self, nb, vb, n, v):
+        self.buf = torch.empty(nb, vb, dtype=self.like.dtype, device=self.like.device) if n and v else None
+
+    def tokens(self, tok):
+        r = self.rows.rows(tok)
+        return (r.m, r.lse, r.q), self.coef.rows(tok)
+
+    def block(self, h, tok, per_tok, v0, v1):
+        rows, coef = per_tok
+        gz = self.buf[: tok.stop - tok.start, : v1 - v0]
+        kernels.logits_tiles(h, self.weight[v0:v1], None if self.bias is None else self.bias[v0:v1],
+                             self.tl_local[tok] - v0, softcap=self.softcap, inv_t=self.inv_t, p=gz, rows=rows,
+                             coef=coef, class_weight=None if self.cw is None else self.cw[v0:v1])
+        return gz
+
+
+def recompute_grads(hidden, weight, bias, tg: TokenTargets, rows: RowStats, coef: Coefficients, call: Call,
+                    softcap, inv_t: float, main_weight=None):
+    """dX, dW and db of the softmax losses from the logits recomputed in blocks (grad mode) for any per-token
+    ``coef`` (``_block_loop``); ``main_weight``: add dW in fp32 into its ``main_grad`` instead of returning it."""
+    hidden = hidden.contiguous()
+    step = _SoftmaxBlocks(hidden, weight, bias, tg, rows, coef, softcap, inv_t)
+    return _block_loop(hidden, weight, bias, call, step, main_weight)
+
+
+def _chunk_loop(hidden, w, b, chunk: int, call: Call, step, form: bool = True) -> FastGrads | None:
+    """The forward chunk loop, every loss and route: per chunk ``sl`` of ``chunk`` tokens the per-loss
+    ``step(sl, first)`` takes the chunk's statistics and outputs (from its logits buffer where the route holds one,
+    ``first``: the first chunk's logits already written, launched before the forward's set-up) and, where ``form``,
+    writes the chunk's gradient at unit upstream scale over them and returns that ``[c, V_local]`` buffer (None on
+    an all-padding shard); the chunk's dX rows and dW (db) then go into fp32 (with ``dx_reduce == "forward"``, dX
+    summed over the group, overlapped with the dW GEMM and the next chunk). Returns the unscaled ``FastGrads``, or
+    None without ``form``."""
     n, d = hidden.shape
+    if not form:
+        for c0 in range(0, n, chunk):
+            step(slice(c0, min(n, c0 + chunk)), c0 == 0)
+        return None
+    shard, plan, needs = call.shard, call.plan, call.needs_grad
     dev = hidden.device
     v = shard.valid_rows
     dx = None
@@ -262,37 +317,55 @@ def _formed_grads(hidden, w, b, tl_local, stats: _ChunkStats, p, chunk: int, cal
     db = torch.zeros(v, dtype=torch.float32, device=dev) if needs[2] and b is not None else None
     for c0 in range(0, n, chunk):
         sl = slice(c0, min(n, c0 + chunk))
+        g = step(sl, c0 == 0)
+        if v > 0 and dx is not None:
+            mm_into(dx[sl], g, w)
+        if reduce_dx is not None:  # overlaps this chunk's dW GEMM and the next chunk
+            reduce_dx.add(sl)
+        if v == 0:
+            continue
+        if needs[1]:
+            dw = mm_out(g.t(), hidden[sl], torch.float32) if dw is None else addmm_out_(dw, g.t(), hidden[sl])
+        if db is not None:
+            db += g.sum(0, dtype=torch.float32)
+    if needs[1] and dw is None:  # no chunk ran (no tokens, or an all-padding shard)
+        dw = torch.zeros(v, d, dtype=torch.float32, device=dev)
+    return FastGrads(dx, dw, db, reduce_dx)  # dX's sum awaited in backward, after dW's cast
+
+
+def _softmax_step(hidden, w, b, tl_local, stats: _ChunkStats, p, call: Call, softcap, inv_t, cw, on_part,
+                  on_chunk=None):
+    """The softmax losses' chunk step for ``_chunk_loop``: the chunk's statistics (``stats.parts``, in sub-chunks
+    whose exchanges overlap), then per part ``on_part(part, stats)``, which stores the part's outputs and returns
+    its gradient ``Coefficients`` (the per-loss seam: the cross-entropy's, the log-probs', or a loss of the
+    log-probs and the entropy computed while the logits are live), and ``kernels.stored_logits`` in grad mode
+    overwrites the part's logits in ``p`` with the gradient. ``on_chunk(sl, [(part, rows, stats), ...])`` instead
+    of ``on_part``: every part's coefficients at once, once the whole chunk's statistics are in (a loss over whole
+    rows of tokens, such as a sequence-level importance ratio). Without ``p`` (the lean route's and the no-grad
+    forward's stats-only launches: ``_chunk_loop`` without ``form``), the fused GEMM takes the statistics and
+    ``on_part`` only stores the outputs."""
+
+    def step(sl: slice, first: bool):
         pc = None if p is None else p[: sl.stop - sl.start]
-        parts = stats.parts(hidden, w, b, tl_local, sl, call, softcap, inv_t, p=pc, ready=c0 == 0)
+        parts = stats.parts(hidden, w, b, tl_local, sl, call, softcap, inv_t, p=pc, ready=first)
         if on_chunk is None:  # each part's coefficients as its statistics come (lazily: in order)
             ready = ((part, r, st, on_part(part, st)) for part, r, st in parts)
         else:
             got = list(parts)
             ready = [(part, r, st, co) for (part, r, st), co in zip(got, on_chunk(sl, got))]
         for part, r, st, co in ready:
-            if v > 0:
+            if pc is not None:
                 kernels.stored_logits(pc[r], None, tl_local[part], softcap=softcap, inv_t=inv_t,
                                       rows=(st.m, st.lse, st.q), coef=co, class_weight=cw)  # in place
-        if v > 0 and dx is not None:
-            mm_into(dx[sl], pc, w)
-        if reduce_dx is not None:  # overlaps this chunk's dW GEMM and the next chunk
-            reduce_dx.add(sl)
-        if v == 0:
-            continue
-        if needs[1]:
-            dw = mm_out(pc.t(), hidden[sl], torch.float32) if dw is None else addmm_out_(dw, pc.t(), hidden[sl])
-        if db is not None:
-            db += pc.sum(0, dtype=torch.float32)
-    if needs[1] and dw is None:  # no chunk ran (no tokens, or all-padding shard)
-        dw = torch.zeros(v, d, dtype=torch.float32, device=dev)
-    return FastGrads(dx, dw, db, reduce_dx)  # dX's sum awaited in backward, after dW's cast
+        return pc
+    return step
 
 
-def _first_chunk(hidden, w, b, chunk_opts: LossOptions, call: Call):
+def _first_chunk(hidden, w, b, call: Call):
     """``(P, chunk)`` of the fast and speculative routes, the first chunk's logits GEMM already launched."""
-    n, d = hidden.shape
+    n = hidden.shape[0]
     v = call.shard.valid_rows
-    chunk = min(max(n, 1), _fast_chunk(chunk_opts, call.shard.columns_per_rank, hidden.dtype, d))
+    chunk = min(max(n, 1), call.plan.sizes.chunk)
     p = None
     if v > 0:
         p = torch.empty(chunk, v, dtype=hidden.dtype, device=hidden.device)
@@ -316,7 +389,7 @@ def cross_entropy(hidden, weight, bias, tg: TokenTargets, opts: LossOptions, cal
     b = None if bias is None else bias[:v]
     formed = plan.route in ("fast", "speculative")
     if formed:
-        p, chunk = _first_chunk(hidden, w, b, opts, call)
+        p, chunk = _first_chunk(hidden, w, b, call)
     tl_local = tg.local_columns()
     smooth = opts.label_smoothing > 0
     cw = None if tg.class_weight is None else tg.class_weight.columns.float()
@@ -329,29 +402,22 @@ def cross_entropy(hidden, weight, bias, tg: TokenTargets, opts: LossOptions, cal
         tg.scaling = torch.empty(n, dtype=torch.float32, device=dev)
     keep = plan.route in ("lean", "speculative")
     rows = RowStats.empty(n, torch.float32, dev) if keep else None
-
-    if not formed:
-        stats = _ChunkStats(min(max(n, 1), STATS_TOKENS), v, hidden, smooth, entropy, cw, before=before)
-        for c0 in range(0, n, STATS_TOKENS):
-            sl = slice(c0, min(n, c0 + STATS_TOKENS))
-            for part, _, st in stats.parts(hidden, w, b, tl_local, sl, call, *opts.folded_cap()):
-                ce_token_outputs(st, opts, shard.vocab_size, tg, part, loss_tok, metrics)
-                if keep:
-                    rows.store(part, st)
-        return loss_tok, rows, None
-
-    unit = tg.row_scale(torch.ones((), device=dev).expand(n))
+    unit = tg.row_scale(torch.ones((), device=dev).expand(n)) if formed else None
 
     def on_part(part, st):
         ce_token_outputs(st, opts, shard.vocab_size, tg, part, loss_tok, metrics)
         if keep:
             rows.store(part, st)
+        if not formed:
+            return None
         scale = unit[part] if tg.scaling is None else unit[part] * tg.scaling[part]
         return ce_coefficients(scale, st.lse, opts, shard.vocab_size, tg.class_rows(part))
 
+    if not formed:  # stats-only launches
+        p, chunk = None, min(max(n, 1), plan.sizes.chunk)
     stats = _ChunkStats(chunk, v, hidden, smooth, entropy, cw, before=before)
-    grads = _formed_grads(hidden, w, b, tl_local, stats, p, chunk, call, *opts.folded_cap(), cw, on_part)
-    return loss_tok, rows, grads
+    step = _softmax_step(hidden, w, b, tl_local, stats, p, call, *opts.folded_cap(), cw, on_part)
+    return loss_tok, rows, _chunk_loop(hidden, w, b, chunk, call, step, form=formed)
 
 
 def log_probs(hidden, weight, bias, tg: TokenTargets, lp: LogProbOptions, call: Call) -> RankStats:
@@ -362,12 +428,13 @@ def log_probs(hidden, weight, bias, tg: TokenTargets, lp: LogProbOptions, call: 
     w = weight[:v]
     b = None if bias is None else bias[:v]
     tl_local = tg.local_columns()
-    stats = _ChunkStats(min(max(n, 1), STATS_TOKENS), v, hidden, lp.mean_logits, lp.entropy, sum_sq=lp.log_sum_sq,
+    chunk = min(max(n, 1), call.plan.sizes.chunk)  # stats-only launches
+    stats = _ChunkStats(chunk, v, hidden, lp.mean_logits, lp.entropy, sum_sq=lp.log_sum_sq,
                         before=tg.before.to(torch.int32) if lp.top1 else None)
     parts = []
-    for c0 in range(0, n, STATS_TOKENS):
-        sl = slice(c0, min(n, c0 + STATS_TOKENS))
-        parts += [st for _, _, st in stats.parts(hidden, w, b, tl_local, sl, call, lp.softcap, lp.inv_t)]
+    step = _softmax_step(hidden, w, b, tl_local, stats, None, call, lp.softcap, lp.inv_t, None,
+                         lambda _, st: parts.append(st))
+    _chunk_loop(hidden, w, b, chunk, call, step, form=False)
     return RankStats.cat(parts, int(lp.mean_logits), int(lp.entropy), hidden.new_empty(0, dtype=torch.float32),
                          lp.log_sum_sq, lp.top1)
 
@@ -383,7 +450,7 @@ def log_probs_formed(hidden, weight, bias, tg: TokenTargets, lp: LogProbOptions,
     v = call.shard.valid_rows
     w = weight[:v]
     b = None if bias is None else bias[:v]
-    p, chunk = _first_chunk(hidden, w, b, lp.chunk_options(), call)
+    p, chunk = _first_chunk(hidden, w, b, call)
     tl_local = tg.local_columns()
     ones = torch.ones(n, dtype=torch.float32, device=dev)
     unit = logprob_coefficients(tg, ones, None, None, lp.inv_t, like=ones)
@@ -397,14 +464,67 @@ def log_probs_formed(hidden, weight, bias, tg: TokenTargets, lp: LogProbOptions,
         rows.store(part, st)
         return unit.rows(part)
 
-    grads = _formed_grads(hidden, w, b, tl_local, stats, p, chunk, call, lp.softcap, lp.inv_t, None, on_part)
+    grads = _chunk_loop(hidden, w, b, chunk, call, _softmax_step(hidden, w, b, tl_local, stats, p, call, lp.softcap,
+                                                                 lp.inv_t, None, on_part))
     st = RankStats.cat(parts, int(lp.mean_logits), int(lp.entropy), hidden.new_empty(0, dtype=torch.float32),
                        lp.log_sum_sq, lp.top1)
     return st, rows, grads
 
 
+def log_prob_loss(hidden, weight, bias, tg: TokenTargets, o: LogProbLossOptions, call: Call, inputs: dict):
+    """``linear_log_prob_loss`` on the fast route: the chunk loop with ``loss_fn`` evaluated per part while the
+    part's logits are live (``on_part``; scope ``"sequence"``: on the chunk's whole rows once all of its parts'
+    statistics are in, ``on_chunk``), its per-token gradients the gradient pass's coefficients. Returns ``(loss,
+    log_probs, entropy or None, FastGrads, metrics)`` (with ``dx_reduce == "forward"``: dX already summed over the
+    group; ``metrics``: ``is_top1`` and ``mean_logits`` by name where ``o`` asks, from the same statistics)."""
+    shard, plan = call.shard, call.plan
+    if plan.dx_reduce == "forward" and plan.sequence_parallel:
+        hidden = gather_sequence(hidden, shard)
+    n = hidden.shape[0]
+    dev = hidden.device
+    v = shard.valid_rows
+    hidden = hidden.contiguous()
+    w = weight[:v]
+    b = None if bias is None else bias[:v]
+    p, chunk = _first_chunk(hidden, w, b, call)
+    logp = torch.zeros(n, dtype=torch.float32, device=dev)
+    ent = torch.zeros(n, dtype=torch.float32, device=dev) if o.entropy_stats else None
+    fn_ent = (lambda sl: ent[sl]) if o.entropy else (lambda sl: None)  # what loss_fn gets
+    total = []
+
+    metrics = loss_fn_metric_outputs(o, n, dev)
+
+    def outputs(part, st):
+        logp[part], en = logprob_part_outputs(tg, st, part, o.entropy_stats)
+        if en is not None:
+            ent[part] = en
+        store_metric_outputs(metrics, tg, st, part, shard.vocab_size)
+
+    def on_part(part, st):
+        outputs(part, st)
+        ev = evaluate_loss_fn(o, logp[part], fn_ent(part), tg.keep, inputs, part)
+        total.append(ev.value)
+        return loss_fn_coefficients(tg, part, ev, st, o.inv_t)
+
+    def on_chunk(sl, got):
+        for part, _, st in got:
+            outputs(part, st)
+        ev = evaluate_loss_fn(o, logp[sl], fn_ent(sl), tg.keep, inputs, sl)
+        total.append(ev.value)
+        return [loss_fn_coefficients(tg, part, ev.rows(slice(part.start - sl.start, part.stop - sl.start)), st,
+                                     o.inv_t) for part, _, st in got]
+
+    stats = _ChunkStats(chunk, v, hidden, o.mean_logits, o.entropy_stats,
+                        before=tg.before.to(torch.int32) if o.top1 else None)
+    step = _softmax_step(hidden, w, b, tg.local_columns(), stats, p, call, o.softcap, o.inv_t, None, on_part,
+                         on_chunk=on_chunk if o.scope == "sequence" else None)
+    grads = _chunk_loop(hidden, w, b, chunk, call, step)
+    loss = torch.stack(total).sum() if total else torch.zeros((), dtype=torch.float32, device=dev)
+    return loss, logp, ent, grads, metrics
+
+
 def speculative_grads(held: FastGrads, hidden, weight, bias, tg: TokenTargets, rows: RowStats, g: torch.Tensor,
-                      coefficients, call: Call, softcap, inv_t: float, chunk_opts: LossOptions, main_weight=None):
+                      coefficients, call: Call, softcap, inv_t: float, main_weight=None):
     """The speculative route's backward (``vpce.speculation``): the held unit-scale gradients finished for the
     per-token upstream gradient ``g [N]`` (fp32), exact for any ``g``, with no host sync.
 
@@ -413,7 +533,7 @@ def speculative_grads(held: FastGrads, hidden, weight, bias, tg: TokenTargets, r
     Otherwise ``dW_unit`` times 0, then the gradient recomputed in token blocks of the forward's chunk over the
     whole vocab (the lean route's token-major order, in a buffer the size of the forward's ``P``), every kernel
     gated by its block's device flag. ``coefficients(r)``: the gradient ``Coefficients`` of every token at per-token
-    upstream gradient ``r``; ``chunk_opts``: the options the forward's chunk came from. Returns ``(dX, dW, db,
+    upstream gradient ``r``; the blocks are the forward's chunks (the plan's ``chunk``). Returns ``(dX, dW, db,
     uniform)`` in the inputs' dtype (dW padded to the weight's rows, or added into ``main_weight.main_grad``);
     ``uniform`` is a 0-d bool on the device."""
     n, d = hidden.shape
@@ -428,7 +548,7 @@ def speculative_grads(held: FastGrads, hidden, weight, bias, tg: TokenTargets, r
         last = torch.where(uniform, c, 1.0)  # the final cast's factor: c, or 1 after the recompute
         if (dw is not None or db is not None) and v > 0:
             r = torch.where(uniform, 0.0, gk)  # all 0 when uniform: every block's kernels skip
-            chunk = min(n, _fast_chunk(chunk_opts, call.shard.columns_per_rank, dtype, d))
+            chunk = min(n, call.plan.sizes.chunk)
             flags = block_flags(r, chunk)
             mispredicted = (~uniform).to(torch.int32).reshape(1)
             zero = g.new_zeros(())
@@ -463,3 +583,143 @@ def _gated_recompute(hidden, w, b, tg: TokenTargets, rows: RowStats, coef: Coeff
                              rows=(per_row.m, per_row.lse, per_row.q), coef=coef.rows(tok), class_weight=cw,
                              flag=flag, round_logits=True)  # the logits the forward's statistics came from
         kernels.gated_weight_grad_(dw, db, gz, h, flag)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# the distillation
+
+_KIND = {"forward_kl": 0, "reverse_kl": 1, "jsd": 2}    # the gradient kernel's divergence
+
+
+def _buffer(numel: int, dtype, device) -> torch.Tensor | None:
+    return torch.empty(numel, dtype=dtype, device=device) if numel else None
+
+
+def _view(buf: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """A contiguous ``[rows, cols]`` view of the front of a flat buffer."""
+    return buf[: rows * cols].view(rows, cols)
+
+
+def _distill_kernel_options(o: DistillOptions) -> dict:
+    return dict(softcap=o.softcap, t_softcap=o.teacher_softcap, inv_t=o.inv_t)
+
+
+def _distill_chunk_stats(z, y, t_local, tg: TokenTargets, sl: slice, o: DistillOptions, call: Call):
+    """The chunk's global ``DistillStats`` (``z`` None: this shard's rows are all padding); the exchanges are
+    ``distill.exchange_chunk_stats``'s."""
+    c = sl.stop - sl.start
+    dev = tg.idx.device
+    if z is None:
+        packed = local_stats(None, None, tg, sl, o, c, torch.float32, dev)
+    else:
+        packed = torch.empty(rows_layout(o)[1], c, dtype=torch.float32, device=dev)
+        kernels.distill_stats(z, y, t_local, packed, kl=KL_HEAD[o.kind], ce=o.ce_weight > 0,
+                              **_distill_kernel_options(o))
+
+    def mixture_sums(st):
+        if z is None:
+            return torch.zeros(2, c, dtype=torch.float32, device=dev)
+        return kernels.distill_mixture(z, y, st.m_z, st.log_s_z, st.m_y, st.log_s_y, beta=o.beta,
+                                       **_distill_kernel_options(o))
+    return exchange_chunk_stats(packed, mixture_sums, o, call, combine_heads=kernels.combine_distill_heads,
+                                combine_ce=kernels.combine_rank_stats)
+
+
+def _distill_grad_(z, y, t_local, rows: DistillRows, kd, ce, o: DistillOptions):
+    """``dL/dx`` over the student's logits ``z``, in place."""
+    kernels.distill_grad_(z, y, z, t_local, rows, kd, ce, kind=_KIND[o.kind], beta=o.beta, **_distill_kernel_options(o))
+
+
+def distill_forward(hidden, weight, bias, t_hidden, t_weight, t_bias, tg: TokenTargets, o: DistillOptions,
+                    call: Call):
+    """Per-token loss ``[N]`` (weighted, 0 on ignored tokens), and what backward needs: the fast route's unscaled
+    ``FastGrads`` (with ``dx_reduce == "forward"``: already summed over the group, this rank's slice under
+    sequence parallelism), or the lean route's ``DistillRows``."""
+    shard, plan = call.shard, call.plan
+    t_gather = None
+    if plan.dx_reduce == "forward" and plan.sequence_parallel:  # both heads' slices gathered here
+        hidden = gather_sequence(hidden.contiguous(), shard)
+        t_gather = start_gather_sequence(t_hidden, shard)  # under the first chunk's student GEMM
+    hidden = hidden.contiguous()
+    if t_gather is None:
+        t_hidden = t_hidden.contiguous()
+    n, d = hidden.shape
+    dev, dtype = hidden.device, hidden.dtype
+    v = shard.valid_rows
+    w, b, tw, tb = heads(weight, bias, t_weight, t_bias, v)
+    fast, keep = plan.route == "fast", plan.route == "lean"
+    chunk = min(max(n, 1), plan.sizes.chunk)
+    zbuf, ybuf = (_buffer(chunk * v if n else 0, dtype, dev) for _ in range(2))
+    first = min(n, chunk) if v > 0 else 0  # the first chunk's GEMMs go first, the host's set-up runs beside them
+    if first:
+        logits_into(_view(zbuf, first, v), hidden[:first], w, b)
+    if t_gather is not None:  # the teacher's slices, gathered beside the first student GEMM
+        t_hidden = t_gather.wait()
+    if first:
+        logits_into(_view(ybuf, first, v), t_hidden[:first], tw, tb)
+    t_local = tg.local_columns()
+    loss_tok = torch.empty(n, dtype=torch.float32, device=dev)
+    rows = DistillRows.empty(n, o, torch.float32, dev) if keep else None
+    unit = None
+    if fast:  # unit upstream scale; 1/count (mean) and the upstream gradient are applied in backward
+        unit = tg.row_scale(torch.ones((), dtype=torch.float32, device=dev).expand(n))
+
+    def step(sl: slice, first: bool):
+        """The distillation's chunk step: both heads' logits (the first chunk's already written), the statistics
+        and the loss, the lean route's rows; on the fast route the gradient over the student's logits."""
+        c = sl.stop - sl.start
+        z = y = None
+        if v > 0:
+            z, y = _view(zbuf, c, v), _view(ybuf, c, v)
+            if not first:
+                logits_into(z, hidden[sl], w, b)
+                logits_into(y, t_hidden[sl], tw, tb)
+        st = _distill_chunk_stats(z, y, t_local[sl], tg, sl, o, call)
+        loss_tok[sl] = tg.token_loss(token_loss(st, o), sl)
+        if keep:
+            rows.store(sl, DistillRows.of(st, o))
+        if fast and v > 0:
+            kd, ce = row_weights(unit[sl], o)
+            _distill_grad_(z, y, t_local[sl], DistillRows.of(st, o), kd, ce, o)
+        return z
+    return loss_tok, rows, _chunk_loop(hidden, w, b, chunk, call, step, form=fast)
+
+
+class _DistillBlocks:
+    """The distillation's block step: cuBLAS recomputes both heads' logits of a block into two flat buffers, and
+    ``kernels.distill_grad_`` writes the gradient over the student's for the per-row weights ``kd``, ``ce``."""
+
+    buffers = 2
+
+    def __init__(self, hidden, t_hidden, w, b, tw, tb, tg: TokenTargets, rows: DistillRows, scale, o: DistillOptions):
+        self.hidden, self.t_hidden, self.w, self.b, self.tw, self.tb = hidden, t_hidden, w, b, tw, tb
+        self.rows, self.o = rows, o
+        self.kd, self.ce = row_weights(scale, o)
+        self.t_local = tg.local_columns()
+        self.align = kernels.distill_block_align(hidden)
+
+    def alloc(self, nb, vb, n, v):
+        self.zbuf, self.ybuf = (_buffer(nb * vb if n and v else 0, self.hidden.dtype, self.hidden.device)
+                                for _ in range(2))
+
+    def tokens(self, tok):
+        return self.rows.rows(tok)
+
+    def block(self, h, tok, rows, v0, v1):
+        z, y = _view(self.zbuf, tok.stop - tok.start, v1 - v0), _view(self.ybuf, tok.stop - tok.start, v1 - v0)
+        logits_into(z, h, self.w[v0:v1], None if self.b is None else self.b[v0:v1])
+        logits_into(y, self.t_hidden[tok], self.tw[v0:v1], None if self.tb is None else self.tb[v0:v1])
+        _distill_grad_(z, y, self.t_local[tok] - v0, rows, self.kd[tok], None if self.ce is None else self.ce[tok],
+                       self.o)
+        return z
+
+
+def distill_recompute_grads(hidden, weight, bias, t_hidden, t_weight, t_bias, tg: TokenTargets, rows: DistillRows,
+                            scale: torch.Tensor, o: DistillOptions, call: Call):
+    """dX, dW, db from both heads' logits recomputed block by block (cuBLAS) and the gradient kernel, for per-token
+    row scales ``scale``; the lean block loop (``_block_loop``): vocab-major while ``N <= V_local``, token-major
+    beyond."""
+    hidden, t_hidden = hidden.contiguous(), t_hidden.contiguous()
+    w, b, tw, tb = heads(weight, bias, t_weight, t_bias, call.shard.valid_rows)
+    step = _DistillBlocks(hidden, t_hidden, w, b, tw, tb, tg, rows, scale, o)
+    return _block_loop(hidden, weight, bias, call, step)

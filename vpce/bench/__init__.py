@@ -40,6 +40,16 @@ What is measured, per shape (``N`` tokens, hidden size ``D``, vocab ``V``) and p
   ``vpce.bench.peers``, the registry and vpce's rows in ``vpce.bench.methods``. A row whose package is not
   installed or that needs CUDA on a CPU run is reported as ``missing: <reason>``; one that raises (out of memory
   included) as ``failed: <reason>``, with its traceback in the JSON.
+* **Time limit.** ``--row-timeout`` (default 300 s; 0: none): a row still running after that is abandoned and
+  reported ``failed: timeout after <s> s (in <phase>)``, and the run goes on; if the device then cannot run a tiny
+  op (a stalled GPU kernel), the remaining rows are ``failed: not run``, the tables and JSON are written, and the
+  process exits with status 3 (``vpce.bench.runner``'s docstring gives the design and why not a subprocess per
+  row).
+* **Tables** fit 120 columns: rows are named by their ``--methods`` key (the long label is in the JSON and the
+  progress lines), the status column is short, and each distinct reason a row was not measured follows its table.
+* **--quick** without ``--methods`` runs ``vpce.bench.methods.QUICK``'s rows that run here (installed, and for
+  this device), and names the others once on stderr: seconds on a CPU (17 s wall, imports included, on a 2-core
+  Xeon). ``--methods all`` still means every row.
 * **On a CPU** the times mean nothing (every CPU run says so, on stderr and above the tables) and the default
   shapes are refused with a hint (``--quick`` runs tiny ones); a GPU-sized shape named with ``--shapes`` runs,
   after a warning.

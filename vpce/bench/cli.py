@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import platform
 import shlex
 import sys
@@ -15,7 +16,7 @@ import torch
 
 from .harness import Env, Settings, Shape
 from .meta import DTYPES, INPUTS, device_info, distill_settings, git_commit, now_utc, package_versions, timings_caveat
-from .methods import FLOOR, METHODS, default_methods, device_backend, method_names
+from .methods import FLOOR, METHODS, default_methods, device_backend, method_names, quick_methods
 from .peers import shutdown_megatron
 from .plots import plot_shapes, plot_sweeps
 from .profile import run_profile
@@ -108,7 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "; ".join(f"{k} in {v}" for k, v in SWEEPS.items()) + " (replaces the default shapes)")
     ce_names = [n for n in method_names() if n == FLOOR or METHODS[n].distill is None]
     p.add_argument("--methods", type=_csv(method_names(), "methods", expand_all=False), default=None,
-                   help=f"rows to measure: {','.join(ce_names)}; 'all' (the default): "
+                   help=f"rows to measure: {','.join(ce_names)}; with --quick the default is the rows of "
+                        f"vpce.bench.methods.QUICK that run here; 'all' (the default otherwise): "
                         f"{','.join(default_methods(False))} (with --tp: {','.join(default_methods(True))}; with "
                         f"--profile the default is vpce-triton on CUDA, vpce-torch on a CPU); with --distill the "
                         f"distillation rows instead: {','.join(default_methods(False, True))} (the default; with "
@@ -125,6 +127,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reps", type=int, default=None, help="fewest timed calls per row (default 10, 3 with --quick)")
     p.add_argument("--rep-time", type=float, default=None,
                    help="seconds of timed calls per row, within --reps..200 calls (default 1.5, 0.05 with --quick)")
+    p.add_argument("--row-timeout", type=float, default=300.0, metavar="SECONDS",
+                   help="a row still running after this long is abandoned and reported 'failed: timeout', and the "
+                        "run goes on (a device left stalled by it ends the run, with the tables written); 0: no "
+                        "limit")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     p.add_argument("--profile", action="store_true",
                    help="instead of the tables: where a step's time goes, per kernel and per phase (torch.profiler; "
@@ -176,9 +182,12 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error(f"--device: expected an available device, got {args.device!r} (no CUDA here)")
+    left_out = []  # --quick's rows that do not run here
     if args.profile and args.methods is None:
         args.methods = ["vpce-fkl", "vpce-jsd"] if args.distill else \
             [f"vpce-{device_backend(Env(device=device, dtype=DTYPES[args.dtype]))}"]
+    elif args.methods is None and args.quick and not (args.tp or args.distill):
+        args.methods, left_out = quick_methods(Env(device=device, dtype=DTYPES[args.dtype]))
     elif args.methods in (None, ["all"]):
         args.methods = default_methods(args.tp, args.distill)
     _check_methods(args, parser)
@@ -199,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
                      "step)")
     if args.profile and args.profile_steps < 1:
         parser.error(f"--profile-steps: expected a positive number, got {args.profile_steps}")
+    if args.row_timeout < 0:
+        parser.error(f"--row-timeout: expected seconds >= 0 (0: no limit), got {args.row_timeout}")
     if args.profile and args.methods == [FLOOR]:
         parser.error("--methods: expected rows with a loss to profile, got only the floor")
 
@@ -217,6 +228,9 @@ def main(argv: list[str] | None = None) -> int:
         shapes = [dataclasses.replace(s, d_teacher=args.teacher_dim) for s in shapes]
 
     warnings = []  # printed on stderr even with --quiet
+    if left_out:
+        warnings.append(f"note: --quick leaves out rows not installed or not for {device.type}: "
+                        f"{', '.join(left_out)}")
     big = _gpu_sized(shapes) if device.type != "cuda" else []
     if big and args.shapes is None and not args.quick:  # the defaults, or a full-size sweep: never on a CPU
         what = f"the sweep over {','.join(args.sweep)}" if args.sweep else f"the default shapes ({', '.join(big)})"
@@ -233,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         min_reps=args.reps if args.reps is not None else (3 if args.quick else 10),
         max_reps=20 if args.quick else 200,
         rep_time_s=args.rep_time if args.rep_time is not None else (0.05 if args.quick else 1.5),
-        logit_scale=args.logit_scale, seed=args.seed)
+        logit_scale=args.logit_scale, seed=args.seed, row_timeout_s=args.row_timeout or None)
     command = shlex.join(["python", "-m", "vpce.bench", *(sys.argv[1:] if argv is None else argv)])
     if args.tp:
         return main_tp(args, parser, shapes, settings, command, warnings)
@@ -280,6 +294,12 @@ def main(argv: list[str] | None = None) -> int:
         doc["rows"].extend(rows)
         print(format_shape(record, rows, args.dtype, doc["device"]["name"]), flush=True)
         write_json(out_json, doc)  # after every shape: a crash later keeps what was measured
+        if record.get("stalled"):
+            # a thread stuck in a device call can block a normal exit (runner's docstring): leave at once
+            progress.warn(f"error: {record['stalled']}; the remaining rows and shapes were not run; wrote {out_json}")
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(3)
     shutdown_megatron()
 
     notes = set()

@@ -100,6 +100,9 @@ class Settings:
     """Seed of the inputs; each shape draws fresh inputs from ``(seed, N, D, V)``."""
     ref_chunk_gib: float = 1.0
     """Size of one chunk of float64 logits in the reference (``vpce.reference.chunked_reference``)."""
+    row_timeout_s: float | None = 300.0
+    """Longest a row may run (every phase together) before it is abandoned as ``failed: timeout``
+    (``vpce.bench.runner.run_row``); None or 0: no limit."""
 
 
 @dataclass
@@ -145,9 +148,14 @@ def synchronize(device: torch.device):
 
 
 def free_memory(device: torch.device):
-    """Return everything unreferenced to the system, so that one row's leftovers don't show in the next."""
-    gc.collect()
+    """Return everything unreferenced to the system, so that one row's leftovers don't show in the next.
+
+    On CUDA the allocator's counters see every live block, so unreachable cycles are collected first. On a CPU
+    ``PeakMemory`` counts only the storages a call creates, so leftovers cannot show; the full collection (0.1-0.3 s
+    with transformers, TRL and megatron-core imported, several times a row) is skipped there.
+    """
     if device.type == "cuda":
+        gc.collect()
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
 
@@ -204,7 +212,7 @@ def gemm_logits_loss(prob: Problem, distill: tuple[str, float | None], settings:
     ``[C, V]`` takes ``settings.ref_chunk_gib``). Plain torch and vpce's Triton backend both start from such
     logits, so its distance from the float64 reference is the loss error they inherit before any arithmetic of
     their own: on an H200 mostly the tensor cores' accumulation, which shrinks cuBLAS's logits as a whole by about
-    1e-9 of their size per K element (docs/benchmarks.md, session 12)."""
+    1e-9 of their size per K element (docs/benchmarks.md, run 2b1e21c)."""
     n, v = prob.x.shape[0], prob.w.shape[0]
     rows = max(1, int(settings.ref_chunk_gib * GiB) // (8 * max(v, 1)))
     total = torch.zeros((), dtype=torch.float64, device=prob.x.device)

@@ -71,8 +71,8 @@ def timings_caveat(device: torch.device) -> str | None:
     """The line every run on a CPU prints: its times do not say anything about the GPU kernels."""
     if device.type == "cuda":
         return None
-    return (f"note: on {device.type} the times are not meaningful (they vary many-fold between runs and say "
-            f"nothing about GPU kernels); the errors against float64 and the memory are")
+    return (f"note: on {device.type} times vary many-fold and say nothing about GPU kernels; the float64 errors "
+            f"and the memory are meaningful")
 
 
 def git_commit() -> str | None:

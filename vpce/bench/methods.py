@@ -40,6 +40,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.util
+import sys
 from dataclasses import dataclass
 from typing import Callable
 
@@ -49,8 +51,8 @@ from . import peers
 from .harness import Env
 from .peers import LossFn, Unavailable
 
-__all__ = ["Method", "METHODS", "FLOOR", "FROZEN", "VARIANTS", "DISTILL", "frozen", "method_names",
-           "default_methods", "device_backend", "divergence_label"]
+__all__ = ["Method", "METHODS", "FLOOR", "FROZEN", "VARIANTS", "DISTILL", "QUICK", "frozen", "method_names",
+           "default_methods", "quick_methods", "runs_here", "device_backend", "divergence_label"]
 
 #: Name of the three-GEMM floor in ``--methods`` (measured by the runner, not a loss).
 FLOOR = "floor"
@@ -69,6 +71,9 @@ class Method:
     distillation row's function also takes the teacher's ``xt`` and ``wt`` after ``y``."""
     package: str | None = None
     """Distribution whose version the JSON records."""
+    requires: tuple[str, ...] = ()
+    """Top-level modules the row imports (optional dependencies): a row without them is ``missing: <module> not
+    installed``, checked before it is built (vpce's own TRL rows need ``trl`` as TRL's rows do)."""
     needs_cuda: bool = False
     """Has no CPU implementation."""
     no_grad: bool = False
@@ -109,6 +114,25 @@ class Method:
             raise Unavailable("a vocab-parallel row, measured only under --tp (torchrun)")
         if self.even_shards and shard_rows and len(set(shard_rows)) > 1:
             raise Unavailable(f"needs equal vocab shards (V={sum(shard_rows)} is not divisible by tp={env.tp})")
+        for module in self.requires:
+            if not _installed(module):
+                raise Unavailable(f"{_DISTRIBUTIONS.get(module, module)} not importable (no module {module!r})")
+
+
+#: ``Method.requires`` module -> the distribution that provides it (the ``missing`` row names it, as the peers do).
+_DISTRIBUTIONS = {"trl": "trl", "megatron": "megatron-core", "liger_kernel": "liger-kernel",
+                  "cut_cross_entropy": "cut-cross-entropy", "quack": "quack-kernels"}
+
+
+def _installed(module: str) -> bool:
+    """Whether ``module`` can be imported, without importing it (a module already imported, or a stand-in put in
+    ``sys.modules``, counts)."""
+    if module in sys.modules:
+        return True
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def device_backend(env: Env) -> str:
@@ -335,7 +359,7 @@ def _distill_rows() -> list[Method]:
             Method(name=f"torch-{key}", label=f"torch eager {label} (both logits)", package="torch", distill=which,
                    build=functools.partial(peers.torch_distill, divergence=divergence, beta=beta)),
             Method(name=f"liger-{key}", label=f"liger-kernel FusedLinearJSD {label} (jsd_beta={jsd_beta:g})",
-                   package="liger-kernel", needs_cuda=True, distill=which,
+                   package="liger-kernel", needs_cuda=True, distill=which, requires=("liger_kernel",),
                    build=functools.partial(peers.liger_jsd, jsd_beta=jsd_beta)),
             Method(name=f"vpce-{key}", label=f"vpce {{backend}} {label}", package="vpce", tp=True, distill=which,
                    build=functools.partial(_vpce_distill, divergence=divergence, beta=beta)),
@@ -363,25 +387,28 @@ _ROWS = [
     *[Method(name="torch-lce" if opts is None else f"torch-lce-{key}", label=f"torch F.linear_cross_entropy{label}",
              build=functools.partial(peers.torch_lce, options=opts), package="torch")
       for key, (label, opts) in peers.TORCH_LCE.items()],
-    Method(name="liger", label="liger-kernel FLCE", build=peers.liger, package="liger-kernel", needs_cuda=True),
+    Method(name="liger", label="liger-kernel FLCE", build=peers.liger, package="liger-kernel", needs_cuda=True,
+           requires=("liger_kernel",)),
     Method(name="cce", label="cut-cross-entropy", build=functools.partial(peers.cce, exact=False),
-           package="cut-cross-entropy", needs_cuda=True),
+           package="cut-cross-entropy", needs_cuda=True, requires=("cut_cross_entropy",)),
     Method(name="cce-exact", label="cut-cross-entropy exact", build=functools.partial(peers.cce, exact=True),
-           package="cut-cross-entropy", needs_cuda=True),
+           package="cut-cross-entropy", needs_cuda=True, requires=("cut_cross_entropy",)),
     Method(name="quack", label="quack chunked LCE (auto: scaled exp)",
-           build=functools.partial(peers.quack, scaled_exp=True), package="quack-kernels", needs_cuda=True),
+           build=functools.partial(peers.quack, scaled_exp=True), package="quack-kernels", needs_cuda=True,
+           requires=("quack",)),
     Method(name="quack-base", label="quack chunked LCE use_scaled_exp=False",
-           build=functools.partial(peers.quack, scaled_exp=False), package="quack-kernels", needs_cuda=True),
+           build=functools.partial(peers.quack, scaled_exp=False), package="quack-kernels", needs_cuda=True,
+           requires=("quack",)),
     Method(name="trl", label="TRL fused LM head (log_probs)", build=functools.partial(peers.trl, sft=False),
-           package="trl"),
+           package="trl", requires=("trl",)),
     Method(name="trl-sft", label="TRL fused LM head, entropy and is_top1 (SFT)",
-           build=functools.partial(peers.trl, sft=True), package="trl"),
+           build=functools.partial(peers.trl, sft=True), package="trl", requires=("trl",)),
     Method(name="megatron", label="megatron vocab_parallel_ce", build=functools.partial(peers.megatron, fused=False),
-           package="megatron-core", tp=True, even_shards=True),
+           package="megatron-core", tp=True, even_shards=True, requires=("megatron",)),
     Method(name="megatron-fused", label="megatron fused_vp_ce", build=functools.partial(peers.megatron, fused=True),
-           package="megatron-core", tp=True, even_shards=True),
+           package="megatron-core", tp=True, even_shards=True, requires=("megatron",)),
     Method(name="liger-tp", label="liger-kernel TP scaled CE", build=peers.liger_tp, package="liger-kernel",
-           needs_cuda=True, tp=True, tp_only=True, even_shards=True),
+           needs_cuda=True, tp=True, tp_only=True, even_shards=True, requires=("liger_kernel",)),
     Method(name="chunked-tp", label="chunked vp CE (liger fallback idea, torch)", build=peers.chunked_tp, tp=True,
            tp_only=True, even_shards=True),
     Method(name="loss-parallel", label="torch loss_parallel", build=functools.partial(peers.loss_parallel, fp32=True),
@@ -415,7 +442,7 @@ _ROWS = [
            label="vpce {backend} linear_log_probs, entropy and is_top1 logged (TRL SFT), after a uniform call",
            package="vpce", build=functools.partial(_vpce_log_probs, entropy=True, top1=True, primed=True)),
     Method(name="vpce-trl-sft", label="vpce.integrations.trl head, entropy and is_top1 (TRL SFT), after a uniform call",
-           package="vpce", build=_vpce_trl),
+           package="vpce", build=_vpce_trl, requires=("trl",)),
     Method(name="vpce-grpo", label="vpce {backend} linear_grpo_loss (dapo, beta 0.04, old log-probs)",
            package="vpce", build=functools.partial(_vpce_grpo, level="token"), plain=False, tp=True),
     Method(name="vpce-gspo", label="vpce {backend} linear_grpo_loss, sequence-level ratio (GSPO)", package="vpce",
@@ -425,7 +452,7 @@ _ROWS = [
     Method(name="vpce-logprob-loss", label="vpce {backend} linear_log_prob_loss with an entropy bonus",
            package="vpce", build=_vpce_log_prob_loss, plain=False),
     Method(name="trl-grpo", label="TRL fused LM head + entropy, then TRL's GRPO loss (dapo, beta 0.04)",
-           build=peers.trl_grpo, package="trl", plain=False),
+           build=peers.trl_grpo, package="trl", plain=False, requires=("trl",)),
     Method(name="vpce-metrics", label="vpce {backend} + accuracy, entropy, z-loss metrics", package="vpce",
            build=_vpce_metrics, tp=True),
     *_distill_rows(),
@@ -444,3 +471,26 @@ def default_methods(tp: bool, distill: bool = False) -> list[str]:
     vocab-parallel form; of the cross-entropy rows, or with ``distill`` of the distillation rows."""
     return [FLOOR, *(m.name for m in METHODS.values()
                      if (m.distill is not None) == distill and (m.tp if tp else not m.tp_only))]
+
+
+#: ``--quick`` without ``--methods``: a smoke run of one row per peer and vpce's main routes, those that run here
+#: (``runs_here``), in seconds on a CPU. ``--methods all`` still means every row.
+QUICK = ("floor", "torch", "torch-lce", "liger", "cce", "quack-base", "trl-sft", "megatron-fused", "vpce-triton",
+         "vpce-triton-lean", "vpce-torch", "vpce-all", "vpce-logprobs-top1", "vpce-trl-sft", "vpce-metrics",
+         "torch-frozen", "vpce-triton-frozen", "vpce-torch-frozen")
+
+
+def runs_here(name: str, env: Env) -> bool:
+    """Whether row ``name`` can run on ``env``: its modules are installed and its device is there."""
+    if name == FLOOR:
+        return True
+    try:
+        METHODS[name].require(env)
+    except Unavailable:
+        return False
+    return True
+
+
+def quick_methods(env: Env) -> tuple[list[str], list[str]]:
+    """``--quick``'s rows on ``env``: (those of ``QUICK`` that run here, those left out)."""
+    return [n for n in QUICK if runs_here(n, env)], [n for n in QUICK if not runs_here(n, env)]

@@ -1,24 +1,35 @@
-"""What the benchmark shows: progress lines on stderr, one table per shape on stdout, and the JSON file."""
+"""What the benchmark shows: progress lines on stderr, one table per shape on stdout, and the JSON file.
+
+The tables fit ``WIDTH`` (120) columns: a row is named by its ``--methods`` key (its long label is in the JSON
+and in the progress lines), its status column says ``ok``, ``missing`` or ``failed`` (with ``timeout`` or ``out of
+memory`` where that is the reason), and the full reasons follow the table, one line per distinct reason with the
+rows it applies to.
+"""
 
 from __future__ import annotations
 
 import json
 import math
 import sys
+import textwrap
 import time
 from pathlib import Path
 
-__all__ = ["Progress", "format_shape", "format_tp_shape", "write_json", "format_number", "markdown_table"]
+__all__ = ["Progress", "format_shape", "format_tp_shape", "write_json", "format_number", "markdown_table",
+           "short_status", "status_notes", "WIDTH"]
+
+#: Widest line of a table or a header (a terminal, a pasted issue comment).
+WIDTH = 120
 
 #: (header, row key, number format or None for text) of the fwd+bwd, frozen-weight and no-grad tables.
-GRAD_COLUMNS = (("method", "label", None), ("ms", "ms", "ms"), ("x floor", "x_floor", ".2f"),
+GRAD_COLUMNS = (("method", "method", None), ("ms", "ms", "ms"), ("x floor", "x_floor", ".2f"),
                 ("extra GiB", "extra_gib", "gib"), ("loss err", "loss_err", ".1e"), ("dX err", "dx_err", ".1e"),
-                ("dW err", "dw_err", ".1e"), ("status", "status", None))
-FROZEN_COLUMNS = (("method", "label", None), ("ms", "ms", "ms"), ("x 2 GEMMs", "x_floor", ".2f"),
+                ("dW err", "dw_err", ".1e"), ("status", "short_status", None))
+FROZEN_COLUMNS = (("method", "method", None), ("ms", "ms", "ms"), ("x 2 GEMMs", "x_floor", ".2f"),
                   ("extra GiB", "extra_gib", "gib"), ("loss err", "loss_err", ".1e"), ("dX err", "dx_err", ".1e"),
-                  ("status", "status", None))
-NO_GRAD_COLUMNS = (("method", "label", None), ("ms", "ms", "ms"), ("x GEMM", "x_floor", ".2f"),
-                   ("extra GiB", "extra_gib", "gib"), ("loss err", "loss_err", ".1e"), ("status", "status", None))
+                  ("status", "short_status", None))
+NO_GRAD_COLUMNS = (("method", "method", None), ("ms", "ms", "ms"), ("x GEMM", "x_floor", ".2f"),
+                   ("extra GiB", "extra_gib", "gib"), ("loss err", "loss_err", ".1e"), ("status", "short_status", None))
 
 
 _FLOOR_WORDS = {"floor": "floor", "fwd+bwd": "floor", "frozen": "2-GEMM floor", "no-grad": "logits GEMM"}
@@ -77,10 +88,37 @@ def format_number(v, fmt: str) -> str:
     return format(v, fmt)
 
 
+def short_status(status: str) -> str:
+    """The status column: ``ok``, ``missing``, ``failed``, or ``failed: timeout`` / ``failed: out of memory``."""
+    kind, _, why = status.partition(":")
+    for short in ("timeout", "out of memory", "not run"):
+        if why.strip().startswith(short):
+            return f"{kind}: {short}"
+    return kind
+
+
+def status_notes(rows: list[dict], key: str = "method") -> list[str]:
+    """One wrapped line per distinct reason a row is not ``ok``: ``- <status>: <rows>``."""
+    by: dict[str, list[str]] = {}
+    for r in rows:
+        if r["status"] != "ok":
+            by.setdefault(r["status"], []).append(r[key] + (" (no-grad)" if r.get("mode") == "no-grad" else ""))
+    return [line for status, names in by.items()
+            for line in textwrap.wrap(f"- {status}: {', '.join(names)}", WIDTH, subsequent_indent="  ",
+                                      break_on_hyphens=False)]
+
+
+def _wrap(text: str) -> list[str]:
+    return textwrap.wrap(text, WIDTH, subsequent_indent="  ", break_on_hyphens=False) or [""]
+
+
 def markdown_table(rows: list[dict], columns) -> list[str]:
     """A Markdown table: text left-aligned, numbers right-aligned."""
-    cells = [[h for h, _, _ in columns]] + [[r[k] if f is None else format_number(r[k], f) for _, k, f in columns]
-                                            for r in rows]
+    def cell(r, k, f):
+        if k == "short_status":
+            return short_status(r["status"])
+        return r[k] if f is None else format_number(r[k], f)
+    cells = [[h for h, _, _ in columns]] + [[cell(r, k, f) for _, k, f in columns] for r in rows]
     widths = [max(len(c[i]) for c in cells) for i in range(len(columns))]
     out = []
     for k, c in enumerate(cells):
@@ -123,15 +161,15 @@ def format_shape(record: dict, rows: list[dict], dtype: str, device: str) -> str
     """The shape's header line and its tables (fwd+bwd against the floor; frozen weight against the logits and dX
     GEMMs; no-grad against the logits GEMM). A distillation shape has the fwd+bwd table only, against the floor
     teacher logits + the student's three GEMMs, and the float64 loss of each divergence."""
-    lines = [f"## {_shape_title(record)}, {dtype}, {device}"]
+    lines = _wrap(f"## {_shape_title(record)}, {dtype}, {device}")
     floor = record["floor"]
     losses = "float64 losses: " if "ref_losses" in record else "float64 loss "
     if floor:
-        lines.append(f"floor {_floor_text(floor, record['flops_fwd_bwd'])}; dX+dW themselves "
-                     f"{format_number(record['grads_gib'], 'gib')} GiB; {losses}{_ref_text(record)}")
+        lines += _wrap(f"floor {_floor_text(floor, record['flops_fwd_bwd'])}; dX+dW themselves "
+                       f"{format_number(record['grads_gib'], 'gib')} GiB; {losses}{_ref_text(record)}")
     else:
-        lines.append(f"floor not measured; dX+dW themselves {format_number(record['grads_gib'], 'gib')} GiB; "
-                     f"{losses}{_ref_text(record)}")
+        lines += _wrap(f"floor not measured; dX+dW themselves {format_number(record['grads_gib'], 'gib')} GiB; "
+                       f"{losses}{_ref_text(record)}")
     grad = [r for r in rows if r["mode"] in ("floor", "fwd+bwd")]
     frozen = [r for r in rows if r["mode"] == "frozen"]
     nograd = [r for r in rows if r["mode"] == "no-grad"]
@@ -144,6 +182,9 @@ def format_shape(record: dict, rows: list[dict], dtype: str, device: str) -> str
     if nograd:
         lines += ["", "no-grad forward, against the logits GEMM alone:"]
         lines += markdown_table(nograd, NO_GRAD_COLUMNS)
+    notes = status_notes(rows)
+    if notes:
+        lines += ["", "rows not measured (the JSON has each row's label, status and traceback):"] + notes
     return "\n".join(lines) + "\n"
 
 
@@ -175,17 +216,20 @@ def format_tp_shape(record: dict, aggs: list[dict], per_rank: list[dict], doc: d
     ranks = sorted({r["rank"] for r in per_rank})
     if len(ranks) > 1:
         by = {(r["method"], r["rank"]): r for r in per_rank}
-        cols = [("method", "label", None)] + [(f"r{k} ms", f"ms{k}", "ms") for k in ranks] + \
+        cols = [("method", "method", None)] + [(f"r{k} ms", f"ms{k}", "ms") for k in ranks] + \
             [(f"r{k} GiB", f"gib{k}", "gib") for k in ranks]
         table = []
         for a in aggs:
-            t = dict(label=a["label"])
+            t = dict(method=a["method"])
             for k in ranks:
                 r = by.get((a["method"], k), {})
                 t[f"ms{k}"], t[f"gib{k}"] = r.get("ms"), r.get("extra_gib")
             table.append(t)
         lines += ["", "per rank: median step ms and peak extra GiB"] + markdown_table(table, cols)
-    notes = [f"- {a['label']}: {a['note']}" for a in aggs if a.get("note")]
+    notes = status_notes(aggs)
+    if notes:
+        lines += ["", "rows not measured:"] + notes
+    notes = [f"- {a['method']}: {a['note']}" for a in aggs if a.get("note")]
     if notes:
         lines += ["", "notes (rank 0):"] + notes
     return "\n".join(lines) + "\n"

@@ -12,6 +12,18 @@ Each row is divided by the floor that fits its mode (``FLOOR_OF_MODE``, the JSON
 by the three GEMMs, a frozen-weight row (``Method.frozen``) by the logits and dX GEMMs, a no-grad forward by the
 logits GEMM alone. All three come from the one ``measure_floor`` of the shape.
 
+**Time limit** (``--row-timeout``, default 300 s): a stalled row must not hang the run, and a kernel stalled on
+the GPU cannot be interrupted from inside the process. So each row's phases run in a worker thread; the main
+thread waits for it at most ``Settings.row_timeout_s``. A row that does not finish by then is abandoned: it is
+reported ``failed: timeout after <s> s (in <phase>)``, the worker thread (a daemon) is left behind, and the run
+goes on. Then the device is asked to run one tiny op within ``DEVICE_PROBE_S``: if it cannot (the stalled kernel
+still holds the GPU), every remaining row is reported ``failed: not run: ...`` instead of queueing behind it, the
+tables and the JSON are written, and ``python -m vpce.bench`` exits with status 3 through ``os._exit`` (a thread
+stuck in a CUDA call can block a normal interpreter exit). Rows measured after an abandoned row that is still
+computing share the machine with it; the JSON marks them ``after_timeout``. A subprocess per row would isolate
+better but repeats the inputs, the float64 reference and the CUDA context for every row, and cannot share the
+device tensors cheaply; under ``--tp`` a hung collective is ended by the process group's ``--timeout`` instead.
+
 A distillation shape (``--distill``, ``Shape.d_teacher``) has a floor row and fwd+bwd rows only; the floor adds the
 teacher's logits GEMM to the student's three (``DISTILL_FLOOR_GEMMS``), and each row is checked against the
 float64 reference of its own divergence (``References``), computed in the row's first phase after ``can_run``.
@@ -20,6 +32,7 @@ float64 reference of its own divergence (``References``), computed in the row's 
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 import traceback
 from types import SimpleNamespace
@@ -34,7 +47,8 @@ from .methods import FLOOR, METHODS, Method, divergence_label
 from .peers import Unavailable
 from .report import Progress
 
-__all__ = ["run_shape", "measure_floor", "make_step", "new_row", "public", "reason", "run_phases", "floor_phase",
+__all__ = ["run_shape", "run_row", "DeviceStalled", "measure_floor", "make_step", "new_row", "public", "reason",
+           "run_phases", "floor_phase",
            "fwd_bwd_phases", "FLOOR_OF_MODE", "DISTILL_FLOOR_GEMMS", "References", "floor_label", "shape_record"]
 
 Phase = Callable[[], None]
@@ -87,6 +101,7 @@ def run_phases(row: dict, phases: list[Phase], agree: Callable[[str], str] | Non
     """
     status = "ok"
     for phase in phases:
+        row["_phase"] = phase.__name__
         try:
             phase()
         except Unavailable as e:
@@ -98,7 +113,60 @@ def run_phases(row: dict, phases: list[Phase], agree: Callable[[str], str] | Non
             status = agree(status)
         if status != "ok":
             break
+    row.pop("_phase", None)
     row["status"] = status
+
+
+#: Seconds the device gets to run one tiny op after a row timed out, before the run is ended as stalled.
+DEVICE_PROBE_S = 30.0
+
+
+class DeviceStalled(RuntimeError):
+    """A timed-out row still holds the device: the rows after it cannot run."""
+
+
+def _device_responds(env: Env, timeout_s: float) -> bool:
+    """Whether one tiny op on ``env.device`` completes within ``timeout_s`` (in a thread: it may never return)."""
+    done = threading.Event()
+
+    def probe():
+        if env.cuda:
+            torch.cuda.set_device(env.device)
+        torch.ones(1, device=env.device).add_(1)
+        synchronize(env.device)
+        done.set()
+    threading.Thread(target=probe, name="vpce-bench device probe", daemon=True).start()
+    return done.wait(timeout_s)
+
+
+def run_row(row: dict, phases: list[Phase], env: Env, timeout_s: float | None):
+    """``run_phases(row, phases)`` within ``timeout_s`` seconds (None or 0: no limit; the module docstring says how).
+
+    Raises ``DeviceStalled`` after a timeout if the device no longer answers; the row is reported first.
+    """
+    if not timeout_s:
+        run_phases(row, phases)
+        return
+    # The phases write into ``row``; the caller copies it (``public``) as soon as this returns, so an abandoned
+    # worker that finishes later changes nothing that is reported.
+    done = threading.Event()
+
+    def worker():
+        try:
+            if env.cuda:
+                torch.cuda.set_device(env.device)  # the current device is per thread
+            run_phases(row, phases)
+        finally:
+            done.set()
+    started = time.perf_counter()
+    threading.Thread(target=worker, name=f"vpce-bench row {row['method']}", daemon=True).start()
+    if done.wait(timeout_s):
+        return
+    row.update(status=f"failed: timeout after {timeout_s:g} s (in {row.get('_phase', 'start')})",
+               timeout_s=timeout_s, seconds=time.perf_counter() - started, ms=None, ms_min=None, x_floor=None)
+    if not _device_responds(env, DEVICE_PROBE_S):
+        raise DeviceStalled(f"{env.device} did not run a tiny op within {DEVICE_PROBE_S:g} s after "
+                            f"{row['method']} timed out")
 
 
 def _record_timing(row: dict, timing: Timing, floor_ms: float | None):
@@ -379,29 +447,46 @@ def run_shape(shape: Shape, env: Env, names: list[str], settings: Settings, prog
 
     rows = []
     floor = {}
+    limit = settings.row_timeout_s
+    stalled = abandoned = None
     for m, mode in entries:
         if m is None:
             row = new_row(shape, env, FLOOR, floor_label(shape), "floor")
-            progress.start(row)
-            run_phases(row, [floor_phase(row, shape, prob, env, settings)])
-            floor = row.get("_floor", {})
-            record["floor"] = floor or None
+            phases = [floor_phase(row, shape, prob, env, settings)]
         else:
             row = new_row(shape, env, m.name, m.row_label(env) + (" no-grad" if mode == "no-grad" else ""), mode)
-            progress.start(row)
             floor_ms = floor.get(FLOOR_OF_MODE[mode][1])
             if mode == "no-grad":
-                run_phases(row, _no_grad_phases(row, m, env, settings, prob, ref, floor_ms))
+                phases = _no_grad_phases(row, m, env, settings, prob, ref, floor_ms)
             else:
-                run_phases(row, fwd_bwd_phases(row, m, env, settings, prob, refs if shape.distill else ref,
-                                               floor_ms=floor_ms))
-        free_memory(env.device)
+                phases = fwd_bwd_phases(row, m, env, settings, prob, refs if shape.distill else ref,
+                                        floor_ms=floor_ms)
+        progress.start(row)
+        if stalled is not None:
+            row["status"] = f"failed: not run: {stalled}"
+        else:
+            if abandoned is not None:
+                row["after_timeout"] = abandoned  # shares the machine with a row that may still be computing
+            try:
+                run_row(row, phases, env, limit)
+            except DeviceStalled as e:
+                stalled = str(e)
+            if row["status"].startswith("failed: timeout"):
+                abandoned = row["method"]
+        if m is None:
+            floor = row.get("_floor", {})
+            record["floor"] = floor or None
+        if stalled is None:
+            free_memory(env.device)
         rows.append(public(row))
         progress.finish(row)
+    if stalled is not None:
+        record["stalled"] = stalled
     if shape.distill:
         record["ref_losses"], record["ref_seconds"] = refs.losses, refs.seconds
         record["gemm_logits_loss_errs"] = refs.logits_errs
 
     del prob, ref, refs
-    free_memory(env.device)
+    if stalled is None:
+        free_memory(env.device)
     return record, rows

@@ -1,5 +1,12 @@
 """vpce as the language-model loss of a megatron-core model (matched against megatron-core 0.16.1).
 
+Two entry points:
+
+- ``apply(model)`` patches one ``GPTModel`` instance so that its own ``forward(input_ids, position_ids,
+  attention_mask, labels=labels)`` returns the loss computed by vpce from the final hidden states and the output
+  layer's shard; nothing else in the training loop changes. ``remove(model)`` undoes it.
+- ``vocab_parallel_lm_loss(hidden, output_layer, labels)`` is the call ``apply`` makes, for model code of one's own.
+
 What it replaces. ``GPTModel._postprocess`` (``megatron/core/models/gpt/gpt_model.py``) ends with::
 
     logits, _ = self.output_layer(hidden_states, weight=output_weight)   # ColumnParallelLinear -> [s, b, V/tp]
@@ -30,10 +37,31 @@ Defaults taken from megatron-core, each overridable through the vpce keyword of 
 
 No copy or gather region goes in front: the hidden states enter as the final layer norm leaves them, and vpce
 all-reduces dX (or reduce-scatters it under sequence parallelism) itself.
+
+What ``apply`` patches. ``GPTModel.forward`` runs the embedding and the decoder and ends with
+``self._postprocess(hidden_states=..., labels=..., loss_mask=..., inference_context=..., ...)``. ``apply`` puts
+a wrapper of that bound method on the instance (the class is untouched). With ``labels`` given, on the stage that
+owns the output layer (``post_process``), outside inference, the wrapper returns ``vocab_parallel_lm_loss`` of
+the hidden states, with ``weight=model.shared_embedding_or_output_weight()`` when embeddings are tied, exactly as
+``_postprocess`` passes it to the output layer. Everything else (``labels=None``: the logits, for generation; a
+pipeline stage without the output layer; inference) goes to the original method unchanged. Multi-token
+prediction (``mtp_num_layers``) is refused: its extra heads would still materialize their logits.
+
+Reductions. ``reduction="none"`` (the default) returns Megatron's ``[b, s]`` per-token loss, so that
+``pretrain_gpt``'s ``loss_func`` (``sum(losses * loss_mask)``) is unchanged. The gradients then need the per-token
+upstream gradient that arrives only in backward, so vpce recomputes the logits there (8NDV instead of 6NDV, still
+without holding them); at tp=1 on the Triton backend its speculative route (docs/api.md) costs 6NDV instead once a
+step's upstream gradient is the same on every token (a loss_mask of ones). ``reduction="sum"`` returns ``sum(loss *
+loss_mask)`` over the micro-batch, with ``forward``'s own ``loss_mask=`` keyword (the one ``pretrain_gpt`` passes
+for MTP; all ones when absent) as vpce's ``token_weight``: one scalar, whose gradients vpce forms in forward (6NDV,
+the fast route). ``loss_func`` then takes the returned tensor as its numerator instead of forming it. ``"mean"``
+divides that by ``loss_mask.sum()``.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import numbers
 
 import torch
@@ -41,7 +69,7 @@ import torch.distributed as dist
 
 from .. import api
 
-__all__ = ["vocab_parallel_lm_loss"]
+__all__ = ["OPTIONS", "apply", "remove", "is_applied", "vocab_parallel_lm_loss"]
 
 
 def _tp_group_from_parallel_state():
@@ -176,3 +204,129 @@ def vocab_parallel_lm_loss(hidden, output_layer, labels, *, weight=None, vocab_s
                                     vocab_size=vocab_size, sequence_parallel=sp, reduction=reduction,
                                     token_weight=token_weight, **vpce_options)
     return loss.transpose(0, 1).contiguous() if reduction == "none" else loss  # [s, b] -> [b, s]
+
+
+#: The vpce options ``apply`` passes through to ``vpce.linear_cross_entropy``. The layout (``group``, ``vocab_start``,
+#: ``sequence_parallel``, ``accumulate_main_grad``) comes from the model, ``token_weight`` from ``loss_mask``.
+OPTIONS = ("label_smoothing", "z_loss", "memory_budget", "backend", "validate")
+_ATTR = "_vpce_patch"
+
+
+@dataclasses.dataclass
+class _Patch:
+    vocab_size: int | None
+    """The real vocab size (rows past it are padding), or None: every row of the output layer."""
+    reduction: str
+    """``"none"``: Megatron's [b, s]; ``"sum"``/``"mean"``: reduced with ``loss_mask`` (the fast route)."""
+    options: dict
+    """Validated vpce options, passed to every call."""
+    saved: object
+    """The instance's own ``_postprocess`` attribute before ``apply`` (normally none: the class method)."""
+
+
+def _unwrap(model):
+    """The ``GPTModel`` inside Megatron's wrappers (``DistributedDataParallel``, ``Float16Module``: ``.module``)."""
+    seen = model
+    while not hasattr(seen, "_postprocess") and hasattr(seen, "module"):
+        seen = seen.module
+    missing = [a for a in ("_postprocess", "output_layer", "share_embeddings_and_output_weights", "config",
+                           "post_process", "vocab_size") if not hasattr(seen, a)]
+    if missing:
+        raise TypeError(f"model: expected a megatron-core GPTModel (or a wrapper of one with .module), got "
+                        f"{type(model).__name__} (no {', '.join(missing)})")
+    return seen
+
+
+def apply(model, *, vocab_size=None, reduction="none", **options):
+    """Make ``model``'s own forward compute its language-model loss with vpce; returns ``model``.
+
+    Args:
+        model: a megatron-core ``GPTModel``, or a wrapper of one (``.module``: DDP, ``Float16Module``), or a list of
+            them (Megatron-LM's model chunks: each is patched; chunks without the output layer are left as they are).
+        vocab_size: the real vocab size, when the model was built with a padded one (Megatron-LM's
+            ``args.vocab_size`` vs ``args.padded_vocab_size``): rows past it are left out of the softmax and get
+            zero gradient. Default: every row, the loss Megatron itself computes.
+        reduction: ``"none"`` (default): ``forward(..., labels=labels)`` returns the ``[b, s]`` per-token loss, as
+            stock; ``"sum"``: it returns ``sum(loss * loss_mask)`` for ``forward``'s ``loss_mask=`` keyword (all
+            ones when absent), with the gradients formed in forward; ``"mean"``: that sum over ``loss_mask.sum()``.
+        **options: vpce options for every call, among ``OPTIONS``.
+
+    Calling ``apply`` again replaces the settings; ``remove`` restores the original forward.
+    """
+    if isinstance(model, (list, tuple)):
+        inners = [_unwrap(m) for m in model]  # every chunk checked before any is patched
+        for m in inners:
+            apply(m, vocab_size=vocab_size, reduction=reduction, **options)
+        return model
+    inner = _unwrap(model)
+    if reduction not in ("none", "sum", "mean"):
+        raise ValueError(f"reduction: expected 'none', 'sum' or 'mean', got {reduction!r}")
+    unknown = sorted(set(options) - set(OPTIONS))
+    if unknown:
+        raise TypeError(f"apply: unexpected options {unknown}; expected any of {list(OPTIONS)} (the layout comes "
+                        f"from the model, token weights from forward's loss_mask=)")
+    if vocab_size is not None:
+        if isinstance(vocab_size, bool) or not isinstance(vocab_size, numbers.Integral):
+            raise TypeError(f"vocab_size: expected an int, got {type(vocab_size).__name__} {vocab_size!r}")
+        if not 1 <= vocab_size <= inner.vocab_size:
+            raise ValueError(f"vocab_size: expected an int in [1, {inner.vocab_size}] (the model's rows), got "
+                             f"{vocab_size}")
+        vocab_size = int(vocab_size)
+    config = inner.config
+    if getattr(config, "mtp_num_layers", None) is not None:
+        raise ValueError(f"model: expected config.mtp_num_layers=None (multi-token prediction's heads would still "
+                         f"form their logits), got {config.mtp_num_layers}")
+    if getattr(config, "defer_embedding_wgrad_compute", False):
+        raise ValueError("model: expected config.defer_embedding_wgrad_compute=False (vpce forms the output "
+                         "weight's gradient itself), got True")
+    patch = getattr(inner, _ATTR, None)
+    if patch is not None:  # again: new settings, same wrapper
+        patch.vocab_size, patch.reduction, patch.options = vocab_size, reduction, dict(options)
+        return model
+    saved = inner.__dict__.get("_postprocess")
+    original = inner._postprocess
+    signature = inspect.signature(original)
+    patch = _Patch(vocab_size=vocab_size, reduction=reduction, options=dict(options), saved=saved)
+
+    def _postprocess(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        labels = bound.arguments.get("labels")
+        inference = bound.arguments.get("inference_context") is not None and not inner.training
+        if labels is None or not inner.post_process or inference:
+            return original(*args, **kwargs)
+        hidden = bound.arguments["hidden_states"]
+        if bound.arguments.get("mtp_in_postprocess"):
+            raise ValueError("model: expected no multi-token prediction block with vpce, got one")
+        weight = inner.shared_embedding_or_output_weight() if inner.share_embeddings_and_output_weights else None
+        mask = bound.arguments.get("loss_mask") if patch.reduction != "none" else None
+        return vocab_parallel_lm_loss(hidden, inner.output_layer, labels, weight=weight, vocab_size=patch.vocab_size,
+                                      loss_mask=mask, reduction=patch.reduction, **patch.options)
+
+    inner._postprocess = _postprocess
+    setattr(inner, _ATTR, patch)
+    return model
+
+
+def is_applied(model) -> bool:
+    """Whether ``apply`` has patched ``model`` (every one of a list) and ``remove`` has not undone it."""
+    if isinstance(model, (list, tuple)):
+        return all(is_applied(m) for m in model)
+    return getattr(_unwrap(model), _ATTR, None) is not None
+
+
+def remove(model):
+    """Undo ``apply``: ``model``'s forward (each of a list's) computes Megatron's own loss again; returns ``model``."""
+    if isinstance(model, (list, tuple)):
+        for m in model:
+            remove(m)
+        return model
+    inner = _unwrap(model)
+    patch = getattr(inner, _ATTR, None)
+    if patch is None:
+        return model
+    if patch.saved is None:
+        del inner._postprocess
+    else:
+        inner._postprocess = patch.saved
+    delattr(inner, _ATTR)
+    return model

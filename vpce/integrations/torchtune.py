@@ -47,8 +47,9 @@ try:
     from torchtune.modules import TransformerDecoder
     from torchtune.modules.tied_linear import TiedLinear
 except ImportError as err:  # pragma: no cover - exercised only without torchtune
-    raise ImportError("vpce.integrations.torchtune needs the `torchtune` package (see the README's install "
-                      "section: pip install --no-deps torchtune, then vpce's `torchtune` extra)") from err
+    raise ImportError("vpce.integrations.torchtune needs the `torchtune` package: pip install 'torchtune==0.6.1' "
+                      "'torchao>=0.13,<0.16' (the `torchtune` extra; from a vpce clone: pip install '.[torchtune]'; "
+                      "README.md#install)") from err
 
 try:  # torchtune main: the protocol the SFT recipes test with isinstance
     from torchtune.modules.loss import SFTLoss

@@ -1,29 +1,46 @@
-"""Hugging Face transformers: the causal-LM loss of ``*ForCausalLM`` models, computed by vpce.
+"""Hugging Face transformers: the causal-LM loss of any ``*ForCausalLM`` with a linear head, computed by vpce.
 
-``apply(model, **options)`` patches one model instance of a supported family (``FAMILIES``: Llama, Mistral,
-Qwen2, Qwen3, Gemma 2, Gemma 3 text, Cohere, Cohere 2, Granite, Phi-3, OLMo 2) so that a forward **with**
-``labels`` never builds the ``[tokens, vocab]`` logits. Stock transformers computes, in
-``<Family>ForCausalLM.forward``::
+``apply(model, **options)`` patches one model instance so that a forward **with** ``labels`` never builds the
+``[tokens, vocab]`` logits. Stock transformers 5.x computes, in every ``<Family>ForCausalLM.forward``::
 
-    hidden = slice_logits_to_keep(self.model(...).last_hidden_state, logits_to_keep)
-    logits = self.lm_head(hidden)                                  # [B, S, V] in the model dtype
-    logits = cap * tanh(logits / cap)                              # Gemma 2/3, cap = config.final_logit_softcapping
-    logits = logits * self.logit_scale                             # Cohere, Cohere 2
-    logits = logits / self.config.logits_scaling                   # Granite
-    loss   = self.loss_function(logits, labels, vocab_size, **kwargs)   # ForCausalLMLoss
+    outputs = self.<base model>(...)                               # self.model, self.transformer, ...
+    hidden  = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
+    logits  = self.lm_head(hidden)                                 # an nn.Linear: weight [V, D], bias or not
+    logits  = <family transform>(logits)                           # soft cap, logit scale, or nothing
+    loss    = self.loss_function(logits, labels, vocab_size, **kwargs)      # ForCausalLMLoss
+    loss   += self.router_aux_loss_coef * aux_loss                 # mixture-of-experts families, when
+                                                                   # output_router_logits (config or keyword)
 
-and ``ForCausalLMLoss`` upcasts the logits to fp32, shifts the labels left by one (the last position gets
-``ignore_index``) unless ``shift_labels`` is passed, and takes ``cross_entropy(reduction="mean")``, or
-``reduction="sum"`` divided by ``num_items_in_batch`` when that keyword is passed (gradient accumulation).
+One generic path serves every family (no per-family copy of the forward). The patched forward runs the family's
+**own** forward with ``labels=None``, with a pre-hook on ``lm_head`` that keeps the hidden states it receives and
+hands it an empty slice of them instead, so the stock code runs everything but the logits: the base model, the
+slicing, any cast before ``lm_head``, the router aux loss (``aux_loss``), the cache. vpce then takes the kept
+hidden states with ``lm_head.weight`` (and its bias) in ``causal_lm_loss``, which shifts the labels as
+``ForCausalLMLoss`` does, and adds ``coef * aux_loss`` exactly as stock (the coefficient is the attribute the
+family's forward multiplies by, ``router_aux_loss_coef`` or ``aux_loss_coef``).
 
-The patched forward runs the same base model with the same arguments, slices the hidden states the same way, and
-hands them with ``lm_head.weight`` (and its bias, if any) to ``causal_lm_loss``, which shifts the labels exactly as
-above and calls ``vpce.linear_cross_entropy`` with the family's soft cap as ``softcap=`` and its logit factor as
-``logit_scale=`` (Granite's: ``1 / logits_scaling``, a multiplication where stock divides: the same logits up to
-one rounding). Both are read from the model at every call, as stock reads them. The returned
-``CausalLMOutputWithPast`` has ``logits=None``; its cache (``cache`` from transformers 5.24, ``past_key_values``
-before), ``hidden_states`` and ``attentions`` are the base model's. Without ``labels`` the stock forward runs
-untouched (``generate`` included).
+The family transform is read from the model at every call, as stock reads it: ``softcap=`` from
+``config.final_logit_softcapping`` (Gemma 2/3/3n/4), ``logit_scale=`` from ``model.logit_scale`` (Cohere, Cohere 2)
+or ``1 / config.logits_scaling`` (Granite, GraniteMoe: a multiplication where stock divides, the same logits up to
+one rounding). Nothing is assumed unchecked: the first forward with labels gives ``lm_head`` one position instead
+of none, and compares stock's logits for it with vpce's transform of ``lm_head``'s output. A family that does
+anything else to its logits (a slice of the vocab, another scale) is refused there with a ``TypeError`` that says
+so, before any loss is returned. ``apply`` itself refuses, naming the reason and the alternative, a model whose
+output embedding is not an ``nn.Linear``, whose forward has no ``labels``/``**kwargs`` or does not call
+``self.loss_function``, or whose ``loss_function`` is not ``ForCausalLMLoss``.
+
+The returned output is stock's output class (``CausalLMOutputWithPast``, ``MoeCausalLMOutputWithPast``, ...) with
+vpce's loss and ``logits=None``; everything else (cache, hidden states, attentions, ``aux_loss``,
+``router_logits``) is stock's. Without ``labels`` the stock forward runs untouched (``generate`` included); a
+training forward without labels builds the logits, and warns once.
+
+``transformers.Trainer``: ``apply(trainer)`` (after building it) patches ``trainer.model`` and maps
+``label_smoothing_factor`` onto vpce's ``label_smoothing`` (the same definition as Trainer's ``LabelSmoother``),
+so Trainer no longer pops the labels to smooth full logits. Trainer's ``compute_metrics`` needs logits, which
+the patched forward does not build: ``apply(trainer)`` refuses it at once, and a model patched with
+``apply(model)`` raises at the first evaluation step that would hand ``compute_metrics`` an empty tuple. A model
+patched with ``apply(model)`` inside a Trainer with ``label_smoothing_factor`` raises at the first step too,
+naming ``apply(trainer)``.
 
 Numerics: in fp32 the loss and gradients equal stock transformers to rounding. In bf16/fp16 (or under autocast,
 where the GEMM operands are cast to the autocast dtype as ``nn.Linear`` would cast them) vpce keeps the logits and
@@ -41,9 +58,10 @@ import functools
 import inspect
 import math
 import numbers
+import re
+import sys
 import types
 import warnings
-from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -52,23 +70,17 @@ import vpce
 
 try:
     from transformers.loss.loss_utils import ForCausalLMLoss
-    from transformers.modeling_outputs import CausalLMOutputWithPast
 except ImportError as err:  # pragma: no cover - exercised only without transformers
-    raise ImportError("vpce.integrations.transformers needs the `transformers` package "
-                      "(pip install transformers)") from err
+    raise ImportError("vpce.integrations.transformers needs the `transformers` package: "
+                      "pip install 'transformers>=4.57,<6' (or vpce's `transformers` extra, README.md#install)") from err
 
-try:
-    from transformers.modeling_utils import slice_logits_to_keep
-except ImportError:  # transformers < 5: the same slicing, inline in each forward
-    def slice_logits_to_keep(hidden_states: torch.Tensor, logits_to_keep) -> torch.Tensor:
-        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-        return hidden_states[:, keep, :]
+__all__ = ["OPTIONS", "apply", "remove", "is_applied", "causal_lm_loss", "logits_options"]
 
-# The output's cache field: ``cache`` from transformers 5.24 (which renamed ``past_key_values``, in the forwards'
-# parameters too), ``past_key_values`` before.
-_CACHE = "cache" if "cache" in getattr(CausalLMOutputWithPast, "__dataclass_fields__", {}) else "past_key_values"
+#: The vpce options ``apply`` accepts. ``reduction``, ``softcap``, ``logit_scale`` and ``ignore_index`` come from
+#: the model and the forward's keywords; the vocab-parallel options do not apply to a whole, unsharded ``lm_head``.
+OPTIONS = ("label_smoothing", "z_loss", "backend", "memory_budget", "validate")
 
-__all__ = ["FAMILIES", "OPTIONS", "LogitsRule", "apply", "remove", "is_applied", "causal_lm_loss"]
+_ATTR = "_vpce_patch"
 
 
 def _positive(value, name: str) -> float:
@@ -77,74 +89,45 @@ def _positive(value, name: str) -> float:
     return float(value)
 
 
-def _cohere_scale(model) -> float:
-    return _positive(model.logit_scale, "model.logit_scale")  # stock multiplies by the instance attribute
+def logits_options(model) -> dict:
+    """vpce's ``softcap`` / ``logit_scale`` for what ``model``'s forward does to ``lm_head``'s output, read now.
 
-
-def _granite_scale(model) -> float:
-    return 1.0 / _positive(model.config.logits_scaling, "model.config.logits_scaling")  # stock divides by it
-
-
-@dataclasses.dataclass(frozen=True)
-class LogitsRule:
-    """How a family's forward turns ``lm_head``'s output into the logits it hands to its loss."""
-
-    softcap: bool = False
-    """``cap * tanh(logits / cap)`` with ``config.final_logit_softcapping`` (passed to vpce as ``softcap=``)."""
-    scale: Callable[[Any], float] | None = None
-    """The factor the logits are multiplied by, read from the model (passed to vpce as ``logit_scale=``)."""
-
-    def options(self, model) -> dict:
-        """vpce's ``softcap`` / ``logit_scale`` for this model now (read at every call, as stock reads them)."""
-        out = {}
-        if self.softcap:
-            out["softcap"] = getattr(model.config, "final_logit_softcapping", None)
-        if self.scale is not None:
-            out["logit_scale"] = self.scale(model)
-        return out
-
-
-#: Supported ``*ForCausalLM`` classes -> how their forward forms the logits from ``lm_head``'s output.
-FAMILIES = {
-    "LlamaForCausalLM": LogitsRule(),
-    "MistralForCausalLM": LogitsRule(),
-    "Qwen2ForCausalLM": LogitsRule(),
-    "Qwen3ForCausalLM": LogitsRule(),
-    "Gemma2ForCausalLM": LogitsRule(softcap=True),
-    "Gemma3ForCausalLM": LogitsRule(softcap=True),
-    "CohereForCausalLM": LogitsRule(scale=_cohere_scale),
-    "Cohere2ForCausalLM": LogitsRule(scale=_cohere_scale),
-    "GraniteForCausalLM": LogitsRule(scale=_granite_scale),
-    "Phi3ForCausalLM": LogitsRule(),
-    "Olmo2ForCausalLM": LogitsRule(),
-}
-
-#: The vpce options ``apply`` accepts. ``reduction``, ``softcap``, ``logit_scale`` and ``ignore_index`` come from
-#: the model and the forward's keywords; the vocab-parallel options do not apply to a whole, unsharded ``lm_head``.
-OPTIONS = ("label_smoothing", "z_loss", "backend", "memory_budget", "validate")
-
-# Parameters a supported forward may have besides ``self`` and ``**kwargs``: those of 5.x (``past_key_values``, named
-# ``cache`` from 5.24), plus ``cache_position`` (4.57) and Gemma's explicit ``output_*`` flags (4.57). All but
-# ``labels`` and ``logits_to_keep`` go to the base model as keywords, as the stock forward passes them.
-_KNOWN_PARAMS = {"input_ids", "attention_mask", "position_ids", "past_key_values", "cache", "inputs_embeds",
-                 "labels", "use_cache", "cache_position", "output_attentions", "output_hidden_states",
-                 "logits_to_keep"}
-_ATTR = "_vpce_patch"
+    ``config.final_logit_softcapping`` (any family that sets it) -> ``softcap``; Cohere's ``model.logit_scale``
+    and Granite's ``1 / config.logits_scaling`` -> ``logit_scale``. The first patched forward checks the result
+    against stock's logits (see the module docstring), so a family this does not describe is refused, not
+    mis-computed.
+    """
+    out = {}
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    if cap is not None:
+        out["softcap"] = cap
+    name = type(model).__name__
+    if name.startswith("Cohere") and hasattr(model, "logit_scale"):
+        out["logit_scale"] = _positive(model.logit_scale, "model.logit_scale")  # stock multiplies by it
+    elif name.startswith("Granite") and hasattr(model.config, "logits_scaling"):
+        out["logit_scale"] = 1.0 / _positive(model.config.logits_scaling, "model.config.logits_scaling")
+    return out
 
 
 @dataclasses.dataclass
 class _Patch:
     options: dict
     """Validated vpce options from ``apply``."""
-    rule: LogitsRule
-    """How this family forms its logits (soft cap, logit scale; read from the model at each call)."""
     signature: inspect.Signature
     """The family forward's signature, read once here rather than at each call (under ``torch.compile`` a cached
     lookup in the forward would be traced every time, and Dynamo warns about ``lru_cache``)."""
     var_kw: str
     """The name of that forward's ``**kwargs``."""
+    aux_coef: str | None
+    """The attribute the family's forward multiplies its router aux loss by, or None (no aux loss)."""
     previous: object
     """The instance-level ``forward`` that ``apply`` replaced (e.g. an accelerate hook), or None."""
+    checked: bool = False
+    """Whether a forward has compared stock's logits with vpce's transform of ``lm_head``'s output."""
+    warned: bool = False
+    """Whether the one warning for a forward that builds logits has been given."""
+    label_smoothing_from_trainer: bool = False
+    """Whether ``label_smoothing`` came from a Trainer's ``label_smoothing_factor`` (``apply(trainer)``)."""
 
 
 def causal_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor | None, *, bias=None,
@@ -179,32 +162,43 @@ def causal_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Ten
     return loss
 
 
-def _signature(cls: type) -> tuple[inspect.Signature, str]:
-    """The class forward's signature (through transformers' decorators) and the name of its ``**kwargs``."""
+_ALTERNATIVE = ("the alternative: run the model with output_hidden_states=True and no labels, and call "
+                "vpce.linear_cross_entropy(hidden_states[-1], weight, shifted_labels) yourself")
+
+
+def _check_model(model) -> tuple[inspect.Signature, str, str | None]:
+    """Refuse, naming the reason, a model the generic path cannot reproduce; return the forward's signature, the
+    name of its ``**kwargs`` and the router aux-loss coefficient's attribute (None without one)."""
+    name = type(model).__name__
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is None or getattr(model, "lm_head", None) is not head:
+        raise TypeError(f"model: expected a transformers causal LM whose output embedding is `lm_head`, got "
+                        f"{name} (output embedding {type(head).__name__}); vpce computes the loss of that "
+                        f"head; {_ALTERNATIVE}")
+    if not isinstance(head, torch.nn.Linear):
+        raise TypeError(f"model.lm_head: expected a torch.nn.Linear, got {type(head).__name__} in {name}; "
+                        f"{_ALTERNATIVE}")
+    cls = type(model)
     sig = inspect.signature(cls.forward)
     var_kw = [p.name for p in sig.parameters.values() if p.kind is inspect.Parameter.VAR_KEYWORD]
-    return sig, var_kw[0] if var_kw else ""
-
-
-def _family(model) -> tuple[type, inspect.Signature, str]:
-    """The supported transformers class ``model`` is (a subclass of), checked to run that class's forward, with
-    that forward's signature and the name of its ``**kwargs``."""
-    for cls in type(model).__mro__:
-        if cls.__name__ in FAMILIES and cls.__module__.startswith("transformers.models."):
-            break
-    else:
-        raise TypeError(f"model: expected an instance of one of {sorted(FAMILIES)}, got {type(model).__name__}")
-    if type(model).forward is not cls.forward:
-        raise TypeError(f"model: expected {cls.__name__}'s own forward, got one overridden by "
-                        f"{type(model).__name__}; vpce would replace it")
-    sig, var_kw = _signature(cls)
-    params = set(sig.parameters) - {"self", var_kw}
-    if not var_kw or not {"labels", "logits_to_keep"} <= params or not params <= _KNOWN_PARAMS:
-        raise TypeError(f"model: {cls.__name__}.forward{sig} is not the forward this integration was written for "
-                        f"(labels, logits_to_keep and **kwargs for the loss); check the transformers version")
-    if not isinstance(getattr(model, "lm_head", None), torch.nn.Linear):
-        raise TypeError(f"model.lm_head: expected a torch.nn.Linear, got {type(getattr(model, 'lm_head', None))}")
-    return cls, sig, var_kw
+    if "labels" not in sig.parameters or not var_kw:
+        raise TypeError(f"model: {name}.forward{sig} has no `labels` and `**kwargs` (the loss keywords); this is "
+                        f"not a transformers causal-LM forward vpce can patch; {_ALTERNATIVE}")
+    try:
+        source = inspect.getsource(cls.forward)
+    except (OSError, TypeError):  # no source (frozen, compiled): the first forward's check still guards
+        source = "self.loss_function("
+    if "self.loss_function(" not in source:
+        raise TypeError(f"model: {name}.forward computes its loss with its own code, not self.loss_function "
+                        f"(ForCausalLMLoss); vpce reproduces only that loss; {_ALTERNATIVE}")
+    if "z_loss" in source:
+        raise TypeError(f"model: {name}.forward adds a z-loss of its own to the loss; vpce does not reproduce "
+                        f"it (vpce's own z_loss option differs in its coefficient source); {_ALTERNATIVE}")
+    if model.loss_function is not ForCausalLMLoss:
+        raise ValueError(f"model.loss_function: expected transformers' ForCausalLMLoss, got "
+                         f"{model.loss_function!r}; vpce computes only that loss")
+    coef = re.search(r"self\.(\w+)\s*\*\s*aux_loss", source)
+    return sig, var_kw[0], coef.group(1) if coef else None
 
 
 def apply(model, **options):
@@ -212,33 +206,40 @@ def apply(model, **options):
 
     ``options`` are among ``OPTIONS`` (``label_smoothing``, ``z_loss``, ``backend``, ``memory_budget``,
     ``validate``), passed to every ``vpce.linear_cross_entropy`` call. Applying again replaces the options.
+    ``model`` may be a ``transformers.Trainer`` (built, not yet trained): then its model is patched, its
+    ``label_smoothing_factor`` becomes vpce's ``label_smoothing``, and a ``compute_metrics`` is refused
+    (it needs logits); returns the trainer.
     """
-    family, sig, var_kw = _family(model)
+    if _is_trainer(model):
+        return _apply_trainer(model, **options)
     unknown = sorted(set(options) - set(OPTIONS))
     if unknown:
         raise TypeError(f"options: expected keywords among {OPTIONS}, got {unknown}")
-    rule = FAMILIES[family.__name__]
-    vpce.LinearCrossEntropy(**options, **rule.options(model))  # validates them now rather than at the first forward
+    if not hasattr(model, "config"):
+        raise TypeError(f"model: expected a transformers causal LM (a PreTrainedModel with an lm_head), got "
+                        f"{type(model).__name__}")
+    sig, var_kw, aux_coef = _check_model(model)
+    vpce.LinearCrossEntropy(**options, **logits_options(model))  # validates them now, not at the first forward
     patch = model.__dict__.get(_ATTR)
     if patch is not None:
         patch.options = dict(options)
         return model
-    if model.loss_function is not ForCausalLMLoss:
-        raise ValueError(f"model.loss_function: expected transformers' ForCausalLMLoss, got "
-                         f"{model.loss_function!r}; vpce computes only that loss")
 
     def forward(self, *args, **kwargs):
         return _patched_forward(self, *args, **kwargs)
 
-    functools.update_wrapper(forward, family.forward)  # inspect.signature(model.forward) stays the stock one
-    setattr(model, _ATTR, _Patch(options=dict(options), rule=rule, signature=sig,
-                                 var_kw=var_kw, previous=model.__dict__.get("forward")))
+    functools.update_wrapper(forward, type(model).forward)  # inspect.signature(model.forward) stays the stock one
+    setattr(model, _ATTR, _Patch(options=dict(options), signature=sig, var_kw=var_kw, aux_coef=aux_coef,
+                                 previous=model.__dict__.get("forward")))
     model.forward = types.MethodType(forward, model)
     return model
 
 
 def remove(model):
     """Undo ``apply``: restore the forward that was there before it. Harmless on an unpatched model."""
+    if _is_trainer(model):
+        remove(model.model)
+        return model
     patch = model.__dict__.get(_ATTR)
     if patch is None:
         return model
@@ -250,36 +251,169 @@ def remove(model):
 
 
 def is_applied(model) -> bool:
-    """Whether ``apply`` patched this model instance."""
+    """Whether ``apply`` patched this model instance (or this Trainer's model)."""
+    if _is_trainer(model):
+        model = model.model
     return _ATTR in model.__dict__
 
+
+# -- Trainer -------------------------------------------------------------------------------------------------------
+
+_METRICS = ("compute_metrics needs the [tokens, vocab] logits, which the model patched by vpce does not build. "
+            "Evaluate with the stock forward (vpce.integrations.transformers.remove(model) before "
+            "trainer.evaluate(), apply again after), or drop compute_metrics / set prediction_loss_only=True "
+            "(eval_loss is then vpce's)")
+
+
+def _is_trainer(obj) -> bool:
+    trainer = sys.modules.get("transformers.trainer")
+    return trainer is not None and isinstance(obj, trainer.Trainer)
+
+
+def _apply_trainer(trainer, **options):
+    if trainer.compute_metrics is not None and not trainer.args.prediction_loss_only:
+        raise ValueError(f"trainer.compute_metrics: {_METRICS}")
+    smoothing = trainer.args.label_smoothing_factor
+    if trainer.label_smoother is not None:
+        if "label_smoothing" in options and options["label_smoothing"] != smoothing:
+            raise ValueError(f"label_smoothing: expected Trainer's label_smoothing_factor ({smoothing}) or "
+                             f"nothing, got {options['label_smoothing']}")
+        options["label_smoothing"] = smoothing
+    model = trainer.accelerator.unwrap_model(trainer.model) if hasattr(trainer, "accelerator") else trainer.model
+    apply(model, **options)
+    if trainer.label_smoother is not None:
+        trainer.label_smoother = None  # the labels now reach the model, whose loss is smoothed by vpce
+        model.__dict__[_ATTR].label_smoothing_from_trainer = True
+    return trainer
+
+
+def _calling_trainer(names: tuple[str, ...], depth: int = 30):
+    """The ``transformers.Trainer`` whose method in ``names`` is up the stack (within ``depth`` frames), or None."""
+    frame = sys._getframe(2)
+    for _ in range(depth):
+        if frame is None:
+            return None
+        if frame.f_code.co_name in names:
+            owner = frame.f_locals.get("self")
+            if _is_trainer(owner):
+                return owner
+        frame = frame.f_back
+    return None
+
+
+# -- the patched forward -------------------------------------------------------------------------------------------
 
 def _stock_forward(model, patch: _Patch):
     return patch.previous if patch.previous is not None else types.MethodType(type(model).forward, model)
 
 
+def _warn_logits(model, patch: _Patch, why: str):
+    if not patch.warned:
+        patch.warned = True
+        warnings.warn(f"vpce: {type(model).__name__}'s forward built the [tokens, vocab] logits ({why}); "
+                      f"vpce computes the loss without them only for a forward with labels. Warned once.",
+                      stacklevel=3)
+
+
+def _without_labels(model, patch: _Patch, args, kwargs):
+    if torch.is_grad_enabled() and model.training:
+        trainer = _calling_trainer(("compute_loss",))
+        if trainer is not None and trainer.label_smoother is not None:
+            raise ValueError(f"Trainer(label_smoothing_factor={trainer.args.label_smoothing_factor}) takes the "
+                             f"labels away from the model patched by vpce and smooths full logits itself; call "
+                             f"vpce.integrations.transformers.apply(trainer) after building the Trainer (it maps "
+                             f"label_smoothing_factor onto vpce's label_smoothing), or pass "
+                             f"apply(model, label_smoothing=...) and no label_smoothing_factor")
+        _warn_logits(model, patch, "a training forward without labels")
+    return _stock_forward(model, patch)(*args, **kwargs)
+
+
+def _transform(z: torch.Tensor, softcap=None, logit_scale: float = 1.0) -> torch.Tensor:
+    z = z.float() * logit_scale
+    return z if softcap is None else softcap * torch.tanh(z / softcap)
+
+
+def _check_logits(model, logits, head_out, extra: dict):
+    """Stock's logits for the probe position against vpce's transform of lm_head's output for it."""
+    name = type(model).__name__
+    if logits is None or head_out is None or logits.shape != head_out.shape:
+        raise TypeError(f"model: {name}'s forward does not return lm_head's output (or a function of it, "
+                        f"element by element) as its logits: lm_head gave {tuple(getattr(head_out, 'shape', ()))}"
+                        f", logits {tuple(getattr(logits, 'shape', ()))}; vpce cannot reproduce its loss; "
+                        f"{_ALTERNATIVE}")
+    want, got = logits.detach().float(), _transform(head_out.detach(), **extra)
+    eps = torch.finfo(logits.dtype if logits.is_floating_point() else torch.float32).eps
+    err = (want - got).abs().max().item()
+    if not err <= 8 * eps * max(want.abs().max().item(), 1.0):
+        raise TypeError(f"model: {name}'s forward transforms lm_head's output in a way vpce does not reproduce "
+                        f"(vpce applies {extra or 'nothing'}; stock's logits differ by {err:.3g}); {_ALTERNATIVE}")
+
+
 def _patched_forward(model, *args, **kwargs):
     patch = model.__dict__[_ATTR]
-    var_kw = patch.var_kw
-    call = patch.signature.bind(model, *args, **kwargs).arguments
-    if call.get("labels") is None:
-        return _stock_forward(model, patch)(*args, **kwargs)
+    bound = patch.signature.bind(model, *args, **kwargs)
+    call = bound.arguments
+    labels = call.get("labels")
+    if labels is None:
+        return _without_labels(model, patch, args, kwargs)
     if model.loss_function is not ForCausalLMLoss:
-        warnings.warn(f"vpce: {type(model).__name__}.loss_function was replaced after vpce.integrations."
-                      f"transformers.apply; running the stock forward (with logits) to honour it")
+        _warn_logits(model, patch, f"{type(model).__name__}.loss_function was replaced after apply")
         return _stock_forward(model, patch)(*args, **kwargs)
+    if not torch.is_grad_enabled() and not patch.label_smoothing_from_trainer:
+        trainer = _calling_trainer(("prediction_step",))
+        if trainer is not None and trainer.compute_metrics is not None and not trainer.args.prediction_loss_only:
+            raise ValueError(f"Trainer(compute_metrics=...): {_METRICS}")
 
-    inputs = {k: v for k, v in call.items() if k not in ("self", var_kw, "labels", "logits_to_keep")}
-    extra = dict(call.get(var_kw, {}))
-    return_dict = extra.pop("return_dict", None)  # as transformers' can_return_tuple resolves it
+    extras = logits_options(model)  # read (and checked) as stock reads them, before the stock forward runs
+    extra = dict(call.get(patch.var_kw, {}))
+    return_dict = call.get("return_dict", extra.pop("return_dict", None))  # as transformers' decorators resolve it
     if return_dict is None:
         return_dict = getattr(model.config, "return_dict", True)
-
-    outputs = model.model(**inputs, **extra)
-    hidden = slice_logits_to_keep(outputs.last_hidden_state, call.get("logits_to_keep", 0))
     loss_kwargs = {k: extra[k] for k in ("num_items_in_batch", "ignore_index", "shift_labels") if k in extra}
-    loss = causal_lm_loss(hidden, model.lm_head.weight, call["labels"], bias=model.lm_head.bias,
-                          **patch.rule.options(model), **loss_kwargs, **patch.options)
-    output = CausalLMOutputWithPast(loss=loss, logits=None, **{_CACHE: getattr(outputs, _CACHE)},
-                                    hidden_states=outputs.hidden_states, attentions=outputs.attentions)
+    call["labels"] = None
+    if "return_dict" in patch.signature.parameters:
+        call["return_dict"] = True
+    else:
+        extra["return_dict"] = True
+    call[patch.var_kw] = extra
+
+    # The stock forward runs with lm_head on an empty slice of its input (one position at the first call, whose
+    # logits check vpce's transform), keeping the full input for vpce.
+    kept = {}
+    probe = 0 if patch.checked else 1
+
+    def pre_hook(module, inputs):
+        kept["calls"] = kept.get("calls", 0) + 1
+        kept["hidden"] = inputs[0]
+        return (inputs[0].narrow(-2, 0, min(probe, inputs[0].shape[-2])),) + tuple(inputs[1:])
+
+    def hook(module, inputs, output):
+        kept["head_out"] = output
+
+    head = model.lm_head
+    handles = [head.register_forward_pre_hook(pre_hook)]
+    if probe:
+        handles.append(head.register_forward_hook(hook))
+    try:
+        out = _stock_forward(model, patch)(*bound.args[1:], **bound.kwargs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    if kept.get("calls") != 1:
+        raise TypeError(f"model: {type(model).__name__}'s forward called lm_head {kept.get('calls', 0)} times, not "
+                        f"once; vpce computes the loss of one call's logits; {_ALTERNATIVE}")
+    if probe:
+        _check_logits(model, out.get("logits"), kept.get("head_out"), extras)
+        patch.checked = True
+
+    loss = causal_lm_loss(kept["hidden"], head.weight, labels, bias=head.bias, **extras, **loss_kwargs,
+                          **patch.options)
+    aux = out.get("aux_loss")
+    if aux is not None:
+        if patch.aux_coef is None or not hasattr(model, patch.aux_coef):
+            raise TypeError(f"model: {type(model).__name__} returned a router aux loss but vpce did not find the "
+                            f"coefficient its forward multiplies it by; {_ALTERNATIVE}")
+        loss = loss + getattr(model, patch.aux_coef) * aux.to(loss.device)
+    fields = {k: v for k, v in out.items() if k not in ("loss", "logits")}
+    output = type(out)(loss=loss, **fields)
     return output if return_dict else output.to_tuple()

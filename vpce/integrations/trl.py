@@ -57,8 +57,8 @@ import vpce
 try:
     import trl  # noqa: F401 - cheap (lazy); trl.trainer.utils, which imports the trainers' stack, only in apply()
 except ImportError as err:  # pragma: no cover - exercised only without trl
-    raise ImportError("vpce.integrations.trl needs the `trl` package (pip install 'vpce[trl]', i.e. trl==1.16.0)") \
-        from err
+    raise ImportError("vpce.integrations.trl needs the `trl` package: pip install 'trl==1.16.0' (the `trl` extra; "
+                      "from a vpce clone: pip install '.[trl]'; README.md#install)") from err
 
 __all__ = ["apply", "remove", "is_applied", "VpceLogProbHead", "OPTIONS", "LOSS_OPTIONS"]
 

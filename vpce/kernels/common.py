@@ -1,0 +1,88 @@
+"""What the kernel families share: the interpreter switch, the ``exp``/``log`` constants, the fast ``exp``, the soft
+cap and its derivative, ``log1p``, a program's tile of a ``[C, V]`` buffer, the row max over a row's tile maxima,
+and the persistent grid of the gated kernels."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)  # log2(e)
+LN2: tl.constexpr = tl.constexpr(0.6931471805599453)    # ln(2)
+
+
+@triton.jit
+def _exp(x):
+    """``e^x`` as one multiply and the hardware ``ex2`` (results below 2^-126 flush to 0): ``tl.exp`` adds a range
+    test and two predicated multiplies per element to keep such denormals, five instructions instead of two on
+    sm_90, in kernels that are short of issue slots (the JSD's mixture pass, the statistics passes)."""
+    return tl.exp2(x * LOG2E)
+
+
+@triton.jit
+def _softcap(x, softcap):
+    """``softcap * tanh(x / softcap)`` and its derivative ``sech^2``, both from ``e = exp(-2|u|)``: no
+    cancellation in the derivative where the cap saturates (``1 - tanh^2`` would lose it all). One division,
+    ``1 / (1 + e)``, serves both (Triton's fp32 ``/`` is the two-ulp ``div.full``), and ``x / softcap`` is a
+    multiply: three divisions per element made the soft cap the slowest option of the bandwidth passes."""
+    u = x * (1.0 / softcap)
+    e = _exp(-2.0 * tl.abs(u))
+    r = 1.0 / (1.0 + e)
+    th = (1.0 - e) * r
+    return softcap * tl.where(u >= 0, th, -th), 4.0 * e * (r * r)
+
+
+@triton.jit
+def _log1p(u):
+    """``log(1 + u)`` for ``u >= 0`` without losing a small ``u`` (Goldberg's correction)."""
+    v = 1.0 + u
+    return tl.where(v == 1.0, u, tl.log(v) * (u / (v - 1.0)))
+
+
+@triton.jit
+def _program_tile(C, V, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr):
+    """This program's rows ``rm`` and columns ``rn`` of a ``[C, V]`` buffer (2-D grid), the row mask, and the tile's
+    load/store mask (no column mask where every tile is whole)."""
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rm < C
+    if EVEN_N:
+        mask = row_ok[:, None]
+    else:
+        mask = row_ok[:, None] & (rn < V)[None, :]
+    return rm, rn, row_ok, mask
+
+
+@triton.jit
+def _tiles_max(TM, base, ok, T, BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Each row's max over its ``T`` tile maxima (the rows' tiles at ``TM + base``; ``ok``: real rows), and that max
+    with ``-inf`` taken as 0 (every tile ``-inf``: sums against it stay 0, not NaN). Accumulated elementwise over
+    ``[BLOCK_C, BLOCK_T]`` and reduced once after the loop: a row reduction inside the loop whose result is used
+    again (the max) trips an assertion in Triton 3.6's thread-locality pass on sm_90 when ``T`` is a multiple of
+    16."""
+    m2 = tl.full([BLOCK_C, BLOCK_T], float("-inf"), tl.float32)
+    for t0 in range(0, T, BLOCK_T):
+        cols = t0 + tl.arange(0, BLOCK_T)
+        msk = ok[:, None] & (cols < T)[None, :]
+        m2 = tl.maximum(m2, tl.load(TM + base[:, None] + cols[None, :], mask=msk, other=float("-inf")))
+    m = tl.max(m2, 1)
+    return m, tl.where(m == float("-inf"), 0.0, m)
+
+
+def _persistent(x: torch.Tensor, tiles: int) -> int:
+    """Programs of a gated persistent grid: a few per SM on a GPU (so a skipped launch is one short wave), a few
+    under the interpreter."""
+    if INTERPRET or not x.is_cuda:
+        return max(1, min(tiles, 4))
+    return max(1, min(tiles, 4 * _sm_count(x.device.index)))
+
+
+@functools.cache
+def _sm_count(index: int | None) -> int:
+    return torch.cuda.get_device_properties(torch.device("cuda", index)).multi_processor_count
