@@ -54,7 +54,7 @@ def train(kind, head, tmp_path, when="before", **config):
     """Train ``STEPS`` steps; ``head``: "trl" or "vpce", applied ``when`` ("before"/"after") the trainer is built."""
     vtrl.remove()
     if head == "vpce" and when == "before":
-        vtrl.apply()
+        vtrl.apply(losses=False)  # the head only (tests/test_integration_trl_losses.py: the fused losses)
     common = dict(output_dir=str(tmp_path / f"{kind}-{head}"), max_steps=STEPS, per_device_train_batch_size=4,
                   learning_rate=3e-2, lr_scheduler_type="constant", logging_steps=1, report_to=[], save_strategy="no",
                   seed=0, data_seed=0, use_cpu=True, disable_tqdm=True, bf16=False)
@@ -65,7 +65,7 @@ def train(kind, head, tmp_path, when="before", **config):
         trainer = trl.DPOTrainer(model=tiny_llama(), ref_model=tiny_llama(), args=trl.DPOConfig(**common, **config),
                                  train_dataset=datasets.Dataset.from_dict(DPO_DATA), processing_class=tokenizer())
     if head == "vpce" and when == "after":
-        vtrl.apply()
+        vtrl.apply(losses=False)
     try:
         trainer.train()
     finally:

@@ -16,7 +16,8 @@ from __future__ import annotations
 import torch
 
 from .formulas import (RowStats, ce_coefficients, evaluate_loss_fn, logprob_coefficients, logprob_extras,
-                       logprob_outputs, logprob_part_outputs, loss_fn_coefficients)
+                       logprob_outputs, logprob_part_outputs, loss_fn_coefficients, loss_fn_metric_outputs,
+                       store_metric_outputs)
 from .grads import finish_fast_grads
 from .distill_stats import DistillRows
 from .options import DistillOptions, LogProbLossOptions, LogProbOptions, LossOptions
@@ -255,18 +256,21 @@ class LogProbLossFunction(torch.autograd.Function):
     backward scales them by the upstream scalar. The fast route: the backend's chunk loop evaluates ``loss_fn`` per
     chunk (``triton_backend.log_prob_loss``). Otherwise two passes, both in forward: the statistics of every token
     (the backend's ``log_probs``), ``loss_fn`` on all of them, then the gradients recomputed (``recompute_grads``).
-    Also returns the detached per-token ``log_probs`` and ``entropy`` (zeros unless computed)."""
+    Also returns the detached per-token ``log_probs`` and ``entropy`` (zeros unless computed), and ``is_top1`` and
+    ``mean_logits`` (``o.top1``, ``o.mean_logits``; empty unless asked)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, target, o: LogProbLossOptions, call: Call, inputs: dict):
         tg = TokenTargets(target, call.shard, o.ignore_index)
         backend = backend_module(call.plan.backend)
         if call.plan.route == "fast":
-            loss, logp, ent, grads = backend.log_prob_loss(hidden, weight, bias, tg, o, call, inputs)
+            loss, logp, ent, grads, metrics = backend.log_prob_loss(hidden, weight, bias, tg, o, call, inputs)
         else:
             st = backend.log_probs(hidden, weight, bias, tg, o.stats_options(), call)
             everything = slice(None)
             logp, ent = logprob_part_outputs(tg, st, everything, o.entropy_stats)
+            metrics = loss_fn_metric_outputs(o, hidden.shape[0], hidden.device)
+            store_metric_outputs(metrics, tg, st, everything, call.shard.vocab_size)
             ev = evaluate_loss_fn(o, logp, ent if o.entropy else None, tg.keep, inputs, everything)
             loss, grads = ev.value, None
             if any(call.needs_grad):
@@ -276,8 +280,10 @@ class LogProbLossFunction(torch.autograd.Function):
         ctx.grads, ctx.dtype, ctx.rows = grads, hidden.dtype, weight.shape[0]
         ctx.fast, ctx.backend = call.plan.route == "fast", call.plan.backend
         ent = torch.zeros_like(logp) if ent is None else ent
-        ctx.mark_non_differentiable(logp, ent)
-        return loss, logp, ent
+        top1 = metrics.get("is_top1", logp.new_zeros(0, dtype=torch.bool))
+        mean_logits = metrics.get("mean_logits", logp.new_zeros(0))
+        ctx.mark_non_differentiable(logp, ent, top1, mean_logits)
+        return loss, logp, ent, top1, mean_logits
 
     @staticmethod
     def backward(ctx, g_loss, *_):

@@ -156,6 +156,24 @@ def logprob_outputs(tg: TokenTargets, st: RankStats, entropy: bool):
     return tg.token_loss(-st.nll, everything), ent
 
 
+def loss_fn_metric_outputs(o, n: int, dev) -> dict:
+    """Buffers of the metric outputs a ``LogProbLossOptions`` asks for (``is_top1``, ``mean_logits``), by name."""
+    out = {}
+    if o.top1:
+        out["is_top1"] = torch.zeros(n, dtype=torch.bool, device=dev)
+    if o.mean_logits:
+        out["mean_logits"] = torch.zeros(n, dtype=torch.float32, device=dev)
+    return out
+
+
+def store_metric_outputs(out: dict, tg: TokenTargets, st: RankStats, part: slice, vocab_size: int) -> None:
+    """The metric outputs of tokens ``part`` from their global statistics (as ``logprob_extras``)."""
+    if "is_top1" in out:
+        out["is_top1"][part] = tg.metric(st.top1, part) == 1
+    if "mean_logits" in out:
+        out["mean_logits"][part] = tg.metric(st.sums[0] / vocab_size, part)
+
+
 def logprob_extras(tg: TokenTargets, st: RankStats, lp, vocab_size: int) -> list[torch.Tensor]:
     """The detached extras ``linear_log_probs`` asks for, in its return order: ``is_top1`` (bool), the mean logit,
     ``log sum_j p_j^2``; 0 (False) on ignored tokens."""

@@ -146,8 +146,13 @@ class LogProbLossOptions:
     inv_t: float = 1.0
     """``logit_scale / temperature``."""
     memory_budget: str | float = "auto"
+    top1: bool = False
+    """Whether ``is_top1`` is computed as an output (a metric; ``linear_log_probs``' definition)."""
+    mean_logits: bool = False
+    """Whether the mean logit is computed as an output (a metric; ``linear_log_probs``' definition)."""
 
     def stats_options(self) -> LogProbOptions:
         """The options of the statistics pass (``log_probs``) of the two-pass form."""
         return LogProbOptions(ignore_index=self.ignore_index, softcap=self.softcap, inv_t=self.inv_t,
-                              entropy=self.entropy_stats, memory_budget=self.memory_budget)
+                              entropy=self.entropy_stats, top1=self.top1, mean_logits=self.mean_logits,
+                              memory_budget=self.memory_budget)

@@ -117,19 +117,25 @@ def linear_log_prob_loss(hidden, weight, target, loss_fn, bias=None, *, inputs=N
 def _log_prob_loss(hidden, weight, target, loss_fn, bias=None, *, inputs=None, scope="token", use_entropy=False,
                    temperature=1.0, softcap=None, logit_scale=1.0, ignore_index=-100, group=None, vocab_start=None,
                    vocab_size=None, sequence_parallel=False, backend="auto", memory_budget="auto", validate=False,
-                   entropy_stats=False):
+                   entropy_stats=False, top1=False, mean_logits=False):
     """``linear_log_prob_loss`` returning ``(loss, log_probs, entropy)``; ``entropy_stats``: compute the entropy as
-    an output (a metric) even where ``loss_fn`` does not get it."""
+    an output (a metric) even where ``loss_fn`` does not get it. ``top1`` / ``mean_logits``: also return
+    ``linear_log_probs``' ``is_top1`` and ``mean_logits`` (detached metrics, from the same pass; each ``(0,)``
+    where not asked): ``(loss, log_probs, entropy, is_top1, mean_logits)``."""
     entry = LogProbLossEntry(loss_fn, target, inputs, scope, use_entropy, entropy_stats, temperature, softcap,
-                             logit_scale, ignore_index, memory_budget)
+                             logit_scale, ignore_index, memory_budget, top1=top1, mean_logits=mean_logits)
     h2, weight, bias, target, call = prepare_call(entry, hidden, weight, target, bias, group=group,
                                                   vocab_start=vocab_start, vocab_size=vocab_size,
                                                   sequence_parallel=sequence_parallel, backend=backend,
                                                   validate=validate)
     with torch.autocast(h2.device.type, enabled=False):  # the operands are already in the compute dtype
-        loss, logp, ent = LogProbLossFunction.apply(enter(h2, call), weight, bias, target.reshape(-1), entry.options,
-                                                    call, entry.inputs)
-    return loss, logp.reshape(target.shape), ent.reshape(target.shape)
+        loss, logp, ent, is_top1, mean_z = LogProbLossFunction.apply(enter(h2, call), weight, bias, target.reshape(-1),
+                                                                     entry.options, call, entry.inputs)
+    out = loss, logp.reshape(target.shape), ent.reshape(target.shape)
+    if top1 or mean_logits:
+        shape = lambda x: x.reshape(target.shape) if x.numel() else x  # noqa: E731
+        return (*out, shape(is_top1), shape(mean_z))
+    return out
 
 
 class LogProbLossEntry(Entry):
@@ -140,10 +146,11 @@ class LogProbLossEntry(Entry):
     name = "logprob_loss"
 
     def __init__(self, loss_fn, target, inputs, scope, use_entropy, entropy_stats, temperature, softcap, logit_scale,
-                 ignore_index, memory_budget):
+                 ignore_index, memory_budget, top1=False, mean_logits=False):
         self.args = dict(loss_fn=loss_fn, target=target, inputs=inputs, scope=scope, use_entropy=use_entropy,
                          entropy_stats=entropy_stats, temperature=temperature, softcap=softcap,
                          logit_scale=logit_scale, ignore_index=ignore_index, memory_budget=memory_budget)
+        self.metrics = dict(top1=bool(top1), mean_logits=bool(mean_logits))
         self.ignore_index = ignore_index if isinstance(ignore_index, int) else -100
         self.options = self.inputs = self.budget = None
 
@@ -169,7 +176,7 @@ class LogProbLossEntry(Entry):
             loss_fn=a["loss_fn"], scope=a["scope"], entropy=a["use_entropy"],
             entropy_stats=a["use_entropy"] or a["entropy_stats"], row=target.shape[-1] if target.dim() else 1,
             ignore_index=int(a["ignore_index"]), softcap=None if softcap is None else float(softcap) / s,
-            inv_t=s / float(a["temperature"]), memory_budget=self.budget)
+            inv_t=s / float(a["temperature"]), memory_budget=self.budget, **self.metrics)
 
     def fields(self):
         a = self.args
@@ -205,14 +212,17 @@ class GRPOOutput(NamedTuple):
     """Masked mean of the per-token entropy (detached)."""
 
 
-def _grpo_token_loss(logp, old, adv, ref, weight, *, level, loss_type, beta, eps_low, eps_high, delta, mask):
-    """TRL's per-token GRPO loss times each token's normalizer ``weight`` (rows of ``[b, T]`` or flat tokens)."""
+def _grpo_token_loss(logp, old, adv, ref, weight, *, level, loss_type, beta, eps_low, eps_high, delta, mask,
+                     bias_correction_kl=False):
+    """TRL's per-token GRPO loss times each token's normalizer ``weight`` (rows of ``[b, T]`` or flat tokens).
+    ``bias_correction_kl``: the KL term times the (unclipped) importance ratio, as TRL's ``use_bias_correction_kl``."""
     log_ratio = logp - old
     if level == "sequence":
         log_w = (log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)
     else:
         log_w = log_ratio
     coef_1 = torch.exp(log_w)
+    ratio = coef_1
     if loss_type == "cispo":
         per_token = -torch.clamp(coef_1, max=eps_high).detach() * adv * logp
     else:
@@ -221,7 +231,8 @@ def _grpo_token_loss(logp, old, adv, ref, weight, *, level, loss_type, beta, eps
             coef_1 = torch.clamp(coef_1, max=delta)
         per_token = -torch.minimum(coef_1 * adv, coef_2 * adv)
     if beta != 0.0:
-        per_token = per_token + beta * (torch.exp(ref - logp) - (ref - logp) - 1)
+        kl = torch.exp(ref - logp) - (ref - logp) - 1
+        per_token = per_token + beta * (kl * ratio if bias_correction_kl else kl)
     return per_token * weight
 
 
@@ -243,6 +254,28 @@ def linear_grpo_loss(hidden, weight, target, advantages, bias=None, *, old_log_p
     ``B * max_completion_length`` (default ``T``); ``dapo`` and ``cispo`` ``num_items_in_batch`` (default the
     mask's count). No gradient-accumulation normalizer is applied (divide the loss as the trainer does).
     """
+    return _linear_grpo_loss(
+        hidden, weight, target, advantages, bias, old_log_probs=old_log_probs, ref_log_probs=ref_log_probs, beta=beta,
+        epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta, loss_type=loss_type,
+        importance_sampling_level=importance_sampling_level, max_completion_length=max_completion_length,
+        num_items_in_batch=num_items_in_batch, temperature=temperature, softcap=softcap, logit_scale=logit_scale,
+        ignore_index=ignore_index, group=group, vocab_start=vocab_start, vocab_size=vocab_size,
+        sequence_parallel=sequence_parallel, backend=backend, memory_budget=memory_budget, validate=validate)[0]
+
+
+def _linear_grpo_loss(hidden, weight, target, advantages, bias=None, *, old_log_probs=None, ref_log_probs=None,
+                      beta=0.0, epsilon_low=0.2, epsilon_high=None, delta=None, loss_type="dapo",
+                      importance_sampling_level="token", max_completion_length=None, num_items_in_batch=None,
+                      temperature=1.0, softcap=None, logit_scale=1.0, ignore_index=-100, group=None, vocab_start=None,
+                      vocab_size=None, sequence_parallel=False, backend="auto", memory_budget="auto",
+                      validate=False, bias_correction_kl=False, entropy_bonus=None, token_weight=None):
+    """``linear_grpo_loss`` returning ``(GRPOOutput, log_probs, entropy)``: also the detached per-token log-probs
+    and entropy ``[B, T]`` (0 at ignored tokens), for metrics (``vpce.integrations.trl``). ``bias_correction_kl``:
+    the KL term of the loss times the importance ratio (TRL's ``use_bias_correction_kl``; the returned ``kl`` metric
+    stays the plain masked mean). ``entropy_bonus`` (``[B, T]``, or None): the loss also gets
+    ``-sum(entropy_bonus * entropy)`` (TRL's entropy bonus, its coefficient and normalizer folded in per token).
+    ``token_weight`` (``[B, T]``, or None): each token's normalizer, given instead of ``loss_type``'s (e.g. for the
+    tokens of several sequences packed into one row, with token-level importance sampling)."""
     for name, value in (("loss_type", loss_type), ("importance_sampling_level", importance_sampling_level)):
         allowed = GRPO_LOSS_TYPES if name == "loss_type" else ("token", "sequence")
         if value not in allowed:
@@ -277,28 +310,35 @@ def linear_grpo_loss(hidden, weight, target, advantages, bias=None, *, old_log_p
         items = mask.sum() if num_items_in_batch is None else torch.as_tensor(num_items_in_batch, dtype=acc,
                                                                               device=mask.device)
         weight_tok = mask / items.clamp(min=1.0)
+    if token_weight is not None:
+        weight_tok = mask * token_weight.detach().to(acc)
     inputs = {"adv": adv, "weight": weight_tok, "mask": mask}
     current = old_log_probs is None
     if not current:
         inputs["old"] = old_log_probs
     if beta != 0.0:
         inputs["ref"] = ref_log_probs
+    if entropy_bonus is not None:
+        inputs["bonus"] = entropy_bonus
     opts = dict(level=importance_sampling_level, loss_type=loss_type, beta=float(beta), eps_low=float(epsilon_low),
                 eps_high=eps_high, delta=None if delta is None else float(delta))
+    token_opts = dict(opts, bias_correction_kl=bool(bias_correction_kl) and beta != 0.0)
 
-    def loss_fn(logp, entropy, adv, weight, mask, old=None, ref=None):
+    def loss_fn(logp, entropy, adv, weight, mask, old=None, ref=None, bonus=None):
         old = logp.detach() if old is None else old.to(logp.dtype)
-        return _grpo_token_loss(logp, old, adv.to(logp.dtype), None if ref is None else ref.to(logp.dtype),
-                                weight.to(logp.dtype), mask=mask.to(logp.dtype), **opts)
+        out = _grpo_token_loss(logp, old, adv.to(logp.dtype), None if ref is None else ref.to(logp.dtype),
+                               weight.to(logp.dtype), mask=mask.to(logp.dtype), **token_opts)
+        return out if bonus is None else out - bonus.to(logp.dtype) * entropy
 
     scope = "sequence" if importance_sampling_level == "sequence" else "token"
     loss, logp, ent = _log_prob_loss(
         hidden, weight, target, loss_fn, bias, inputs=inputs, scope=scope, temperature=temperature, softcap=softcap,
         logit_scale=logit_scale, ignore_index=ignore_index, group=group, vocab_start=vocab_start,
         vocab_size=vocab_size, sequence_parallel=sequence_parallel, backend=backend, memory_budget=memory_budget,
-        validate=validate, entropy_stats=True)
+        validate=validate, entropy_stats=True, use_entropy=entropy_bonus is not None)
     per_sequence = importance_sampling_level == "sequence" and advantages.dim() == 1
-    return GRPOOutput(loss, *_grpo_metrics(logp, ent, old_log_probs, ref_log_probs, adv, mask, opts, per_sequence))
+    out = GRPOOutput(loss, *_grpo_metrics(logp, ent, old_log_probs, ref_log_probs, adv, mask, opts, per_sequence))
+    return out, logp, ent
 
 
 def _grpo_metrics(logp, ent, old, ref, adv, mask, opts, per_sequence: bool):
@@ -367,6 +407,23 @@ def linear_dpo_loss(hidden, weight, target, ref_chosen_log_probs=None, ref_rejec
     length normalization), the mean over pairs. The hidden states are interleaved by pair (one copy of ``[N, D]``)
     so that each fused row holds a chosen completion and its rejected one.
     """
+    return _linear_dpo_loss(
+        hidden, weight, target, ref_chosen_log_probs, ref_rejected_log_probs, bias, beta=beta, loss_type=loss_type,
+        ref_hidden=ref_hidden, ref_weight=ref_weight, ref_bias=ref_bias, temperature=temperature, softcap=softcap,
+        logit_scale=logit_scale, ignore_index=ignore_index, group=group, vocab_start=vocab_start,
+        vocab_size=vocab_size, sequence_parallel=sequence_parallel, backend=backend, memory_budget=memory_budget,
+        validate=validate)[0]
+
+
+def _linear_dpo_loss(hidden, weight, target, ref_chosen_log_probs=None, ref_rejected_log_probs=None, bias=None, *,
+                     beta=0.1, loss_type="sigmoid", ref_hidden=None, ref_weight=None, ref_bias=None, temperature=1.0,
+                     softcap=None, logit_scale=1.0, ignore_index=-100, group=None, vocab_start=None, vocab_size=None,
+                     sequence_parallel=False, backend="auto", memory_budget="auto", validate=False,
+                     entropy_stats=False, logit_metrics=False):
+    """``linear_dpo_loss`` returning ``(DPOOutput, log_probs, entropy)``: also the detached per-token log-probs and
+    (``entropy_stats``, else zeros) entropy in ``target``'s ``[2B, T]`` layout, 0 at ignored tokens, for metrics
+    (``vpce.integrations.trl``). ``logit_metrics``: also ``is_top1`` and ``mean_logits`` in that layout, from the
+    same pass: ``(DPOOutput, log_probs, entropy, is_top1, mean_logits)``."""
     if loss_type not in DPO_LOSS_TYPES:
         raise ValueError(f"loss_type: expected one of {DPO_LOSS_TYPES}, got {loss_type!r}")
     check_number("beta", beta, low=0.0, low_open=True)
@@ -417,9 +474,12 @@ def linear_dpo_loss(hidden, weight, target, ref_chosen_log_probs=None, ref_rejec
         return _dpo_pair_loss(delta, beta_f, loss_type) / b_
 
     h = pair(hidden.reshape(two_b, t_, hidden.shape[-1])) if isinstance(hidden, torch.Tensor) else hidden
-    loss, logp, _ = _log_prob_loss(h, weight, pair(target), loss_fn, bias, inputs=inputs, scope="sequence",
-                                   memory_budget=memory_budget, validate=validate, **common)
+    loss, logp, ent, *extras = _log_prob_loss(h, weight, pair(target), loss_fn, bias, inputs=inputs,
+                                              scope="sequence", memory_budget=memory_budget, validate=validate,
+                                              entropy_stats=entropy_stats, top1=logit_metrics,
+                                              mean_logits=logit_metrics, **common)
     logp = logp.detach()
     chosen_rewards = beta_f * (logp[:, :t_].sum(-1) - inputs["ref_c"][:, 0].to(logp.dtype))
     rejected_rewards = beta_f * (logp[:, t_:].sum(-1) - inputs["ref_r"][:, 0].to(logp.dtype))
-    return DPOOutput(loss, chosen_rewards, rejected_rewards)
+    unpair = lambda x: x.detach().reshape(b_, 2, t_).transpose(0, 1).reshape(two_b, t_)  # noqa: E731
+    return (DPOOutput(loss, chosen_rewards, rejected_rewards), unpair(logp), unpair(ent), *map(unpair, extras))

@@ -83,7 +83,7 @@ from . import kernels
 from .distill_stats import KL_HEAD, DistillRows, exchange_chunk_stats, heads, local_stats, row_weights, \
     rows_layout, token_loss
 from .formulas import (Coefficients, RowStats, ce_coefficients, ce_token_outputs, evaluate_loss_fn, logprob_coefficients,
-                       logprob_part_outputs, loss_fn_coefficients)
+                       logprob_part_outputs, loss_fn_coefficients, loss_fn_metric_outputs, store_metric_outputs)
 from .gemm import addmm_out_, logits_into, mm_into, mm_out
 from .grads import FastGrads, add_block, pad_rows, weight_grad, weight_grad_to_main, written_rows
 from .options import DistillOptions, LogProbLossOptions, LogProbOptions, LossOptions
@@ -475,7 +475,8 @@ def log_prob_loss(hidden, weight, bias, tg: TokenTargets, o: LogProbLossOptions,
     """``linear_log_prob_loss`` on the fast route: the chunk loop with ``loss_fn`` evaluated per part while the
     part's logits are live (``on_part``; scope ``"sequence"``: on the chunk's whole rows once all of its parts'
     statistics are in, ``on_chunk``), its per-token gradients the gradient pass's coefficients. Returns ``(loss,
-    log_probs, entropy or None, FastGrads)`` (with ``dx_reduce == "forward"``: dX already summed over the group)."""
+    log_probs, entropy or None, FastGrads, metrics)`` (with ``dx_reduce == "forward"``: dX already summed over the
+    group; ``metrics``: ``is_top1`` and ``mean_logits`` by name where ``o`` asks, from the same statistics)."""
     shard, plan = call.shard, call.plan
     if plan.dx_reduce == "forward" and plan.sequence_parallel:
         hidden = gather_sequence(hidden, shard)
@@ -491,10 +492,13 @@ def log_prob_loss(hidden, weight, bias, tg: TokenTargets, o: LogProbLossOptions,
     fn_ent = (lambda sl: ent[sl]) if o.entropy else (lambda sl: None)  # what loss_fn gets
     total = []
 
+    metrics = loss_fn_metric_outputs(o, n, dev)
+
     def outputs(part, st):
         logp[part], en = logprob_part_outputs(tg, st, part, o.entropy_stats)
         if en is not None:
             ent[part] = en
+        store_metric_outputs(metrics, tg, st, part, shard.vocab_size)
 
     def on_part(part, st):
         outputs(part, st)
@@ -510,12 +514,13 @@ def log_prob_loss(hidden, weight, bias, tg: TokenTargets, o: LogProbLossOptions,
         return [loss_fn_coefficients(tg, part, ev.rows(slice(part.start - sl.start, part.stop - sl.start)), st,
                                      o.inv_t) for part, _, st in got]
 
-    stats = _ChunkStats(chunk, v, hidden, False, o.entropy_stats)
+    stats = _ChunkStats(chunk, v, hidden, o.mean_logits, o.entropy_stats,
+                        before=tg.before.to(torch.int32) if o.top1 else None)
     step = _softmax_step(hidden, w, b, tg.local_columns(), stats, p, call, o.softcap, o.inv_t, None, on_part,
                          on_chunk=on_chunk if o.scope == "sequence" else None)
     grads = _chunk_loop(hidden, w, b, chunk, call, step)
     loss = torch.stack(total).sum() if total else torch.zeros((), dtype=torch.float32, device=dev)
-    return loss, logp, ent, grads
+    return loss, logp, ent, grads, metrics
 
 
 def speculative_grads(held: FastGrads, hidden, weight, bias, tg: TokenTargets, rows: RowStats, g: torch.Tensor,

@@ -39,6 +39,11 @@ trainer's upstream gradient turns out to be. A frozen lm_head (LoRA) takes it
 from the first step. Every other call takes the lean route, as ``"lean"`` always does. There forward keeps three
 fp32 statistics per token and backward recomputes the logits in blocks, so a long sequence costs O(N) beyond the
 gradients.
+
+Fused losses (``apply(losses=True)``, the default): ``GRPOTrainer._compute_loss`` and ``DPOTrainer._compute_loss``
+take their loss from ``vpce.linear_grpo_loss`` / ``vpce.linear_dpo_loss`` on the policy's hidden states and lm_head
+(gradients formed in forward), with TRL's normalizers and logged metrics; configurations they do not cover run TRL's
+own loss with one warning naming the reason (the section "Fused losses" below; docs/integrations.md).
 """
 
 from __future__ import annotations
@@ -55,10 +60,12 @@ except ImportError as err:  # pragma: no cover - exercised only without trl
     raise ImportError("vpce.integrations.trl needs the `trl` package: pip install 'trl==1.16.0' (the `trl` extra; "
                       "from a vpce clone: pip install '.[trl]'; README.md#install)") from err
 
-__all__ = ["apply", "remove", "is_applied", "VpceLogProbHead", "OPTIONS"]
+__all__ = ["apply", "remove", "is_applied", "VpceLogProbHead", "OPTIONS", "LOSS_OPTIONS"]
 
-#: Keywords ``apply`` accepts.
-OPTIONS = ("backend", "validate", "memory_budget", "group")
+#: Keywords ``apply`` accepts: the head's, then the fused losses' (``LOSS_OPTIONS``).
+OPTIONS = ("backend", "validate", "memory_budget", "group", "losses", "dpo_logit_metrics")
+#: The fused losses' keywords of ``apply`` (the section "Fused losses" below).
+LOSS_OPTIONS = ("losses", "dpo_logit_metrics")
 _OUTPUTS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
 
 
@@ -80,11 +87,16 @@ class VpceLogProbHead:
         vpce.LinearCrossEntropy(backend=backend, validate=validate)  # checks the names now, not at the first step
         self.backend, self.validate, self.memory_budget, self.group = backend, validate, memory_budget, group
 
+    _captured = None  # a list while a fused loss captures the head's calls (``_capturing``)
+
     def apply(self, hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping=None,
               logit_scale=1.0, outputs=("log_probs",)):
         unknown = sorted(set(outputs) - set(_OUTPUTS))
         if unknown:
             raise ValueError(f"outputs: expected fields among {_OUTPUTS}, got {unknown}")
+        if self._captured is not None:
+            return _capture(self._captured, hidden, weight, bias, targets, temperature, final_logit_softcapping,
+                            logit_scale, outputs)
         if logit_scale != 1.0:  # cap(s * (h W^T + b)) = cap((s h) W^T + s b)
             hidden = hidden * logit_scale
             bias = None if bias is None else bias * logit_scale
@@ -121,11 +133,18 @@ def apply(**options) -> VpceLogProbHead:
     ``options``: ``backend``, ``validate``, ``memory_budget`` (``"auto"``/``"lean"``), ``group`` (a
     tensor-parallel process group: vocab-parallel compute over it). Applying again replaces the options. Returns
     the installed head.
+
+    Fused losses (``LOSS_OPTIONS``): ``losses=True`` (the default) also makes ``trl.GRPOTrainer`` and
+    ``trl.DPOTrainer`` take their loss from vpce's fused losses (the section "Fused losses" below; ``False``: the
+    head only); ``dpo_logit_metrics=True`` (the default) logs DPO's ``logits/*`` and ``mean_token_accuracy`` from
+    the fused pass's statistics (``False``: not computed, not logged).
     """
     unknown = sorted(set(options) - set(OPTIONS))
     if unknown:
         raise TypeError(f"options: expected keywords among {OPTIONS}, got {unknown}")
+    loss_options = {k: options.pop(k) for k in LOSS_OPTIONS if k in options}
     head = VpceLogProbHead(**options)
+    _apply_losses(head, **loss_options)
     _trl_utils()[0]._ChunkedLogProbFunction = head
     return head
 
@@ -134,8 +153,553 @@ def remove() -> None:
     """Restore TRL's own fused head. Harmless when not applied."""
     utils, original = _trl_utils()
     utils._ChunkedLogProbFunction = original
+    _remove_losses()
 
 
 def is_applied() -> bool:
     """Whether TRL's fused heads currently run on vpce."""
     return isinstance(_trl_utils()[0]._ChunkedLogProbFunction, VpceLogProbHead)
+
+
+# -- Fused losses: GRPOTrainer._compute_loss and DPOTrainer._compute_loss on vpce's fused losses ------------------
+#
+# ``apply(losses=True)`` (the default) also replaces, at class level, ``trl.GRPOTrainer._compute_loss`` and
+# ``trl.DPOTrainer._compute_loss``. The replacement runs TRL's own model call (the backbone, TRL's labels and masks)
+# with the head in capture mode: each head call records its operands and returns placeholders (``_capture``), whose
+# ``log_probs`` carry each token's row number, so that the layout TRL's forward builds from them (compact: only the
+# valid tokens, on Triton devices; or every position) maps back to ``[B, T]``. The loss is then vpce's fused GRPO or
+# DPO loss on those hidden states and the lm_head: its gradients are formed in forward, at the fast route's cost
+# (GRPO: ``vpce.linear_grpo_loss``, or for SAPO, VESPO, LUSPO and the off-policy mask ``linear_log_prob_loss`` on
+# TRL's per-token math for whole rows, ``_grpo_mirror``).
+# GRPO: TRL's ``_compute_loss`` itself then runs on vpce's detached per-token log-probs and entropy (its
+# ``_get_per_token_logps_and_entropies`` answered by the fused call), and logs every metric it logs, with its own
+# code; its loss value is replaced by vpce's. DPO: the metrics are TRL's, computed here from vpce's log-probs,
+# entropy, ``mean_logits`` and ``is_top1`` (the fused pass's statistics; ``dpo_logit_metrics``). A configuration
+# that the fused losses do not cover runs TRL's own loss (on vpce's per-token head), with one warning per reason.
+
+import functools  # noqa: E402
+import warnings  # noqa: E402
+
+_PATCHED: dict = {}  # (class, name) -> TRL's attribute
+_WARNED: set = set()
+
+
+def _capture(calls, hidden, weight, bias, targets, temperature, softcap, logit_scale, outputs):
+    """Record one head call; return placeholders: ``log_probs`` = the rows' 1-based numbers across the captured
+    calls (fp64: exact), the other fields zeros. TRL's forward lays them out as it lays out the real fields."""
+    device = hidden.device.type
+    offset = sum(c["hidden"].shape[0] for c in calls)
+    calls.append(dict(hidden=hidden, weight=weight, bias=bias, targets=targets, temperature=temperature,
+                      softcap=softcap, logit_scale=logit_scale,
+                      autocast=(device, torch.get_autocast_dtype(device), torch.is_autocast_enabled(device))))
+    n = hidden.shape[0]
+    fields = dict(log_probs=torch.arange(offset + 1, offset + n + 1, dtype=torch.float64, device=hidden.device))
+    for k in _OUTPUTS[1:]:
+        fields[k] = torch.zeros(n, dtype=torch.bool if k == "is_top1" else torch.float32, device=hidden.device)
+    return tuple(fields[k] if k in outputs else None for k in _OUTPUTS)
+
+
+class _Layout:
+    """Each row's scored tokens moved to its front, in order (``_rebuild``): ``take`` maps a ``[B, T]`` tensor of
+    TRL's layout to the ``[B, T']`` one (``T'``: the most scored tokens of a row), ``put`` maps back (0 elsewhere).
+    The losses only sum over each row's tokens, so the order within a row is all they need; the logits GEMM then
+    skips the prompt and most of the padding."""
+
+    def __init__(self, valid):
+        b, t = valid.shape
+        counts = valid.sum(1)
+        width = max(int(counts.max()) if b else 0, 1)
+        # the valid positions first, in order: a stable sort on "not valid"
+        self.pos = torch.sort((~valid).to(torch.int8), dim=1, stable=True).indices[:, :width]
+        self.valid = torch.arange(width, device=valid.device)[None, :] < counts[:, None]
+        self.shape = (b, t)
+
+    def take(self, x):
+        x = x.to(self.pos.device)
+        return x.gather(1, self.pos) if x.dim() == 2 else x
+
+    def put(self, y):
+        y = torch.where(self.valid.to(y.device), y, torch.zeros((), dtype=y.dtype, device=y.device))
+        return y.new_zeros(self.shape).scatter(1, self.pos.to(y.device), y)
+
+
+def _rebuild(codes, calls, keep=None, ignore_index=-100):
+    """``(hidden [B, T', D], target [B, T'], layout)`` of the captured calls at the positions of ``codes`` (the
+    placeholder ``log_probs`` as TRL's forward and trainer laid them out, ``[B, T]``; 0 where TRL masks the token),
+    each row's scored tokens moved to its front (``_Layout``); ``keep`` (``[B, T]``): also drop where it is 0.
+    Gradients flow to the captured hidden states (``masked_scatter`` keeps an all-masked batch connected, as TRL's
+    forward)."""
+    hid = torch.cat([c["hidden"] for c in calls]) if len(calls) > 1 else calls[0]["hidden"]
+    lab = torch.cat([c["targets"] for c in calls]) if len(calls) > 1 else calls[0]["targets"]
+    codes = codes.detach().to(hid.device)
+    if keep is not None:
+        codes = torch.where(keep.to(hid.device) != 0, codes, 0)
+    layout = _Layout(codes > 0)
+    codes = torch.where(layout.valid, layout.take(codes), 0)
+    valid = layout.valid
+    idx = (codes[valid] - 1).long()
+    b, t = codes.shape
+    d = hid.shape[-1]
+    hidden = hid.new_zeros(b, t, d).masked_scatter(valid[..., None].expand(b, t, d), hid[idx])
+    target = torch.full((b, t), ignore_index, dtype=torch.long, device=hid.device)
+    target[valid] = lab[idx].to(torch.long)
+    return hidden, target, layout
+
+
+def _operands(head: VpceLogProbHead, call: dict, hidden):
+    """The weight and bias (cast, and this rank's rows under ``group``) and the sharding keywords, as
+    ``VpceLogProbHead.apply`` forms them."""
+    weight, bias = call["weight"], call["bias"]
+    if not call["autocast"][2] and weight.dtype != hidden.dtype:
+        weight = weight.to(hidden.dtype)
+        bias = None if bias is None else bias.to(hidden.dtype)
+    shard = {}
+    if head.group is not None:
+        import torch.distributed as dist
+
+        world, rank = dist.get_world_size(head.group), dist.get_rank(head.group)
+        rows = math.ceil(weight.shape[0] / world)
+        start = min(rank * rows, weight.shape[0])
+        shard = dict(group=head.group, vocab_start=start, vocab_size=weight.shape[0])
+        weight = weight[start:start + rows]
+        bias = None if bias is None else bias[start:start + rows]
+    return weight, bias, shard
+
+
+def _common(head: VpceLogProbHead, call: dict):
+    return dict(temperature=call["temperature"], softcap=call["softcap"], logit_scale=call["logit_scale"],
+                backend=head.backend, memory_budget=head.memory_budget, validate=head.validate)
+
+
+def _autocast(call: dict):
+    device, dtype, enabled = call["autocast"]
+    return torch.autocast(device, dtype=dtype, enabled=enabled)
+
+
+def _loss_head():
+    """The installed head, when it computes the trainers' losses too."""
+    head = _trl_utils()[0]._ChunkedLogProbFunction
+    return head if isinstance(head, VpceLogProbHead) and getattr(head, "losses", False) else None
+
+
+def _warn_once(trainer: str, reason: str) -> None:
+    if (trainer, reason) in _WARNED:
+        return
+    _WARNED.add((trainer, reason))
+    warnings.warn(f"vpce.integrations.trl: {trainer} with {reason} is not covered by vpce's fused losses; TRL's own "
+                  f"loss runs for it (on vpce's per-token head)", stacklevel=4)
+
+
+def _zero3() -> bool:
+    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+    return bool(is_deepspeed_zero3_enabled())
+
+
+def _grpo_fallback(trainer) -> str | None:
+    """Why TRL's GRPO loss must run instead of vpce's (None: covered)."""
+    from vpce.post_training import GRPO_LOSS_TYPES
+
+    if trainer.loss_type not in GRPO_LOSS_TYPES + _GRPO_MIRRORED:
+        return f"loss_type={trainer.loss_type!r}"
+    if trainer.top_entropy_quantile < 1.0:
+        return "top_entropy_quantile < 1"
+    if trainer.use_vllm and trainer.vllm_importance_sampling_correction:
+        return "vllm_importance_sampling_correction"
+    if _zero3():
+        return "DeepSpeed ZeRO-3 (the lm_head is gathered only inside the head call)"
+    return None
+
+
+#: The GRPO inputs laid out as the completion tokens ``[B, T]`` (moved with the tokens: ``_Layout.take``).
+_GRPO_TOKEN_INPUTS = ("advantages", "old_per_token_logps", "ref_per_token_logps", "sampling_per_token_logps",
+                      "importance_sampling_ratio", "completion_mask", "tool_mask")
+#: GRPO loss types outside ``vpce.linear_grpo_loss``, fused with ``_grpo_mirror`` (TRL's per-token math on rows).
+_GRPO_MIRRORED = ("sapo", "vespo", "luspo")
+
+
+def _grpo_mirror(trainer, adv, mask, norm, old, ref, sampling, bonus, rows=True):
+    """``(loss_fn, inputs)`` for ``linear_log_prob_loss`` in scope ``"sequence"``: TRL 1.16's per-token GRPO loss
+    (``GRPOTrainer._compute_loss``, every loss type but with the vLLM correction and the entropy mask), on whole
+    rows, times each token's normalizer ``norm``, minus ``bonus * entropy``. For the loss types and the off-policy
+    mask that ``linear_grpo_loss`` does not cover; TRL's own static methods compute the off-policy mask and the
+    VESPO weights. ``rows``: the advantages are one per sequence (TRL's ``[B, 1]``), else per token."""
+    from trl import GRPOTrainer
+
+    args, level, loss_type = trainer.args, trainer.importance_sampling_level, trainer.loss_type
+    beta, eps_low, eps_high = trainer.beta, trainer.epsilon_low, trainer.epsilon_high
+    thr = trainer.off_policy_mask_threshold
+    inputs = {"adv": adv, "mask": mask, "norm": norm}
+    for k, v in (("old", old), ("ref", ref), ("sampling", sampling), ("bonus", bonus)):
+        if v is not None:
+            inputs[k] = v
+
+    def loss_fn(logp, entropy, adv, mask, norm, old=None, ref=None, sampling=None, bonus=None):
+        f = logp.dtype
+        adv, mask = (adv[:, :1] if rows else adv).to(f), mask.to(f)  # TRL's advantages: [B, 1]
+        old = logp.detach() if old is None else old.to(f)
+        sampling = old if thr is not None and sampling is None else sampling
+        log_ratio = logp - old
+        if level == "token":
+            log_w = log_ratio
+        else:
+            log_w = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+        coef_1 = torch.exp(log_w)
+        if beta != 0.0:
+            r = ref.to(f)
+            per_token_kl = torch.exp(r - logp) - (r - logp) - 1
+            if args.use_bias_correction_kl:
+                per_token_kl = per_token_kl * coef_1
+        if loss_type == "cispo":
+            per_token_loss = -torch.clamp(coef_1, max=eps_high).detach() * adv * logp
+        elif loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo"):
+            coef_2 = torch.clamp(coef_1, 1 - eps_low, 1 + eps_high)
+            if args.delta is not None:
+                coef_1 = torch.clamp(coef_1, max=args.delta)
+            per_token_loss = -torch.min(coef_1 * adv, coef_2 * adv)
+        elif loss_type == "sapo":
+            temperatures = torch.where(adv > 0, args.sapo_temperature_pos, args.sapo_temperature_neg)
+            per_token_loss = -torch.sigmoid(temperatures * (coef_1 - 1)) * 4 / temperatures * adv
+        else:  # vespo (without vLLM: no importance_sampling_ratio)
+            phi_seq = GRPOTrainer.get_gamma_weights(
+                advantages=adv, log_ratio_per_token=log_ratio.detach(), mask=mask, importance_sampling_ratio=None,
+                k_pos=args.vespo_k_pos, lambda_pos=args.vespo_lambda_pos, k_neg=args.vespo_k_neg,
+                lambda_neg=args.vespo_lambda_neg)
+            per_token_loss = -phi_seq * adv * logp
+        if thr is not None:
+            per_token_loss = per_token_loss * GRPOTrainer.get_off_policy_mask(
+                advantages=adv, per_token_logps=logp.detach(), sampling_per_token_logps=sampling.to(f), mask=mask,
+                off_policy_threshold=thr)
+        if beta != 0.0:
+            per_token_loss = per_token_loss + beta * per_token_kl
+        out = per_token_loss.expand_as(logp) * norm.to(f)
+        return out if bonus is None else out - bonus.to(f) * entropy
+
+    return loss_fn, inputs
+
+
+def _grpo_fused(trainer, head: VpceLogProbHead, calls, codes, inputs):
+    """vpce's GRPO loss of the captured policy head, with TRL's normalizers: ``(loss, log_probs, entropy)``."""
+    from vpce.post_training import _linear_grpo_loss
+
+    mask = inputs["completion_mask"]
+    if "tool_mask" in inputs:
+        mask = mask * inputs["tool_mask"]
+    hidden, target, layout = _rebuild(codes, calls, keep=mask)
+    inputs = {k: layout.take(v) if isinstance(v, torch.Tensor) and v.dim() == 2 and k in _GRPO_TOKEN_INPUTS else v
+              for k, v in inputs.items()}
+    train = trainer.model.training
+    num_items, scale = None, 1.0
+    if trainer.loss_type in ("dapo", "cispo", "vespo"):
+        # TRL: num_items_in_batch spans the generation batch, rescaled to one accumulation window
+        normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / trainer.accelerator.num_processes
+        if train:
+            normalizer = normalizer * trainer.current_gradient_accumulation_steps / trainer.args.steps_per_generation
+        num_items = normalizer.clamp(min=1.0)  # vpce clamps at 1: restore a smaller normalizer by a factor
+        scale = num_items / normalizer
+    elif train:
+        scale = 1.0 / trainer.current_gradient_accumulation_steps
+    bonus = None
+    if trainer._entropy_bonus_enabled:  # TRL: - coef * masked mean entropy / accumulation, the coefficient gated
+        coef = trainer.entropy_coef
+        if trainer.use_adaptive_entropy and not trainer._last_world_entropy <= trainer.args.entropy_target:
+            coef = 0.0
+        if coef != 0.0:
+            kept = (target != -100).to(torch.float32)
+            accumulation = trainer.current_gradient_accumulation_steps if train else 1.0
+            bonus = coef * kept / kept.sum().clamp(min=1.0) / accumulation / scale
+    call = calls[0]
+    weight, bias, shard = _operands(head, call, hidden)
+    if trainer.loss_type in _GRPO_MIRRORED or trainer.off_policy_mask_threshold is not None:
+        loss, logp, ent = _grpo_mirrored(trainer, head, call, hidden, weight, bias, shard, target, inputs,
+                                         num_items, scale, bonus)
+        return loss, layout.put(logp), layout.put(ent)
+    if trainer.importance_sampling_level == "token" and bool((target != -100).any()):
+        loss, logp, ent = _grpo_packed(trainer, head, call, hidden, weight, bias, shard, target, inputs, num_items,
+                                       scale, bonus)
+        return loss, layout.put(logp), layout.put(ent)
+    with _autocast(call):
+        out, logp, ent = _linear_grpo_loss(
+            hidden, weight, target, inputs["advantages"], bias, old_log_probs=inputs.get("old_per_token_logps"),
+            ref_log_probs=inputs["ref_per_token_logps"] if trainer.beta != 0.0 else None, beta=trainer.beta,
+            epsilon_low=trainer.epsilon_low, epsilon_high=trainer.epsilon_high, delta=trainer.args.delta,
+            loss_type=trainer.loss_type, importance_sampling_level=trainer.importance_sampling_level,
+            max_completion_length=trainer.max_completion_length, num_items_in_batch=num_items,
+            bias_correction_kl=trainer.args.use_bias_correction_kl, entropy_bonus=bonus, **_common(head, call),
+            **shard)
+    return out.loss * scale, layout.put(logp), layout.put(ent)
+
+
+def _grpo_normalizer(trainer, kept, num_items):
+    """Each token's share of TRL's GRPO normalizer (``kept``: ``[B, T]``, 1 at the scored tokens)."""
+    b = kept.shape[0]
+    if trainer.loss_type in ("grpo", "sapo"):
+        return kept / kept.sum(-1, keepdim=True).clamp(min=1.0) / b
+    if trainer.loss_type == "bnpo":
+        return kept / kept.sum().clamp(min=1.0)
+    if trainer.loss_type == "dr_grpo":
+        return kept / (b * trainer.max_completion_length)
+    if trainer.loss_type == "luspo":
+        return kept / b
+    return kept / (kept.sum().clamp(min=1.0) if num_items is None else num_items)  # dapo, cispo, vespo
+
+
+def _grpo_packed(trainer, head, call, hidden, weight, bias, shard, target, inputs, num_items, scale, bonus):
+    """``_grpo_fused`` with token-level importance sampling: every scored token of the batch packed into one row
+    (``[1, M]``), each with TRL's normalizer of its sequence (``token_weight``), so that no padding reaches the
+    logits GEMM. Returns ``(loss, log_probs, entropy)`` in ``target``'s layout."""
+    from vpce.post_training import _linear_grpo_loss
+
+    kept = target != -100
+    b, t = target.shape
+    pack = lambda x: None if x is None else x.to(kept.device).expand(b, t)[kept][None]  # noqa: E731
+    adv = inputs["advantages"]
+    adv = adv[:, None] if adv.dim() == 1 else adv
+    norm = _grpo_normalizer(trainer, kept.to(torch.float32), num_items)
+    with _autocast(call):
+        out, logp, ent = _linear_grpo_loss(
+            hidden[kept][None], weight, target[kept][None], pack(adv), bias,
+            old_log_probs=pack(inputs.get("old_per_token_logps")),
+            ref_log_probs=pack(inputs["ref_per_token_logps"]) if trainer.beta != 0.0 else None, beta=trainer.beta,
+            epsilon_low=trainer.epsilon_low, epsilon_high=trainer.epsilon_high, delta=trainer.args.delta,
+            loss_type=trainer.loss_type, importance_sampling_level="token", token_weight=pack(norm),
+            bias_correction_kl=trainer.args.use_bias_correction_kl, entropy_bonus=pack(bonus),
+            **_common(head, call), **shard)
+    unpack = lambda y: y.new_zeros(b, t).masked_scatter(kept, y[0])  # noqa: E731
+    return out.loss * scale, unpack(logp), unpack(ent)
+
+
+def _grpo_mirrored(trainer, head, call, hidden, weight, bias, shard, target, inputs, num_items, scale, bonus):
+    """``_grpo_fused`` for the loss types and options beyond ``linear_grpo_loss``: ``linear_log_prob_loss`` (scope
+    ``"sequence"``) on ``_grpo_mirror``'s loss."""
+    from vpce.post_training import _log_prob_loss
+
+    kept = (target != -100).to(torch.float32)
+    b, t = target.shape
+    adv = inputs["advantages"].to(torch.float32)
+    adv = adv[:, None].expand(b, t) if adv.dim() == 1 else adv
+    norm = _grpo_normalizer(trainer, kept, num_items)
+    old = inputs.get("old_per_token_logps")
+    # the off-policy mask's log-probs, as TRL: the sampler's, else the old ones, else the current ones (loss_fn)
+    sampling = inputs.get("sampling_per_token_logps", old) if trainer.off_policy_mask_threshold is not None else None
+    loss_fn, loss_inputs = _grpo_mirror(trainer, adv, kept, norm, old,
+                                        inputs["ref_per_token_logps"] if trainer.beta != 0.0 else None,
+                                        sampling, bonus, rows=inputs["advantages"].dim() == 1)
+    with _autocast(call):
+        loss, logp, ent = _log_prob_loss(hidden, weight, target, loss_fn, bias, inputs=loss_inputs,
+                                         scope="sequence", use_entropy=bonus is not None, entropy_stats=True,
+                                         **_common(head, call), **shard)
+    return loss * scale, logp, ent
+
+
+def _grpo_compute_loss(self, model, inputs):
+    """``GRPOTrainer._compute_loss`` with the loss from ``vpce.linear_grpo_loss`` (TRL's own where not covered)."""
+    from trl import GRPOTrainer
+
+    original = _PATCHED[(GRPOTrainer, "_compute_loss")]
+    head = _loss_head()
+    if head is None:
+        return original(self, model, inputs)
+    reason = _grpo_fallback(self)
+    if reason is not None:
+        _warn_once("GRPOTrainer", reason)
+        return original(self, model, inputs)
+    get = self._get_per_token_logps_and_entropies
+    state = {}
+
+    def fused(model_, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
+        if state:  # only the policy's call of this loss
+            return get(model_, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
+        calls = head._captured = []
+        try:
+            codes, _, aux_loss = get(model_, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
+        finally:
+            head._captured = None
+        state["loss"], logp, ent = _grpo_fused(self, head, calls, codes, inputs)
+        state["aux_loss"] = aux_loss
+        return logp, ent, aux_loss
+
+    self._get_per_token_logps_and_entropies = fused
+    try:
+        original(self, model, inputs)  # TRL's metrics, on vpce's per-token log-probs and entropy
+    finally:
+        del self._get_per_token_logps_and_entropies
+    if not state:
+        raise RuntimeError("vpce.integrations.trl: GRPOTrainer._compute_loss did not call "
+                           "_get_per_token_logps_and_entropies (a TRL version other than 1.16?)")
+    loss = state["loss"]
+    if self.aux_loss_enabled:  # as TRL: scaled for gradient accumulation
+        normalizer = self.current_gradient_accumulation_steps if self.model.training else 1.0
+        loss = loss + self.router_aux_loss_coef * state["aux_loss"] / normalizer
+    return loss
+
+
+def _dpo_fallback(trainer, return_outputs) -> str | None:
+    """Why TRL's DPO loss must run instead of vpce's (None: covered)."""
+    from vpce.post_training import DPO_LOSS_TYPES
+
+    if len(trainer.loss_types) != 1 or trainer.loss_types[0] not in DPO_LOSS_TYPES:
+        return f"loss_type={trainer.loss_types if len(trainer.loss_types) != 1 else trainer.loss_types[0]!r}"
+    if trainer.f_divergence_type != "reverse_kl":
+        return f"f_divergence_type={trainer.f_divergence_type!r}"
+    if trainer.ld_alpha is not None:
+        return "ld_alpha"
+    if trainer.use_weighting:
+        return "use_weighting"
+    if return_outputs:
+        return "return_outputs=True (compute_metrics)"
+    if _zero3():
+        return "DeepSpeed ZeRO-3 (the lm_head is gathered only inside the head call)"
+    return None
+
+
+def _dpo_compute_loss(self, model, inputs, return_outputs):
+    """``DPOTrainer._compute_loss`` with the loss from ``vpce.linear_dpo_loss`` (TRL's own where not covered); the
+    metrics TRL logs, with its definitions and gathers."""
+    from trl import DPOTrainer
+
+    from vpce.post_training import _linear_dpo_loss
+
+    original = _PATCHED[(DPOTrainer, "_compute_loss")]
+    head = _loss_head()
+    if head is None:
+        return original(self, model, inputs, return_outputs)
+    reason = _dpo_fallback(self, return_outputs)
+    if reason is not None:
+        _warn_once("DPOTrainer", reason)
+        return original(self, model, inputs, return_outputs)
+    mode = "train" if self.model.training else "eval"
+    # TRL's model call
+    model_kwargs = {k: v for k, v in inputs.items() if k not in {"completion_mask", "ref_chosen_logps",
+                                                                 "ref_rejected_logps"}}
+    model_kwargs["use_cache"] = False
+    if self.aux_loss_enabled:
+        model_kwargs["output_router_logits"] = True
+    completion_mask = inputs["completion_mask"]
+    shift_completion_mask = completion_mask[..., 1:]
+    labels = inputs["input_ids"].masked_fill(completion_mask == 0, -100)
+    calls = head._captured = []
+    try:
+        outputs = model(**model_kwargs, labels=labels, fused_lm_head=True)
+    finally:
+        head._captured = None
+    seq_len = shift_completion_mask.size(1)
+    hidden, target, layout = _rebuild(outputs.log_probs[:, -seq_len:], calls)
+    # the reference: precomputed, or TRL's reference forward (through the head, not captured)
+    if self.precompute_ref_logps:
+        ref_chosen_logps, ref_rejected_logps = inputs["ref_chosen_logps"], inputs["ref_rejected_logps"]
+    else:
+        ref_chosen_logps, ref_rejected_logps = self.compute_ref_log_probs(
+            self.model if self.ref_model is None else self.ref_model, inputs)
+    call = calls[0]
+    weight, bias, shard = _operands(head, call, hidden)
+    with _autocast(call):
+        out, per_token_logps, per_token_entropy, *logit_fields = _linear_dpo_loss(
+            hidden, weight, target, ref_chosen_logps.to(hidden.device), ref_rejected_logps.to(hidden.device), bias,
+            beta=self.beta, loss_type=self.loss_types[0], entropy_stats=True,
+            logit_metrics=head.dpo_logit_metrics, **_common(head, call), **shard)
+    loss = out.loss * self.loss_weights[0]
+    if self.aux_loss_enabled:
+        aux_loss = outputs.aux_loss
+        loss = loss + self.router_aux_loss_coef * aux_loss
+        self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(aux_loss).mean().item())
+    # back to TRL's layout for its metrics
+    per_token_logps = layout.put(per_token_logps).to(completion_mask.device)
+    per_token_entropy = layout.put(per_token_entropy).to(completion_mask.device)
+    logit_fields = [layout.put(x) for x in logit_fields]
+    chosen_logps, rejected_logps = per_token_logps.sum(dim=1).chunk(2, dim=0)
+    chosen_logratios = chosen_logps - ref_chosen_logps
+    rejected_logratios = rejected_logps - ref_rejected_logps
+    _dpo_metrics(self, mode, inputs, per_token_entropy, logit_fields, chosen_logps, rejected_logps,
+                 chosen_logratios, rejected_logratios)
+    return loss
+
+
+def _dpo_metrics(self, mode, inputs, per_token_entropy, logit_fields, chosen_logps, rejected_logps,
+                 chosen_logratios, rejected_logratios):
+    """The metrics of TRL 1.16's ``DPOTrainer._compute_loss``, from vpce's per-token values (TRL's code).
+    ``logit_fields``: ``(is_top1, mean_logits)`` ``[2B, T]`` from the fused pass, or empty (not logged)."""
+    shift_completion_mask = inputs["completion_mask"][..., 1:]
+    mask = shift_completion_mask
+    entropy_sum = (per_token_entropy * mask).sum()
+    total_tokens = mask.sum()
+    entropy_sum = self.accelerator.gather_for_metrics(entropy_sum).sum()
+    total_tokens = self.accelerator.gather_for_metrics(total_tokens).sum()
+    entropy = (entropy_sum / total_tokens).item() if total_tokens > 0 else 0.0
+    self._metrics[mode]["entropy"].append(entropy)
+
+    if mode == "train":
+        num_tokens_in_batch = self.accelerator.gather_for_metrics(inputs["attention_mask"].sum()).sum().item()
+        self._total_train_tokens += num_tokens_in_batch // self._tp_size
+    self._metrics[mode]["num_tokens"] = [self._total_train_tokens]
+
+    chosen_mask, rejected_mask = shift_completion_mask.chunk(2, dim=0)
+    if logit_fields:  # dpo_logit_metrics
+        is_top1, mean_logits = (x.to(mask.device) for x in logit_fields)
+        chosen_mean_logits, rejected_mean_logits = mean_logits.chunk(2, dim=0)
+        total_chosen_logits = chosen_mean_logits[chosen_mask.bool()].sum()
+        total_chosen_tokens = chosen_mask.sum()
+        total_rejected_logits = rejected_mean_logits[rejected_mask.bool()].sum()
+        total_rejected_tokens = rejected_mask.sum()
+        total_chosen_logits = self.accelerator.gather_for_metrics(total_chosen_logits).sum().item()
+        total_chosen_tokens = self.accelerator.gather_for_metrics(total_chosen_tokens).sum().item()
+        total_rejected_logits = self.accelerator.gather_for_metrics(total_rejected_logits).sum().item()
+        total_rejected_tokens = self.accelerator.gather_for_metrics(total_rejected_tokens).sum().item()
+        avg_chosen_logits = total_chosen_logits / total_chosen_tokens if total_chosen_tokens > 0 else 0.0
+        avg_rejected_logits = total_rejected_logits / total_rejected_tokens if total_rejected_tokens > 0 else 0.0
+        self._metrics[mode]["logits/chosen"].append(avg_chosen_logits)
+        self._metrics[mode]["logits/rejected"].append(avg_rejected_logits)
+
+        chosen_is_top1, _ = is_top1.chunk(2, dim=0)
+        correct_predictions = chosen_is_top1 & chosen_mask.bool()
+        total_tokens = chosen_mask.sum()
+        correct_tokens = correct_predictions.sum()
+        correct_tokens = self.accelerator.gather_for_metrics(correct_tokens)
+        total_tokens = self.accelerator.gather_for_metrics(total_tokens)
+        total_sum = total_tokens.sum()
+        accuracy = (correct_tokens.sum() / total_sum).item() if total_sum > 0 else 0.0
+        self._metrics[mode]["mean_token_accuracy"].append(accuracy)
+
+    chosen_rewards = self.beta * chosen_logratios.detach()
+    rejected_rewards = self.beta * rejected_logratios.detach()
+    agg_chosen_rewards = self.accelerator.gather(chosen_rewards)
+    agg_rejected_rewards = self.accelerator.gather(rejected_rewards)
+    self._metrics[mode]["rewards/chosen"].append(agg_chosen_rewards.mean().item())
+    self._metrics[mode]["rewards/rejected"].append(agg_rejected_rewards.mean().item())
+    reward_accuracies = (chosen_rewards > rejected_rewards).float()
+    agg_reward_accuracies = self.accelerator.gather(reward_accuracies)
+    self._metrics[mode]["rewards/accuracies"].append(agg_reward_accuracies.mean().item())
+    margins = chosen_rewards - rejected_rewards
+    agg_margins = self.accelerator.gather(margins)
+    self._metrics[mode]["rewards/margins"].append(agg_margins.mean().item())
+    self._metrics[mode]["logps/chosen"].append(self.accelerator.gather(chosen_logps).mean().item())
+    self._metrics[mode]["logps/rejected"].append(self.accelerator.gather(rejected_logps).mean().item())
+
+
+def _trainer_classes():
+    from trl import DPOTrainer, GRPOTrainer
+
+    return {GRPOTrainer: _grpo_compute_loss, DPOTrainer: _dpo_compute_loss}
+
+
+def _apply_losses(head: VpceLogProbHead, *, losses=True, dpo_logit_metrics=True) -> None:
+    """``apply``'s fused-loss options: patch (or, ``losses=False``, restore) the trainers' ``_compute_loss``."""
+    from vpce.api import check_bool
+
+    check_bool("losses", losses)
+    check_bool("dpo_logit_metrics", dpo_logit_metrics)
+    head.losses, head.dpo_logit_metrics = losses, dpo_logit_metrics
+    _WARNED.clear()
+    if not losses:
+        _remove_losses()
+        return
+    for cls, fn in _trainer_classes().items():
+        if (cls, "_compute_loss") not in _PATCHED:
+            _PATCHED[(cls, "_compute_loss")] = cls.__dict__["_compute_loss"]
+            cls._compute_loss = functools.wraps(_PATCHED[(cls, "_compute_loss")])(fn)
+
+
+def _remove_losses() -> None:
+    for (cls, name), original in list(_PATCHED.items()):
+        setattr(cls, name, original)
+        del _PATCHED[(cls, name)]
