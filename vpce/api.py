@@ -167,8 +167,8 @@ class CrossEntropyEntry(Entry):
     def memory(self, p, h, rows, needs, world):
         return settle_by_memory(p, h, rows, needs, self.opts, world)
 
-    def size(self, plan, shard, d, dtype, tokens):
-        return size_cross_entropy(plan, self.opts, shard, d, dtype, tokens)
+    def size(self, plan, shard, d, dtype):
+        return size_cross_entropy(plan, self.opts, shard, d, dtype)
 
     def fields(self):
         o = self.opts
@@ -315,8 +315,8 @@ class LogProbsEntry(Entry):
     def memory(self, p, h, rows, needs, world):
         return settle_by_memory(p, h, rows, needs, LossOptions(memory_budget=self.budget), world)
 
-    def size(self, plan, shard, d, dtype, tokens):
-        return size_log_probs(plan, self.lp, shard, d, dtype, tokens)
+    def size(self, plan, shard, d, dtype):
+        return size_log_probs(plan, self.lp, shard, d, dtype)
 
 
 class LinearCrossEntropy(torch.nn.Module):

@@ -127,7 +127,7 @@ class DistillEntry(Entry):
         o = self.o
         return plan_distillation(o.reduction, o.memory_budget == "lean", needs, backend_name, sharded, sp)
 
-    def size(self, plan, shard, d, dtype, tokens):
+    def size(self, plan, shard, d, dtype):
         return size_distillation(plan, self.o, shard, d, dtype)
 
     def fields(self):

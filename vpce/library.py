@@ -161,9 +161,7 @@ def _ce_call(backend, ignore_index, reduction, label_smoothing, z_loss, softcap,
     # the compiled graph's outputs must not depend on free memory: "auto" is the fast route here
     plan = settle(plan_cross_entropy(opts, tuple(needs), backend, False, False), True)
     shard = _shard(weight, vocab_size)
-    tokens = hidden.numel() // hidden.shape[-1]
-    return opts, Call(shard, size_cross_entropy(plan, opts, shard, hidden.shape[-1], hidden.dtype, tokens),
-                      tuple(needs))
+    return opts, Call(shard, size_cross_entropy(plan, opts, shard, hidden.shape[-1], hidden.dtype), tuple(needs))
 
 
 def _ce_forward(tensors, opts: LossOptions, call: Call):

@@ -194,8 +194,8 @@ class LogProbLossEntry(Entry):
     def memory(self, p, h, rows, needs, world):
         return settle_by_memory(p, h, rows, needs, LossOptions(memory_budget=self.budget), world)
 
-    def size(self, plan, shard, d, dtype, tokens):
-        return size_log_prob_loss(plan, self.options, shard, d, dtype, tokens)
+    def size(self, plan, shard, d, dtype):
+        return size_log_prob_loss(plan, self.options, shard, d, dtype)
 
 
 # -- GRPO (TRL 1.16 GRPOTrainer._compute_loss) -------------------------------------------------------------------

@@ -189,10 +189,9 @@ class Entry:
         """A route left to free memory, decided (``vpce.routing.settle_by_memory``); by default nothing to weigh."""
         return plan, None
 
-    def size(self, plan: Plan, shard: parallel.VocabShard, d: int, dtype: torch.dtype, tokens: int) -> Plan:
+    def size(self, plan: Plan, shard: parallel.VocabShard, d: int, dtype: torch.dtype) -> Plan:
         """The plan with its chunk and buffer sizes (``vpce.routing.size_cross_entropy`` and its kin), once the
-        shard is agreed; ``tokens``: the call's tokens (the whole sequence's under sequence parallelism), equal on
-        every rank."""
+        shard is agreed."""
         raise NotImplementedError
 
 
@@ -253,8 +252,7 @@ def prepare_call(entry: Entry, hidden, weight, target, bias, *, group, vocab_sta
     shard, poison, all_fit = parallel.agree(group, facts, device, read=read)
     if all_fit is not None:  # the route left to memory: fast only where it fits on every rank
         call_plan = settle(call_plan, all_fit)
-    tokens = hidden.numel() // hidden.shape[-1] * (shard.world if sequence_parallel else 1)
-    call = Call(shard, entry.size(call_plan, shard, hidden.shape[-1], hidden.dtype, tokens), needs, poison=poison)
+    call = Call(shard, entry.size(call_plan, shard, hidden.shape[-1], hidden.dtype), needs, poison=poison)
     return hidden.reshape(-1, hidden.shape[-1]), weight, bias, target, call
 
 

@@ -201,17 +201,6 @@ def _fast_chunk(opts: LossOptions, cols: int, dtype: torch.dtype, d: int) -> int
     return round_to(int(gib * 2**30) // per_tok, ROW_ALIGN)
 
 
-def _even(chunk: int, tokens: int, unit: int = ROW_ALIGN) -> int:
-    """``chunk`` made as small as the same number of chunks allows: ``tokens`` split evenly over
-    ``ceil(tokens / chunk)`` chunks, rounded up to ``unit`` (never above ``chunk``). 8192 tokens at a 6144-token
-    cap take two chunks of 4096, so ``P`` holds 1 GiB on the Llama-3-8B head instead of 1.5 GiB at no more
-    passes over the fp32 dW accumulator."""
-    if tokens <= 0 or chunk <= 0:
-        return chunk
-    k = -(-tokens // chunk)
-    return min(chunk, -(-(-(-tokens // k)) // unit) * unit)
-
-
 def fast_route_bytes(tokens: int, d: int, rows: int, dtype: torch.dtype, needs: tuple[bool, bool, bool],
                      opts: LossOptions) -> int:
     """What the fast route holds beyond its inputs and outputs for ``tokens`` tokens (all of them under sequence
@@ -304,8 +293,7 @@ def _torch_chunk(budget_gib: float, cols: int, dtype: torch.dtype, per_acc: int)
     return max(1, int(budget_gib * 2**30) // (cols * per_logit))
 
 
-def size_cross_entropy(plan: Plan, opts: LossOptions, shard: VocabShard, d: int, dtype: torch.dtype,
-                       tokens: int = 0) -> Plan:
+def size_cross_entropy(plan: Plan, opts: LossOptions, shard: VocabShard, d: int, dtype: torch.dtype) -> Plan:
     """The cross-entropy's plan with its sizes. Torch: chunks of live logits, their fp32 copy, the probabilities
     and their cast within the budget (the recompute at the default budget). Triton: the fast and speculative
     routes' ``P`` chunk (``_fast_chunk``), else stats-only launches."""
@@ -316,13 +304,12 @@ def size_cross_entropy(plan: Plan, opts: LossOptions, shard: VocabShard, d: int,
                       _torch_chunk(DEFAULT_CHUNK_GIB, cols, dtype, per_acc), SIZING.lean_block_gib)
     else:
         formed = plan.route in ("fast", "speculative")
-        chunk = _even(_fast_chunk(opts, cols, dtype, d), tokens) if formed else SIZING.stats_tokens
-        sizes = Sizes(chunk, SIZING.lean_token_block, SIZING.lean_block_gib)
+        sizes = Sizes(_fast_chunk(opts, cols, dtype, d) if formed else SIZING.stats_tokens, SIZING.lean_token_block,
+                      SIZING.lean_block_gib)
     return dataclasses.replace(plan, sizes=sizes)
 
 
-def size_log_probs(plan: Plan, lp: LogProbOptions, shard: VocabShard, d: int, dtype: torch.dtype,
-                   tokens: int = 0) -> Plan:
+def size_log_probs(plan: Plan, lp: LogProbOptions, shard: VocabShard, d: int, dtype: torch.dtype) -> Plan:
     """``linear_log_probs``' plan with its sizes: as the cross-entropy's, at the default budget on the torch
     backend; the speculative route's ``P`` from ``memory_budget`` on the Triton one."""
     cols = shard.columns_per_rank
@@ -330,25 +317,22 @@ def size_log_probs(plan: Plan, lp: LogProbOptions, shard: VocabShard, d: int, dt
         chunk = _torch_chunk(DEFAULT_CHUNK_GIB, cols, dtype, 3 if lp.softcap is not None else 2)
         sizes = Sizes(chunk, chunk, SIZING.lean_block_gib)
     else:
-        chunk = _even(_fast_chunk(lp.chunk_options(), cols, dtype, d), tokens) \
+        chunk = _fast_chunk(lp.chunk_options(), cols, dtype, d) \
             if plan.route == "speculative" else SIZING.stats_tokens
         sizes = Sizes(chunk, SIZING.lean_token_block, SIZING.lean_block_gib)
     return dataclasses.replace(plan, sizes=sizes)
 
 
-def size_log_prob_loss(plan: Plan, o: LogProbLossOptions, shard: VocabShard, d: int, dtype: torch.dtype,
-                       tokens: int = 0) -> Plan:
+def size_log_prob_loss(plan: Plan, o: LogProbLossOptions, shard: VocabShard, d: int, dtype: torch.dtype) -> Plan:
     """``linear_log_prob_loss``'s plan with its sizes: the fast route's ``P`` as the cross-entropy's (scope
     ``"sequence"``: whole rows, at least one), else the two-pass form's statistics launches and recompute blocks,
     as ``linear_log_probs``' lean route."""
     if plan.backend == "triton" and plan.route == "fast":
         chunk = _fast_chunk(LossOptions(memory_budget=o.memory_budget), shard.columns_per_rank, dtype, d)
-        if o.scope == "sequence":  # whole rows, at least one, spread evenly over the chunks
-            chunk = _even(max(1, chunk // o.row), tokens // o.row, 1) * o.row
-        else:
-            chunk = _even(chunk, tokens)
+        if o.scope == "sequence":
+            chunk = max(o.row, (chunk // o.row) * o.row)
         return dataclasses.replace(plan, sizes=Sizes(chunk, SIZING.lean_token_block, SIZING.lean_block_gib))
-    return size_log_probs(plan, o.stats_options(), shard, d, dtype, tokens)
+    return size_log_probs(plan, o.stats_options(), shard, d, dtype)
 
 
 def size_distillation(plan: Plan, o: DistillOptions, shard: VocabShard, d: int, dtype: torch.dtype) -> Plan:
