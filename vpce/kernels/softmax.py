@@ -215,10 +215,14 @@ def _epilogue(
             if tl.max(cut.to(tl.int32), axis=0) > 0:  # only a tile the target's column splits needs the masked max
                 mb = tl.where(cut, tl.max(tl.where(rn[None, :] < before[:, None], acc, float("-inf")), axis=1), mb)
             tl.store(TILE_MB + stat, mb, mask=row_ok)
-        if not TARGET_APART or TOP1:  # TARGET_APART: the target logit as stored, for the argmax test
+        if not TARGET_APART:
             zt = tl.sum(tl.where(hit, acc, 0.0), axis=1)
             mine = row_ok & (t >= pid_n * BLOCK_N) & (t < pid_n * BLOCK_N + BLOCK_N)
             tl.store(ZT + rm, zt, mask=mine)
+        elif TOP1:  # the target logit as stored, for the argmax test: only a tile that holds some row's target
+            mine = row_ok & (t >= pid_n * BLOCK_N) & (t < pid_n * BLOCK_N + BLOCK_N)
+            if tl.max(mine.to(tl.int32), axis=0) > 0:
+                tl.store(ZT + rm, tl.sum(tl.where(hit, acc, 0.0), axis=1), mask=mine)
 
 
 
