@@ -1,8 +1,8 @@
 """vpce: exact vocab-parallel fused linear + cross-entropy that never materializes [tokens, vocab] logits.
 
-Layout (docs/design.md has the map): ``api``, ``distill`` and ``post_training`` (the public functions and their option checks),
-``prepare`` (call preparation under both: checks, autocast, the route, the agreement), ``routing`` (the plan of a
-call: route and sizes), ``parallel`` (the agreement between ranks, shard ranges, statistics exchange,
+Layout (docs/design.md has the map): ``api``, ``distill`` and ``post_training`` (the public functions and their
+option checks), ``prepare`` (call preparation under them: checks, autocast, the route, the agreement), ``routing``
+(the plan of a call: route and sizes), ``parallel`` (the agreement between ranks, shard ranges, statistics exchange,
 autograd-aware collectives), ``autograd`` (the autograd shells), ``torch_backend`` (pure-PyTorch chunked backend,
 the CPU path), ``triton_backend`` and ``kernels`` (fused GPU kernels), ``reference`` (the float64 reference),
 ``nn`` (torch's ``linear_cross_entropy`` / ``LinearCrossEntropyLoss`` signatures on vpce), ``bench``

@@ -59,7 +59,8 @@ and its dX is a row scale of ``dX_unit``; the lean route recomputes them in fp32
 mode the last bits of the loss, dX and dW of a call can depend on the call site's history: a site's first call, the
 first after a change between uniform and non-uniform upstream gradients, and any call that starts before its
 previous backward's verdict has come back from the GPU (the event still pending) can take another route than the
-call after it. Both are exact to the same error bars. Under a group no call speculates, so no rank-local fact enters the decision.
+call after it. Both are exact to the same error bars. Under a group no call speculates, so no rank-local fact enters
+the decision.
 Under ``torch.use_deterministic_algorithms(True)`` the history is neither read nor written: every eligible call
 takes this route, so the same inputs and upstream gradient give the same bits on every call and in every run. A
 non-uniform upstream gradient then costs the misprediction on every call (10NDV); ``memory_budget="lean"`` pins the

@@ -82,8 +82,9 @@ import torch
 from . import kernels
 from .distill_stats import KL_HEAD, DistillRows, exchange_chunk_stats, heads, local_stats, row_weights, \
     rows_layout, token_loss
-from .formulas import (Coefficients, RowStats, ce_coefficients, ce_token_outputs, evaluate_loss_fn, logprob_coefficients,
-                       logprob_part_outputs, loss_fn_coefficients, loss_fn_metric_outputs, store_metric_outputs)
+from .formulas import (Coefficients, RowStats, ce_coefficients, ce_token_outputs, evaluate_loss_fn,
+                       logprob_coefficients, logprob_part_outputs, loss_fn_coefficients, loss_fn_metric_outputs,
+                       store_metric_outputs)
 from .gemm import addmm_out_, logits_into, mm_into, mm_out
 from .grads import FastGrads, add_block, pad_rows, weight_grad, weight_grad_to_main, written_rows
 from .options import DistillOptions, LogProbLossOptions, LogProbOptions, LossOptions

@@ -239,8 +239,8 @@ def _vpce_grpo(env: Env, *, level: str) -> LossFn:
 
     def fn(x, w, y):
         c = _post_training_inputs(env, x, w, y, cache)
-        return linear_grpo_loss(_rows(x, c), w, c["y"], c["adv"], old_log_probs=c["old"], ref_log_probs=c["ref"], beta=0.04,
-                                loss_type="dapo", importance_sampling_level=level, backend=device_backend(env),
+        return linear_grpo_loss(_rows(x, c), w, c["y"], c["adv"], old_log_probs=c["old"], ref_log_probs=c["ref"],
+                                beta=0.04, loss_type="dapo", importance_sampling_level=level, backend=device_backend(env),
                                 **env.vpce_layout()).loss
     return fn
 

@@ -100,21 +100,9 @@ class VpceLogProbHead:
         if logit_scale != 1.0:  # cap(s * (h W^T + b)) = cap((s h) W^T + s b)
             hidden = hidden * logit_scale
             bias = None if bias is None else bias * logit_scale
-        device = hidden.device.type
-        if not torch.is_autocast_enabled(device) and weight.dtype != hidden.dtype:
-            # TRL casts the weight to the hidden states' dtype outside autocast (cast_lm_head_to_fp32)
-            weight = weight.to(hidden.dtype)
-            bias = None if bias is None else bias.to(hidden.dtype)
-        shard = {}
-        if self.group is not None:
-            import torch.distributed as dist
-
-            world, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
-            rows = math.ceil(weight.shape[0] / world)
-            start = min(rank * rows, weight.shape[0])
-            shard = dict(group=self.group, vocab_start=start, vocab_size=weight.shape[0])
-            weight = weight[start:start + rows]
-            bias = None if bias is None else bias[start:start + rows]
+        # TRL casts the weight to the hidden states' dtype outside autocast (cast_lm_head_to_fp32)
+        autocast = (hidden.device.type, None, torch.is_autocast_enabled(hidden.device.type))
+        weight, bias, shard = _operands(self, dict(weight=weight, bias=bias, autocast=autocast), hidden)
         asked = dict(return_entropy="entropy" in outputs, return_top1="is_top1" in outputs,
                      return_mean_logits="mean_logits" in outputs,
                      return_log_sum_sq_probs="log_sum_sq_probs" in outputs)
