@@ -285,6 +285,21 @@ def write_report(out_dir: Path, report: dict) -> None:
     plt.close(fig)
 
 
+def capacities(paths, make_fits, args, shape, run, device, tokens, eod, say) -> dict:
+    """``--find-max-seq`` for each path of one stack: ``make_fits`` (``megatron_fits`` or ``hf_fits``) gives the
+    path's ``fits(seq)`` and the state to drop after it; the longest sequence by ``find_max``."""
+    out = {}
+    for path in paths:
+        reset_memory(device)
+        fits, state = make_fits(args, shape, run, device, path, tokens, eod, say)
+        best, trials = find_max(fits, run.seq, args.max_seq, args.seq_granule)
+        out[path] = {"max_seq": best, "batch": run.batch, "trials": trials, "capped": best >= args.max_seq}
+        say(f"{path}: longest sequence that fits: {best} x {run.batch}")
+        state.clear()
+        del fits
+    return out
+
+
 def find_max(fits, start: int, cap: int, granule: int) -> tuple[int, list]:
     """Largest n (a multiple of ``granule``, at most ``cap``) with ``fits(n)``: doubling from ``start``, then
     bisection between the last size that fit and the first that did not. Returns (n or 0, [(n, fits), ...])."""
@@ -597,16 +612,8 @@ def run_megatron(args, rank: int, world: int, device: torch.device, say) -> dict
             if world != 1:
                 raise SystemExit("--find-max-seq: expected one process (one device's capacity; an OOM on one TP "
                                  f"rank would hang the others), got {world}")
-            report["find_max_seq"] = {}
-            for path in [p for p in paths if p != "megatron-repeat"]:
-                reset_memory(device)
-                fits, state = megatron_fits(args, shape, run, device, path, tokens, eod, say)
-                best, trials = find_max(fits, run.seq, args.max_seq, args.seq_granule)
-                report["find_max_seq"][path] = {"max_seq": best, "batch": run.batch, "trials": trials,
-                                                "capped": best >= args.max_seq}
-                say(f"{path}: longest sequence that fits: {best} x {run.batch}")
-                state.clear()
-                del fits
+            report["find_max_seq"] = capacities([p for p in paths if p != "megatron-repeat"], megatron_fits, args,
+                                                shape, run, device, tokens, eod, say)
             return report
         runs = {}
         for path in paths:
@@ -769,16 +776,7 @@ def run_hf(args, device: torch.device, out_dir: Path, say) -> dict:
             report["paths"] = summarize(runs, run, run.seq * run.batch)
         return report
     if args.find_max_seq:
-        report["find_max_seq"] = {}
-        for path in paths:
-            reset_memory(device)
-            fits, state = hf_fits(args, shape, run, device, path, tokens, eod, say)
-            best, trials = find_max(fits, run.seq, args.max_seq, args.seq_granule)
-            report["find_max_seq"][path] = {"max_seq": best, "batch": run.batch, "trials": trials,
-                                            "capped": best >= args.max_seq}
-            say(f"{path}: longest sequence that fits: {best} x {run.batch}")
-            state.clear()
-            del fits
+        report["find_max_seq"] = capacities(paths, hf_fits, args, shape, run, device, tokens, eod, say)
         return report
     runs = {path: train_hf_path(args, shape, run, device, path, tokens, eod, out_dir, say) for path in paths}
     report["paths"] = summarize(runs, run, run.seq * run.batch)
