@@ -54,6 +54,9 @@ EXAMPLE = textwrap.dedent(r'''
     torch.testing.assert_close(w.grad, w_ref.grad[rows], msg=lambda m: f"rank {rank}: dW rows {rows}: {m}")
     sys.stdout.write(f"rank {rank} of {world}: OK, loss {loss.item():.6f}, vpce {vpce.__version__} from "
                      f"{vpce.__file__}\n")  # one write: the ranks share torchrun's stdout
+    # every rank done with the group before any rank tears it down: a gloo rank whose peer has already closed its
+    # connections can abort in teardown ("terminate called without an active exception", seen once in CI)
+    dist.barrier()
     dist.destroy_process_group()
 ''')
 
