@@ -7,7 +7,9 @@ SwiGLU, RoPE on GPUs, no biases), trained with the loss each path gives it:
   ``[s, b, V/tp]`` logits and ``vocab_parallel_cross_entropy``; the loop forms ``pretrain_gpt``'s
   ``sum(losses * loss_mask) / loss_mask.sum()``.
 - ``megatron-repeat``: the same path again, same seed: the run-to-run noise of Megatron's own bf16 path, the yard
-  stick for the vpce curves.
+  stick for the vpce curves. One repeat is one draw of that noise; ``--repeats K`` runs every path K times in
+  rounds and writes ``agreement`` to the JSON: the per-step |loss difference| of every pair of Megatron's own runs,
+  and of each vpce run against the Megatron run of its round, with the medians over the pairs.
 - ``vpce``: ``vpce.integrations.megatron.apply(model, reduction="sum")``; the forward gets ``loss_mask=`` and
   returns the masked sum, whose gradients vpce forms in forward (the fast route); the loop divides by
   ``loss_mask.sum()``.
@@ -616,14 +618,43 @@ def run_megatron(args, rank: int, world: int, device: torch.device, say) -> dict
                                                 shape, run, device, tokens, eod, say)
             return report
         runs = {}
-        for path in paths:
-            r = train_megatron_path(args, shape, run, world, device, path, tokens, eod, say)
-            peaks = gather_peaks(r.pop("peak_bytes"), world, device)
-            starts = gather_peaks(r.pop("start_bytes"), world, device)
-            runs[path] = {**r, "peak_gib_per_rank": [p / 2**30 for p in peaks] if peaks else None,
-                          "start_gib_per_rank": [p / 2**30 for p in starts] if starts else None}
+        for k in range(args.repeats):  # rounds: every path once per round, so that slow drift hits all alike
+            for path in paths:
+                name = path if k == 0 else f"{path}#{k + 1}"
+                r = train_megatron_path(args, shape, run, world, device, path, tokens, eod, say)
+                peaks = gather_peaks(r.pop("peak_bytes"), world, device)
+                starts = gather_peaks(r.pop("start_bytes"), world, device)
+                runs[name] = {**r, "peak_gib_per_rank": [p / 2**30 for p in peaks] if peaks else None,
+                              "start_gib_per_rank": [p / 2**30 for p in starts] if starts else None}
     report["paths"] = summarize(runs, run, run.seq * run.batch)
+    if args.repeats > 1 and "megatron" in paths:
+        report["agreement"] = agreement(runs, paths, args.repeats)
     return report
+
+
+def agreement(runs: dict, paths: list, repeats: int) -> dict:
+    """The loss curves against Megatron's own run-to-run noise, from ``--repeats K`` rounds. Per pair of runs, the
+    largest and the mean |loss difference| over the steps: ``megatron`` against itself (every pair of its K runs:
+    the noise of its nondeterministic bf16 path), and each other path's run k against ``megatron``'s run k. The
+    medians over the pairs are what the curves are read by: one pair is one draw of the noise."""
+    def name(path, k):
+        return path if k == 0 else f"{path}#{k + 1}"
+
+    def pair(a, b):
+        d = [abs(x - y) for x, y in zip(runs[a]["losses"], runs[b]["losses"])]
+        return {"pair": [a, b], "max": max(d), "mean": sum(d) / len(d)}
+
+    def median(xs):
+        xs = sorted(xs)
+        return 0.5 * (xs[(len(xs) - 1) // 2] + xs[len(xs) // 2])
+
+    groups = {"megatron vs megatron": [pair(name("megatron", i), name("megatron", j))
+                                       for i in range(repeats) for j in range(i + 1, repeats)]}
+    for path in paths:
+        if path != "megatron":
+            groups[f"{path} vs megatron"] = [pair(name(path, k), name("megatron", k)) for k in range(repeats)]
+    return {g: {"pairs": ps, "median_max": median([x["max"] for x in ps]),
+                "median_mean": median([x["mean"] for x in ps])} for g, ps in groups.items()}
 
 
 def gather_peaks(peak: int | None, world: int, device: torch.device) -> list[int] | None:
@@ -836,7 +867,12 @@ def parse(argv=None):
     p.add_argument("--max-seq", type=int, default=1 << 18, help="--find-max-seq: largest sequence tried")
     p.add_argument("--seq-granule", type=int, default=512, help="--find-max-seq: bisection stops at this step")
     p.add_argument("--log-every", type=int, default=25, help="progress line every K steps")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="megatron: run every path K times (rounds), and compare the loss curves against Megatron's "
+                        "own run-to-run noise (the JSON's 'agreement')")
     args = p.parse_args(argv)
+    if args.repeats < 1:
+        p.error(f"--repeats: expected an integer >= 1, got {args.repeats}")
     if args.paths:
         known = MEGATRON_PATHS if args.stack == "megatron" else HF_PATHS
         bad = [x for x in args.paths if x not in known]
@@ -885,6 +921,9 @@ def main(argv=None) -> None:
             print(f"{name:>16}: {r['tokens_per_s']:12,.0f} tokens/s | {r['mean_step_ms']:8.1f} ms/step | peak {peak}"
                   f" | final loss {r['final_loss']:.5f} | max |loss - {next(iter(report['paths']))}| "
                   f"{r['max_abs_loss_diff_vs_first']:.2e}")
+        for group, a in report.get("agreement", {}).items():
+            print(f"{group:>30}: median over {len(a['pairs'])} pairs of the max |loss diff| {a['median_max']:.3e}, "
+                  f"of the mean {a['median_mean']:.3e}")
         for name, r in report.get("find_max_seq", {}).items():
             capped = " (the --max-seq cap: raise it to go further)" if r.get("capped") else ""
             print(f"{name:>16}: longest sequence {r['max_seq']} x {r['batch']}{capped}")

@@ -85,6 +85,24 @@ def test_transformers_trainer_vpce_matches_stock(tmp_path):
     _check_paths(report, ["stock", "vpce"], "stock", report["config"]["run"]["steps"])
 
 
+def test_agreement_pairs_and_medians():
+    """``--repeats``: Megatron's runs against each other (every pair), each other path's run k against Megatron's
+    run k, and the medians over the pairs, on made-up curves whose differences are known."""
+    m = lambda *xs: {"losses": list(xs)}  # noqa: E731
+    runs = {"megatron": m(1.0, 2.0, 3.0), "vpce": m(1.0, 2.5, 3.0), "megatron#2": m(1.0, 2.0, 3.1),
+            "vpce#2": m(1.2, 2.0, 3.1), "megatron#3": m(1.0, 2.4, 3.0), "vpce#3": m(1.0, 2.4, 3.3)}
+    got = _module().agreement(runs, ["megatron", "vpce"], 3)
+    noise, ours = got["megatron vs megatron"], got["vpce vs megatron"]
+    assert [p["pair"] for p in noise["pairs"]] == [["megatron", "megatron#2"], ["megatron", "megatron#3"],
+                                                   ["megatron#2", "megatron#3"]]
+    assert [p["pair"] for p in ours["pairs"]] == [["vpce", "megatron"], ["vpce#2", "megatron#2"],
+                                                  ["vpce#3", "megatron#3"]]
+    assert [p["max"] for p in noise["pairs"]] == pytest.approx([0.1, 0.4, 0.4])
+    assert [p["max"] for p in ours["pairs"]] == pytest.approx([0.5, 0.2, 0.3])
+    assert noise["median_max"] == pytest.approx(0.4) and ours["median_max"] == pytest.approx(0.3)
+    assert ours["median_mean"] == pytest.approx(0.1)  # means 0.5/3, 0.2/3, 0.3/3
+
+
 @pytest.mark.parametrize("capacity", [1, 300, 512, 1000, 4095, 4096, 10_000, 70_000])
 def test_find_max_doubles_then_bisects(capacity):
     find_max = _module().find_max
