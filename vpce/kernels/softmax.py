@@ -546,8 +546,8 @@ def stored_logits(logits, b, t_local, *, softcap=None, inv_t=1.0, tile_m=None, t
                   before=None, block_n=None, block_m=None, num_warps=None):
     """``logits_tiles``'s epilogue over ``logits [M, V]`` that a GEMM already wrote (the inputs' dtype; ``b`` is
     added here, None if the GEMM added it): stats mode fills the same buffers as ``logits_tiles`` but ``zt``, and
-    leaves the target column out of the tile max too (``target_logits`` gives its exact logit; with ``tile_mb``,
-    ``zt`` gets the target's logit as stored, for the argmax test), grad mode
+    leaves the target column out of the tile max too (``target_logits`` gives its exact logit, and the logit as
+    stored for the argmax test), grad mode
     (``rows``, ``coef``) overwrites ``logits`` with the gradient. One bandwidth-bound pass; ``block_n`` is the stats
     tile width (``tile_n``); ``block_m`` / ``num_warps`` override the launch shape (``launch/tune_kernels.py``)."""
     m, v = logits.shape
