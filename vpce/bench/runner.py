@@ -48,7 +48,7 @@ from .peers import Unavailable
 from .report import Progress
 
 __all__ = ["run_shape", "run_row", "DeviceStalled", "measure_floor", "make_step", "new_row", "public", "reason",
-           "run_phases", "floor_phase",
+           "run_phases", "floor_phase", "first_reference",
            "fwd_bwd_phases", "FLOOR_OF_MODE", "DISTILL_FLOOR_GEMMS", "References", "floor_label", "shape_record"]
 
 Phase = Callable[[], None]
@@ -422,6 +422,20 @@ def shape_record(shape: Shape, env: Env) -> dict:
     return record
 
 
+def first_reference(shape: Shape, refs: References, record: dict, env: Env, progress: Progress, t0: float):
+    """The float64 reference of the plain loss, computed before the first row (None for the distillation: one
+    reference per divergence, each computed before the first row that needs it); its loss and time go into
+    ``record``."""
+    if shape.distill:
+        progress.note(f"inputs in {time.perf_counter() - t0:.1f} s")
+        return None
+    ref = refs.of(None)
+    free_memory(env.device)
+    record["ref_loss"], record["ref_seconds"] = float(ref.loss), refs.seconds
+    progress.note(f"inputs + float64 reference in {time.perf_counter() - t0:.1f} s (loss {record['ref_loss']:.6f})")
+    return ref
+
+
 def run_shape(shape: Shape, env: Env, names: list[str], settings: Settings, progress: Progress,
               *, no_grad: bool = True) -> tuple[dict, list[dict]]:
     """Measure every selected row on fresh inputs of ``shape``; returns (shape record, rows)."""
@@ -435,15 +449,7 @@ def run_shape(shape: Shape, env: Env, names: list[str], settings: Settings, prog
     prob = make_problem(shape, env, settings)
     refs = References(prob, settings, progress)
     record = shape_record(shape, env)
-    if shape.distill:  # one reference per divergence, each computed before the first row that needs it
-        progress.note(f"inputs in {time.perf_counter() - t0:.1f} s")
-        ref = None
-    else:
-        ref = refs.of(None)
-        free_memory(env.device)
-        record["ref_loss"], record["ref_seconds"] = float(ref.loss), refs.seconds
-        progress.note(f"inputs + float64 reference in {time.perf_counter() - t0:.1f} s (loss "
-                      f"{record['ref_loss']:.6f})")
+    ref = first_reference(shape, refs, record, env, progress, t0)
 
     rows = []
     floor = {}

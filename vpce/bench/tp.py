@@ -95,7 +95,8 @@ from .methods import FLOOR, METHODS
 from .peers import megatron_tp_group, shutdown_megatron
 from .plots import plot_shapes
 from .report import Progress, format_tp_shape, write_json
-from .runner import References, floor_label, floor_phase, fwd_bwd_phases, new_row, public, reason, run_phases
+from .runner import (References, first_reference, floor_label, floor_phase, fwd_bwd_phases, new_row, public, reason,
+                     run_phases)
 
 __all__ = ["main_tp", "run_shape_tp", "shard_rows"]
 
@@ -278,15 +279,7 @@ def run_shape_tp(shape: Shape, env: Env, names: list[str], settings: Settings, p
     mine = slice(env.rank * n_local, (env.rank + 1) * n_local)
     refs = References(prob, settings, progress, group=env.group, vocab_start=sum(split[:env.rank]),
                       max_rows=max(split), shard_rows=split)
-    ref = None
-    if shape.distill:  # one reference per divergence, each computed before the first row that needs it
-        progress.note(f"inputs in {time.perf_counter() - t0:.1f} s")
-    else:
-        ref = refs.of(None)
-        free_memory(env.device)
-        record["ref_loss"], record["ref_seconds"] = float(ref.loss), refs.seconds
-        progress.note(f"inputs + float64 reference in {time.perf_counter() - t0:.1f} s (loss "
-                      f"{record['ref_loss']:.6f})")
+    ref = first_reference(shape, refs, record, env, progress, t0)
     x_in, extra, ref_dx = prob.x, prob.extra, None
     if env.sequence_parallel:  # this rank's slice of the tokens (the teacher's too), and of dX
         x_in, extra = prob.x[mine], ((prob.xt[mine], prob.wt) if shape.distill else ())
