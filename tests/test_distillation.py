@@ -315,20 +315,27 @@ def test_errors_name_argument_expected_and_got(over, exc, words):
 
 def test_autocast_casts_both_heads():
     """Under CPU autocast (bf16), fp32 student and teacher tensors compute as if passed in bf16; the student's
-    gradients come back in fp32."""
+    gradients come back in fp32: dX the bf16 one cast up, dW and db (the fast route's fp32 accumulators, scaled)
+    unrounded, the bf16 call's gradients their rounding and no nearer the float64 gradients of the bf16 operands."""
     x = make_pair(7, 6, 10, 17, dtype=torch.float32, bias=True, seed=13)
+    bf16 = lambda t: None if t is None else t.to(torch.bfloat16)  # noqa: E731
+    opts = dict(divergence="jsd", ce_weight=0.3)
     out = []
     for auto in (True, False):
-        cast = (lambda t: t) if auto else (lambda t: None if t is None else t.to(torch.bfloat16))
+        cast = (lambda t: t) if auto else bf16
         h, w, b = leaf(cast(x.hidden)), leaf(cast(x.weight)), leaf(cast(x.bias))
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=auto):
             loss = vpce.linear_distillation_loss(h, w, cast(x.t_hidden), cast(x.t_weight), x.target, b,
-                                                 cast(x.t_bias), divergence="jsd", ce_weight=0.3)
+                                                 cast(x.t_bias), **opts)
         loss.backward()
         out.append((loss, h.grad, w.grad, b.grad))
-    assert out[0][1].dtype == torch.float32 and torch.equal(out[0][0], out[1][0])
-    for got, want in zip(out[0][1:], out[1][1:]):
-        assert torch.equal(got, want.float())
+    assert all(g.dtype == torch.float32 for g in out[0][1:]) and torch.equal(out[0][0], out[1][0])
+    assert torch.equal(out[0][1], out[1][1].float())
+    ref = reference_distillation(*map(bf16, (x.hidden, x.weight, x.t_hidden, x.t_weight)), x.target, bf16(x.bias),
+                                 bf16(x.t_bias), **opts)
+    for got, want, want64 in zip(out[0][2:], out[1][2:], (ref.dweight, ref.dbias)):
+        assert torch.equal(got.bfloat16(), want) and not torch.equal(got, want.float())
+        assert rel_err(got, want64) <= rel_err(want, want64), (rel_err(got, want64), rel_err(want, want64))
 
 
 CUDA = torch.cuda.is_available()

@@ -206,8 +206,8 @@ def test_backward_casts_dw_before_it_waits_for_the_dx_sum():
 
     g = torch.tensor(0.5)
     want_dx, want_dw, want_db = dx * g, dw * g, db * g
-    got_dx, got_dw, got_db = finish_fast_grads(FastGrads(dx, dw, db, InFlight()), g, torch.bfloat16, 6, None,
-                                               scale_cast)
+    got_dx, got_dw, got_db = finish_fast_grads(FastGrads(dx, dw, db, InFlight()), g, (torch.bfloat16,) * 3, 6,
+                                               None, scale_cast)
     assert order == ["dW", "wait for dX", "dX"], order
     assert torch.equal(got_dx, want_dx.bfloat16()) and torch.equal(got_dw[:5], want_dw.bfloat16()), (got_dx, got_dw)
     assert got_dw.shape == (6, 3) and not got_dw[5].any() and torch.equal(got_db[:5], want_db.bfloat16())

@@ -240,13 +240,17 @@ def test_logits_are_not_materialized():
 
 
 def test_autocast_bf16():
-    """Under autocast the lm_head operands are cast as nn.Linear would; bf16-level agreement, fp32 grads."""
+    """Under autocast the lm_head operands are cast as nn.Linear would; bf16-level agreement, fp32 grads. The fp32
+    lm_head weight goes to vpce uncast (vpce casts it inside its autograd Function): its gradient is the fast
+    route's fp32 accumulator, not a bf16 gradient cast up as stock's is (issue #35: HF Trainer's peak memory)."""
     patched, stock = build("llama")
     ids, mask, labels = make_batch()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         got, want = step(patched, ids, mask, labels), step(stock, ids, mask, labels)
     assert_close(got.loss, want.loss, 1e-2, "autocast loss")
-    assert patched.lm_head.weight.grad.dtype == torch.float32
+    grad = patched.lm_head.weight.grad
+    assert grad.dtype == torch.float32 and not torch.equal(grad, grad.bfloat16().float())
+    assert torch.equal(stock.lm_head.weight.grad, stock.lm_head.weight.grad.bfloat16().float())  # the control
     assert_close(patched.lm_head.weight.grad, stock.lm_head.weight.grad, 5e-2, "autocast lm_head grad")
 
 

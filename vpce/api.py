@@ -20,7 +20,7 @@ from .autograd import LinearCrossEntropyFunction, LinearLogProbsFunction, accumu
 from .grads import check_main_grad
 from .options import BACKENDS, METRICS, REDUCTIONS, LogProbOptions, LossOptions
 from .prepare import Entry, check_bool, check_class_weight, check_int, check_logit_scale, check_memory_budget, \
-    check_number, check_token_weight, enter, prepare_call
+    check_number, check_token_weight, compute_operands, enter, prepare_call
 from .routing import plan_cross_entropy, plan_log_probs, settle_by_memory, size_cross_entropy, size_log_probs
 
 __all__ = ["linear_cross_entropy", "linear_log_probs", "LinearCrossEntropy", "CrossEntropyOutput"]
@@ -164,8 +164,8 @@ class CrossEntropyEntry(Entry):
             speculate, self.history = speculation.decide("ce", self.weight, key, backend_name, sharded, needs)
         return plan_cross_entropy(o, needs, backend_name, sharded, sp, speculate)
 
-    def memory(self, p, h, rows, needs, world):
-        return settle_by_memory(p, h, rows, needs, self.opts, world)
+    def memory(self, p, h, rows, needs, world, extra):
+        return settle_by_memory(p, h, rows, needs, self.opts, world, extra)
 
     def size(self, plan, shard, d, dtype):
         return size_cross_entropy(plan, self.opts, shard, d, dtype)
@@ -198,12 +198,12 @@ def _cross_entropy(entry: CrossEntropyEntry, hidden, weight, target, bias, *, gr
             raise NotImplementedError("vpce under torch.compile does not yet return metrics or apply "
                                       "token_scaling; call it outside the compiled region for those")
         from . import library
-        with torch.autocast(h2.device.type, enabled=False):  # the operands are already in the compute dtype
-            loss = library.linear_cross_entropy(h2, weight, bias, t1, tw1, call.plan.backend, opts,
-                                                call.shard.vocab_size, call.needs_grad, cw1)
+        with torch.autocast(h2.device.type, enabled=False):  # hidden is in the compute dtype; the parameters, cast:
+            loss = library.linear_cross_entropy(h2, *compute_operands(h2.dtype, weight, bias), t1, tw1,
+                                                call.plan.backend, opts, call.shard.vocab_size, call.needs_grad, cw1)
     else:
         call = dataclasses.replace(call, main_grad=accumulate_main_grad, history=entry.history)
-        with torch.autocast(h2.device.type, enabled=False):
+        with torch.autocast(h2.device.type, enabled=False):  # (the Function casts the parameters)
             loss = LinearCrossEntropyFunction.apply(enter(h2, call), weight, bias, t1, tw1, opts, call, cw1)
     shape = (lambda x: x.reshape(target.shape)) if opts.reduction == "none" else (lambda x: x)
     if not opts.metrics:
@@ -260,7 +260,7 @@ def linear_log_probs(hidden, weight, target, bias=None, *, temperature=1.0, soft
         sequence_parallel=sequence_parallel, backend=backend, validate=validate)
     call = dataclasses.replace(call, history=entry.history)
     lp = entry.lp
-    with torch.autocast(h2.device.type, enabled=False):  # the operands are already in the compute dtype
+    with torch.autocast(h2.device.type, enabled=False):  # (the Function casts the parameters)
         out = LinearLogProbsFunction.apply(enter(h2, call), weight, bias, target.reshape(-1), lp, call)
     if isinstance(out, tuple):
         return tuple(x.reshape(target.shape) for x in out)
@@ -312,8 +312,8 @@ class LogProbsEntry(Entry):
                                                          sharded, needs)
         return plan_log_probs(needs, backend_name, sharded, sp, speculate)
 
-    def memory(self, p, h, rows, needs, world):
-        return settle_by_memory(p, h, rows, needs, LossOptions(memory_budget=self.budget), world)
+    def memory(self, p, h, rows, needs, world, extra):
+        return settle_by_memory(p, h, rows, needs, LossOptions(memory_budget=self.budget), world, extra)
 
     def size(self, plan, shard, d, dtype):
         return size_log_probs(plan, self.lp, shard, d, dtype)

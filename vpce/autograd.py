@@ -9,6 +9,10 @@ speculative route's unit-scale gradients for a per-token upstream gradient (``vp
 ``triton_backend.speculative_grads``; a second backward there recomputes, as the lean route). A call eligible for
 the speculative route reports to its ``Call.history`` whether its upstream gradient was uniform, whichever route it
 took. The ``torch.library`` ops (``vpce.library``) call the same functions.
+
+Under ``torch.autocast`` each Function gets the caller's fp32 weight and bias and casts them to hidden's dtype in
+its forward (``computed_operands``); the gradients go back in each input's own dtype (``ctx.dtypes``), the fast and
+speculative routes' dW and db as their fp32 accumulators.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from .formulas import (RowStats, ce_coefficients, evaluate_loss_fn, logprob_coef
 from .grads import finish_fast_grads
 from .distill_stats import DistillRows
 from .options import DistillOptions, LogProbLossOptions, LogProbOptions, LossOptions
+from .prepare import compute_operands
 from .routing import Call
 from .speculation import split_upstream
 from .targets import ClassWeights, TokenTargets
@@ -39,6 +44,14 @@ def backend_module(name: str):
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def computed_operands(ctx, hidden, weight, bias):
+    """In a Function's forward: the weight and bias in hidden's dtype, the compute dtype (where autocast casts fp32
+    parameters, cast here, where autograd records no cast: ``vpce.prepare.compute_operands``); ``ctx.dtypes``: the
+    dtypes the gradients go back in, each input's own ``(dX, dW, db)``."""
+    ctx.dtypes = tuple(hidden.dtype if t is None else t.dtype for t in (hidden, weight, bias))
+    return compute_operands(hidden.dtype, weight, bias)
 
 
 def report_uniform(call: Call, g: torch.Tensor | None, keep: torch.Tensor, g_other: torch.Tensor | None = None):
@@ -89,12 +102,13 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, target, token_weight, opts: LossOptions, call: Call, class_weight=None):
+        ctx.main_weight = weight if call.main_grad else None  # (never cast: refused under autocast)
+        weight, bias = computed_operands(ctx, hidden, weight, bias)
         tg = TokenTargets(target, call.shard, opts.ignore_index, token_weight, class_weight)
         loss_tok, rows, fast = backend_module(call.plan.backend).cross_entropy(hidden, weight, bias, tg, opts, call)
         ctx.opts, ctx.call, ctx.fast = opts, call, fast  # fast: None after its one use
         ctx.denominator = tg.denominator(loss_tok.dtype)
-        ctx.dtype, ctx.rows = hidden.dtype, weight.shape[0]
-        ctx.main_weight = weight if call.main_grad else None
+        ctx.rows = weight.shape[0]
         if rows is not None:
             cw = tg.class_weight if tg.class_weight is not None else (None,) * len(ClassWeights._fields)
             ctx.save_for_backward(hidden, weight, bias, target, token_weight, *rows, tg.scaling, *cw)
@@ -132,7 +146,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
 
                 *out, uniform = backend_module(call.plan.backend).speculative_grads(
                     grads, hidden, weight, bias, tg, rows, g, coefficients, call, *opts.folded_cap(),
-                    ctx.main_weight)
+                    ctx.main_weight, ctx.dtypes)
                 if call.history is not None:
                     call.history.report(uniform)
                 return (*out, *none)
@@ -147,7 +161,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             g = g / ctx.denominator
         grads, ctx.fast = ctx.fast, None
         scale_cast = backend_module(ctx.call.plan.backend).scale_cast
-        return (*finish_fast_grads(grads, g, ctx.dtype, ctx.rows, ctx.main_weight, scale_cast), *none)
+        return (*finish_fast_grads(grads, g, ctx.dtypes, ctx.rows, ctx.main_weight, scale_cast), *none)
 
 
 class LinearLogProbsFunction(torch.autograd.Function):
@@ -157,6 +171,7 @@ class LinearLogProbsFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, target, lp: LogProbOptions, call: Call):
+        weight, bias = computed_operands(ctx, hidden, weight, bias)
         tg = TokenTargets(target, call.shard, lp.ignore_index)
         backend = backend_module(call.plan.backend)
         ctx.fast = None
@@ -194,7 +209,7 @@ class LinearLogProbsFunction(torch.autograd.Function):
             dx, dw, db, uniform = backend_module(call.plan.backend).speculative_grads(
                 grads, hidden, weight, bias, tg, RowStats(m, log_s, q), torch.zeros_like(m) if g is None else g,
                 lambda r: logprob_coefficients(tg, r, None, None, lp.inv_t, like=m), call, lp.softcap, lp.inv_t,
-                None)
+                None, ctx.dtypes)
             if call.history is not None:
                 call.history.report(uniform)
             return dx, dw, db, None, None, None
@@ -214,12 +229,13 @@ class LinearDistillationFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, t_hidden, t_weight, t_bias, target, token_weight, o: DistillOptions,
                 call: Call):
+        weight, bias = computed_operands(ctx, hidden, weight, bias)  # (the teacher's: cast by vpce.distill)
         tg = TokenTargets(target, call.shard, o.ignore_index, token_weight)
         forward = backend_module(call.plan.backend).distill_forward
         loss_tok, rows, fast = forward(hidden, weight, bias, t_hidden, t_weight, t_bias, tg, o, call)
         ctx.o, ctx.call, ctx.fast = o, call, fast  # fast: None after its one use
         ctx.denominator = tg.denominator(loss_tok.dtype)
-        ctx.dtype, ctx.rows = hidden.dtype, weight.shape[0]
+        ctx.rows = weight.shape[0]
         if rows is not None:
             ctx.save_for_backward(hidden, weight, bias, t_hidden, t_weight, t_bias, target, token_weight, *rows)
         return tg.reduce(loss_tok, o.reduction)
@@ -248,7 +264,7 @@ class LinearDistillationFunction(torch.autograd.Function):
                                "a second backward pass use memory_budget='lean'")
         grads, ctx.fast = ctx.fast, None
         scale_cast = backend_module(call.plan.backend).scale_cast
-        return (*finish_fast_grads(grads, g, ctx.dtype, ctx.rows, None, scale_cast), *none)
+        return (*finish_fast_grads(grads, g, ctx.dtypes, ctx.rows, None, scale_cast), *none)
 
 
 class LogProbLossFunction(torch.autograd.Function):
@@ -261,6 +277,7 @@ class LogProbLossFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, target, o: LogProbLossOptions, call: Call, inputs: dict):
+        weight, bias = computed_operands(ctx, hidden, weight, bias)
         tg = TokenTargets(target, call.shard, o.ignore_index)
         backend = backend_module(call.plan.backend)
         if call.plan.route == "fast":
@@ -277,7 +294,7 @@ class LogProbLossFunction(torch.autograd.Function):
                 coef = loss_fn_coefficients(tg, everything, ev, st, o.inv_t)
                 grads = backend.recompute_grads(hidden, weight, bias, tg, RowStats.of(st), coef, call, o.softcap,
                                                 o.inv_t)
-        ctx.grads, ctx.dtype, ctx.rows = grads, hidden.dtype, weight.shape[0]
+        ctx.grads, ctx.rows = grads, weight.shape[0]
         ctx.fast, ctx.backend = call.plan.route == "fast", call.plan.backend
         ent = torch.zeros_like(logp) if ent is None else ent
         top1 = metrics.get("is_top1", logp.new_zeros(0, dtype=torch.bool))
@@ -296,8 +313,8 @@ class LogProbLossFunction(torch.autograd.Function):
             return (None, None, None, *none)
         if ctx.fast:
             g = g_loss.detach().to(torch.float32)
-            return (*finish_fast_grads(grads, g, ctx.dtype, ctx.rows, None, backend_module(ctx.backend).scale_cast),
+            return (*finish_fast_grads(grads, g, ctx.dtypes, ctx.rows, None, backend_module(ctx.backend).scale_cast),
                     *none)
         g = g_loss.detach()
-        scale = lambda t: None if t is None else (t * g.to(t.dtype)).to(ctx.dtype)  # noqa: E731
-        return (*(scale(t) for t in grads), *none)
+        scale = lambda t, dtype: None if t is None else (t * g.to(t.dtype)).to(dtype)  # noqa: E731
+        return (*(scale(t, dtype) for t, dtype in zip(grads, ctx.dtypes)), *none)

@@ -18,8 +18,8 @@ import torch
 from . import parallel
 from .autograd import LinearDistillationFunction, accumulation_dtype
 from .options import DIVERGENCES, REDUCTIONS, DistillOptions
-from .prepare import Entry, autocast_operands, check_bool, check_int, check_memory_budget, check_number, \
-    check_token_weight, dtype_name, enter, prepare_call
+from .prepare import Entry, autocast_dtype, autocast_operands, check_bool, check_int, check_memory_budget, \
+    check_number, check_token_weight, compute_operands, dtype_name, enter, operand_dtype, prepare_call
 from .routing import plan_distillation, size_distillation
 
 __all__ = ["linear_distillation_loss", "DistillOptions", "DIVERGENCES"]
@@ -72,7 +72,9 @@ def _is_dtensor(x) -> bool:
 
 
 def _check_teacher(hidden, weight, t_hidden, t_weight, t_bias, sequence_parallel):
-    """The teacher's tensors against the student's (already checked): same dtype, device, tokens and vocab rows."""
+    """The teacher's tensors (after autocast's cast) against the student's (already checked, as the caller passed
+    them): the student's compute dtype, device, tokens and vocab rows."""
+    dtype = operand_dtype(hidden, autocast_dtype(hidden))
     for name, t in (("teacher_hidden", t_hidden), ("teacher_weight", t_weight)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
@@ -81,8 +83,8 @@ def _check_teacher(hidden, weight, t_hidden, t_weight, t_bias, sequence_parallel
     for name, t in (("teacher_hidden", t_hidden), ("teacher_weight", t_weight), ("teacher_bias", t_bias)):
         if t is None:
             continue
-        if t.dtype != hidden.dtype:
-            raise TypeError(f"{name}: expected dtype {hidden.dtype} (hidden's), got {t.dtype}")
+        if t.dtype != dtype:
+            raise TypeError(f"{name}: expected dtype {dtype} (hidden's), got {t.dtype}")
         if t.device != hidden.device:
             raise ValueError(f"{name}: expected device {hidden.device} (hidden's), got {t.device}")
     lead = tuple(hidden.shape[:-1])
@@ -118,9 +120,7 @@ class DistillEntry(Entry):
                 raise TypeError(f"{name}: expected a plain torch.Tensor (linear_distillation_loss takes this rank's "
                                 f"local shards with group=, vocab_start=), got a DTensor")
         self.o = make_distill_options(**self.args)
-        # the student's hidden and weight as prepare_call computes with them (under autocast: cast)
-        hidden, weight, _ = autocast_operands(self.originals[0], self.originals[1], None)
-        _check_teacher(hidden, weight, *self.teacher, self.sequence_parallel)
+        _check_teacher(*self.originals[:2], *self.teacher, self.sequence_parallel)
         check_token_weight(self.token_weight, self.target)
 
     def plan(self, needs, _dtype, backend_name, sharded, sp):
@@ -215,10 +215,11 @@ def linear_distillation_loss(hidden, weight, teacher_hidden, teacher_weight, tar
                                       "it outside the compiled region under a group")
         from . import library
         with torch.autocast(h2.device.type, enabled=False):
-            loss = library.linear_distillation_loss(h2, weight2, bias2, t2, tw, tb, target.reshape(-1), tw1,
-                                                    call.plan.backend, o, call.shard.vocab_size, call.needs_grad)
+            loss = library.linear_distillation_loss(h2, *compute_operands(h2.dtype, weight2, bias2), t2, tw, tb,
+                                                    target.reshape(-1), tw1, call.plan.backend, o,
+                                                    call.shard.vocab_size, call.needs_grad)
         return loss.reshape(target.shape) if o.reduction == "none" else loss
-    with torch.autocast(h2.device.type, enabled=False):  # the operands are already in the compute dtype
+    with torch.autocast(h2.device.type, enabled=False):  # (the Function casts the student's parameters)
         loss = LinearDistillationFunction.apply(enter(h2, call), weight2, bias2, t2, tw, tb, target.reshape(-1), tw1,
                                                 o, call)
     return loss.reshape(target.shape) if o.reduction == "none" else loss

@@ -15,8 +15,8 @@ import torch
 
 from .gemm import addmm_out_, mm_into
 
-__all__ = ["FastGrads", "finish_fast_grads", "check_main_grad", "pad_rows", "weight_grad", "weight_grad_to_main",
-           "add_block", "written_rows"]
+__all__ = ["FastGrads", "finish_fast_grads", "scaled", "check_main_grad", "pad_rows", "weight_grad",
+           "weight_grad_to_main", "add_block", "written_rows"]
 
 
 class FastGrads(NamedTuple):
@@ -75,20 +75,29 @@ def weight_grad(dw: torch.Tensor | None, weight_or_rows, dtype: torch.dtype) -> 
     return pad_rows(dw, weight_or_rows, dtype)
 
 
-def finish_fast_grads(grads: FastGrads, g: torch.Tensor, dtype: torch.dtype, rows: int,
-                      main_weight: torch.Tensor | None,
-                      scale_cast: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]):
+def scaled(acc: torch.Tensor, g: torch.Tensor, dtype: torch.dtype,
+           scale_cast: Callable[[torch.Tensor, torch.Tensor, torch.dtype], torch.Tensor]) -> torch.Tensor:
+    """``acc * g`` in ``dtype`` for an fp32 (fp64) accumulator ``acc``: in place where ``dtype`` is the
+    accumulator's (fp32 parameters under autocast: no rounding and no copy), else in ``scale_cast``'s one pass."""
+    return acc.mul_(g) if acc.dtype == dtype else scale_cast(acc, g, dtype)
+
+
+def finish_fast_grads(grads: FastGrads, g: torch.Tensor, dtypes: tuple[torch.dtype, torch.dtype, torch.dtype],
+                      rows: int, main_weight: torch.Tensor | None,
+                      scale_cast: Callable[[torch.Tensor, torch.Tensor, torch.dtype], torch.Tensor]):
     """Scale the held gradients by the upstream gradient ``g`` (0-d, with ``1/count`` for ``mean``) and return them
-    in ``dtype``, dW padded to ``rows`` or added into ``main_weight.main_grad``. dW first: dX's sum over the group
-    may still be running (``FastGrads.dx_sum``)."""
+    in ``dtypes`` (dX's, dW's, db's: each input's own, so fp32 parameters that autocast cast get their fp32
+    accumulators back, unrounded), dW padded to ``rows`` or added into ``main_weight.main_grad``. dW first: dX's
+    sum over the group may still be running (``FastGrads.dx_sum``)."""
     _, dw, db, _ = grads
-    db = None if db is None else pad_rows(db.mul_(g), rows, dtype)
+    dx_dtype, dw_dtype, db_dtype = dtypes
+    db = None if db is None else pad_rows(db.mul_(g), rows, db_dtype)
     if main_weight is not None:  # fp32 straight into main_grad, never rounded
         dw = weight_grad_to_main(main_weight, None if dw is None else dw.mul_(g).float())
     elif dw is not None:
-        dw = pad_rows(scale_cast(dw, g, dtype), rows, dtype)
+        dw = pad_rows(scaled(dw, g, dw_dtype, scale_cast), rows, dw_dtype)
     dx = grads.summed()[0]
-    return None if dx is None else scale_cast(dx, g, dtype), dw, db
+    return None if dx is None else scaled(dx, g, dx_dtype, scale_cast), dw, db
 
 
 def written_rows(rows: int, cols: int, written: int, dtype: torch.dtype, device) -> torch.Tensor:

@@ -128,7 +128,7 @@ def _log_prob_loss(hidden, weight, target, loss_fn, bias=None, *, inputs=None, s
                                                   vocab_start=vocab_start, vocab_size=vocab_size,
                                                   sequence_parallel=sequence_parallel, backend=backend,
                                                   validate=validate)
-    with torch.autocast(h2.device.type, enabled=False):  # the operands are already in the compute dtype
+    with torch.autocast(h2.device.type, enabled=False):  # (the Function casts the parameters)
         loss, logp, ent, is_top1, mean_z = LogProbLossFunction.apply(enter(h2, call), weight, bias, target.reshape(-1),
                                                                      entry.options, call, entry.inputs)
     out = loss, logp.reshape(target.shape), ent.reshape(target.shape)
@@ -191,8 +191,8 @@ class LogProbLossEntry(Entry):
             return plan_cross_entropy(LossOptions(memory_budget=self.budget), needs, backend_name, sharded, sp)
         return plan_log_probs(needs, backend_name, sharded, sp)
 
-    def memory(self, p, h, rows, needs, world):
-        return settle_by_memory(p, h, rows, needs, LossOptions(memory_budget=self.budget), world)
+    def memory(self, p, h, rows, needs, world, extra):
+        return settle_by_memory(p, h, rows, needs, LossOptions(memory_budget=self.budget), world, extra)
 
     def size(self, plan, shard, d, dtype):
         return size_log_prob_loss(plan, self.options, shard, d, dtype)

@@ -19,8 +19,9 @@ from .options import BUDGET_NAMES
 from .parallel import CallFacts
 from .routing import Call, Plan, resolve_backend, settle
 
-__all__ = ["Entry", "prepare_call", "enter", "autocast_operands", "check_number", "check_int", "check_bool",
-           "check_memory_budget", "check_logit_scale", "check_token_weight", "check_class_weight", "dtype_name"]
+__all__ = ["Entry", "prepare_call", "enter", "autocast_dtype", "operand_dtype", "autocast_operands",
+           "compute_operands", "check_number", "check_int", "check_bool", "check_memory_budget", "check_logit_scale",
+           "check_token_weight", "check_class_weight", "dtype_name"]
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -77,7 +78,10 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _check_tensors(hidden, weight, target, bias, world: int, sequence_parallel: bool, backend: str):
+def _check_tensors(hidden, weight, target, bias, world: int, sequence_parallel: bool, backend: str,
+                   autocast: torch.dtype | None):
+    """``hidden`` after autocast's cast; ``weight`` and ``bias`` as the caller passed them, checked in the dtype they
+    compute in (``operand_dtype``)."""
     for name, t in (("hidden", hidden), ("weight", weight), ("target", target)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
@@ -100,12 +104,12 @@ def _check_tensors(hidden, weight, target, bias, world: int, sequence_parallel: 
                          f"got {tuple(weight.shape)}{hint}")
     if weight.shape[0] == 0 and world == 1:
         raise ValueError("weight: expected at least one row, got shape " f"{tuple(weight.shape)}")
-    if weight.dtype != hidden.dtype:
+    if operand_dtype(weight, autocast) != hidden.dtype:
         raise TypeError(f"weight: expected dtype {hidden.dtype} (hidden's), got {weight.dtype}")
     if bias is not None:
         if bias.shape != (weight.shape[0],):
             raise ValueError(f"bias: expected shape ({weight.shape[0]},), got {tuple(bias.shape)}")
-        if bias.dtype != hidden.dtype:
+        if operand_dtype(bias, autocast) != hidden.dtype:
             raise TypeError(f"bias: expected dtype {hidden.dtype} (hidden's), got {bias.dtype}")
     if target.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"target: expected dtype torch.int64 or torch.int32, got {target.dtype}")
@@ -150,15 +154,41 @@ def check_class_weight(class_weight, weight: torch.Tensor):
                    weight.device)
 
 
+def autocast_dtype(hidden) -> torch.dtype | None:
+    """The dtype ``torch.autocast`` computes the GEMMs in on hidden's device, or None outside an autocast region
+    (and for a ``hidden`` that is no tensor or a meta tensor: no autocast there; the checks name it)."""
+    if not isinstance(hidden, torch.Tensor) or hidden.is_meta or not torch.is_autocast_enabled(hidden.device.type):
+        return None
+    return torch.get_autocast_dtype(hidden.device.type)
+
+
+def operand_dtype(t: torch.Tensor, autocast: torch.dtype | None) -> torch.dtype:
+    """The dtype ``t`` computes in: ``autocast`` (``autocast_dtype``) for an fp32 tensor, as ``nn.Linear``'s
+    operands are cast, else its own."""
+    return autocast if autocast is not None and t.dtype == torch.float32 else t.dtype
+
+
 def autocast_operands(hidden, weight, bias):
     """Under ``torch.autocast`` the GEMM operands are cast to the autocast dtype, as ``nn.Linear``'s are. The casts
-    are differentiable, so the gradients come back in the parameters' own dtype (fp32 for fp32 parameters); the
-    logits and the statistics stay fp32, as on 16-bit inputs."""
-    if not isinstance(hidden, torch.Tensor) or hidden.is_meta or not torch.is_autocast_enabled(hidden.device.type):
-        return hidden, weight, bias  # (meta: no autocast there; the checks below name the argument)
-    dtype = torch.get_autocast_dtype(hidden.device.type)
-    cast = lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.dtype == torch.float32 else t  # noqa: E731
+    are differentiable, so the gradients come back in the tensors' own dtype; the logits and the statistics stay
+    fp32, as on 16-bit inputs. ``vpce.distill`` casts the teacher's three this way; ``prepare_call`` casts hidden,
+    and leaves the weight and bias to ``compute_operands``."""
+    autocast = autocast_dtype(hidden)
+    cast = lambda t: t.to(operand_dtype(t, autocast)) if isinstance(t, torch.Tensor) else t  # noqa: E731
     return cast(hidden), cast(weight), cast(bias)
+
+
+def compute_operands(dtype: torch.dtype, weight: torch.Tensor, bias: torch.Tensor | None):
+    """The weight and bias in the compute dtype ``dtype`` (hidden's, after autocast).
+
+    ``prepare_call`` hands the caller's weight and bias on as they are; where autocast casts fp32 parameters, each
+    autograd Function (``vpce.autograd``) casts them here in its forward, where autograd records no cast, and
+    returns their gradients in the parameters' dtype: the fast route's dW is its fp32 accumulator scaled in place,
+    with no 16-bit rounding and no copy. (A 16-bit dW and the fp32 copy autograd's cast made of it were 1.5 GiB
+    at the start of backward on a 128k-vocab head.) Differentiable where it runs in grad mode (the
+    ``torch.compile`` path, ``vpce.library``'s ops)."""
+    cast = lambda t: t if t is None or t.dtype == dtype else t.to(dtype)  # noqa: E731
+    return cast(weight), cast(bias)
 
 
 class Entry:
@@ -174,7 +204,7 @@ class Entry:
 
     def checks(self, weight: torch.Tensor, cast_by_autocast: bool) -> None:
         """The entry's own argument checks (``ValueError``/``TypeError``), after the shared ones; ``weight``: the
-        caller's, before any autocast cast."""
+        caller's (autocast casts it only in the autograd Function: ``compute_operands``)."""
 
     def plan(self, needs: tuple[bool, bool, bool], dtype: torch.dtype, backend: str, sharded: bool,
              sequence_parallel: bool) -> Plan:
@@ -184,9 +214,11 @@ class Entry:
         """``(name, value)`` pairs of the options every rank must agree on."""
         raise NotImplementedError
 
-    def memory(self, plan: Plan, hidden: torch.Tensor, rows: int, needs: tuple[bool, bool, bool],
-               world: int) -> tuple[Plan, bool | None]:
-        """A route left to free memory, decided (``vpce.routing.settle_by_memory``); by default nothing to weigh."""
+    def memory(self, plan: Plan, hidden: torch.Tensor, rows: int, needs: tuple[bool, bool, bool], world: int,
+               extra: int) -> tuple[Plan, bool | None]:
+        """A route left to free memory, decided (``vpce.routing.settle_by_memory``; ``extra``: the bytes of the
+        parameters' copies in the compute dtype that the autograd Function makes under autocast); by default
+        nothing to weigh."""
         return plan, None
 
     def size(self, plan: Plan, shard: parallel.VocabShard, d: int, dtype: torch.dtype) -> Plan:
@@ -200,13 +232,17 @@ def prepare_call(entry: Entry, hidden, weight, target, bias, *, group, vocab_sta
     """Checks, the route, and the group's agreement: ``(hidden 2-D, weight, bias, target, Call)``.
 
     DTensor inputs are unwrapped to this rank's tensors first (a ``Shard(0)`` hidden means sequence parallel).
-    Under a group, every check's error is exchanged in the agreement and raised on every rank.
+    Under ``torch.autocast`` an fp32 hidden is cast to the autocast dtype (differentiably); the weight and bias are
+    returned uncast, for the autograd Function to cast in its forward (``compute_operands``), but checked, planned
+    and agreed on in the dtype they compute in, hidden's. Under a group, every check's error is exchanged in the
+    agreement and raised on every rank.
     """
     hidden, weight, bias, target, group, vocab_start, vocab_size, sequence_parallel = parallel.from_dtensors(
         hidden, weight, bias, target, group=group, vocab_start=vocab_start, vocab_size=vocab_size,
         sequence_parallel=sequence_parallel)
-    original_weight = weight
-    hidden, weight, bias = autocast_operands(hidden, weight, bias)
+    autocast = autocast_dtype(hidden)
+    if autocast is not None:
+        hidden = hidden.to(operand_dtype(hidden, autocast))
     _, world = parallel.group_rank_and_size(group)
     error, call_plan, needs, agreed, fast_fits = None, None, (False, False, False), [], None
     try:
@@ -223,13 +259,16 @@ def prepare_call(entry: Entry, hidden, weight, target, bias, *, group, vocab_sta
         if sequence_parallel and group is None:
             raise ValueError("sequence_parallel: expected a process group in `group` with sequence_parallel=True, "
                              "got group=None")
-        _check_tensors(hidden, weight, target, bias, world, sequence_parallel, backend)
-        entry.checks(original_weight, weight is not original_weight)
+        _check_tensors(hidden, weight, target, bias, world, sequence_parallel, backend, autocast)
+        cast = [t for t in (weight, bias) if t is not None and t.dtype != hidden.dtype]  # by autocast, in forward
+        entry.checks(weight, weight.dtype != hidden.dtype)
         needs = tuple(torch.is_grad_enabled() and t is not None and t.requires_grad for t in (hidden, weight, bias))
         call_plan = entry.plan(needs, hidden.dtype, backend, world > 1, sequence_parallel)
-        call_plan, fast_fits = entry.memory(call_plan, hidden, weight.shape[0], needs, world)
+        call_plan, fast_fits = entry.memory(call_plan, hidden, weight.shape[0], needs, world,
+                                            sum(t.numel() for t in cast) * hidden.element_size())
         agreed = [("hidden tokens", hidden.numel() // hidden.shape[-1]), ("hidden size", hidden.shape[-1]),
-                  ("hidden dtype", dtype_name(hidden.dtype)), ("weight dtype", dtype_name(weight.dtype)),
+                  ("hidden dtype", dtype_name(hidden.dtype)),
+                  ("weight dtype", dtype_name(operand_dtype(weight, autocast))),
                   ("bias", bias is not None), ("target dtype", dtype_name(target.dtype)),
                   ("sequence_parallel", sequence_parallel), ("requires_grad", sum(b << i for i, b in enumerate(needs))),
                   *entry.fields(), ("backend", call_plan.backend), ("route", call_plan.route),

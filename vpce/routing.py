@@ -232,17 +232,19 @@ def _fast_route_fits(hidden: torch.Tensor, tokens: int, rows: int, needs: tuple[
 
 
 def settle_by_memory(plan: Plan, hidden: torch.Tensor, rows: int, needs: tuple[bool, bool, bool],
-                     opts: LossOptions, world: int) -> tuple[Plan, bool | None]:
+                     opts: LossOptions, world: int, extra: int = 0) -> tuple[Plan, bool | None]:
     """Decide a route left to memory where this rank can: ``(plan, None)``; or, under a group on a long call,
     ``(plan still "auto", whether the fast route fits here)`` for the agreement to AND over the ranks. The
     speculative route (one process) holds what the fast route holds, plus three fp32 statistics per token: with
-    ``memory_budget="auto"`` it becomes the lean route where that does not fit."""
+    ``memory_budget="auto"`` it becomes the lean route where that does not fit. ``extra``: bytes the call holds
+    beside the route's buffers that are not allocated yet (the parameters' copies in the compute dtype under
+    autocast, ``vpce.prepare.compute_operands``)."""
     # nothing to weigh (CPU interpreter), or no host calls wanted (compiling, or capturing a CUDA graph)
     weigh = not (torch.compiler.is_compiling() or not hidden.is_cuda or torch.cuda.is_current_stream_capturing())
     tokens, d = hidden.numel() // hidden.shape[-1], hidden.shape[-1]
     if plan.route == "speculative":
         if opts.memory_budget != "auto" or not weigh or _fast_route_fits(hidden, tokens, rows, needs, opts,
-                                                                         12 * tokens):
+                                                                         12 * tokens + extra):
             return plan, None
         return Plan(plan.backend, "lean", plan.dx_reduce, plan.sequence_parallel), None
     if plan.route != "auto":
@@ -253,7 +255,7 @@ def settle_by_memory(plan: Plan, hidden: torch.Tensor, rows: int, needs: tuple[b
         tokens *= world  # the fast route gathers the sequence
     if world > 1 and tokens * d * 4 < AUTO_CHECK_BYTES:
         return settle(plan, True), None
-    fits = _fast_route_fits(hidden, tokens, rows, needs, opts)
+    fits = _fast_route_fits(hidden, tokens, rows, needs, opts, extra)
     if world == 1:
         return settle(plan, fits), None
     return plan, fits

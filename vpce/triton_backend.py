@@ -86,7 +86,7 @@ from .formulas import (Coefficients, RowStats, ce_coefficients, ce_token_outputs
                        logprob_coefficients, logprob_part_outputs, loss_fn_coefficients, loss_fn_metric_outputs,
                        store_metric_outputs)
 from .gemm import addmm_out_, logits_into, mm_into, mm_out
-from .grads import FastGrads, add_block, pad_rows, weight_grad, weight_grad_to_main, written_rows
+from .grads import FastGrads, add_block, pad_rows, scaled, weight_grad, weight_grad_to_main, written_rows
 from .options import DistillOptions, LogProbLossOptions, LogProbOptions, LossOptions
 from .parallel import HiddenGradReduce, RankStats, gather_sequence, start_gather_sequence, start_stats_exchange
 from .routing import ROW_ALIGN, Call, round_to
@@ -525,7 +525,7 @@ def log_prob_loss(hidden, weight, bias, tg: TokenTargets, o: LogProbLossOptions,
 
 
 def speculative_grads(held: FastGrads, hidden, weight, bias, tg: TokenTargets, rows: RowStats, g: torch.Tensor,
-                      coefficients, call: Call, softcap, inv_t: float, main_weight=None):
+                      coefficients, call: Call, softcap, inv_t: float, main_weight=None, dtypes=None):
     """The speculative route's backward (``vpce.speculation``): the held unit-scale gradients finished for the
     per-token upstream gradient ``g [N]`` (fp32), exact for any ``g``, with no host sync.
 
@@ -535,10 +535,11 @@ def speculative_grads(held: FastGrads, hidden, weight, bias, tg: TokenTargets, r
     whole vocab (the lean route's token-major order, in a buffer the size of the forward's ``P``), every kernel
     gated by its block's device flag. ``coefficients(r)``: the gradient ``Coefficients`` of every token at per-token
     upstream gradient ``r``; the blocks are the forward's chunks (the plan's ``chunk``). Returns ``(dX, dW, db,
-    uniform)`` in the inputs' dtype (dW padded to the weight's rows, or added into ``main_weight.main_grad``);
+    uniform)`` in ``dtypes`` (default: the inputs' dtype; fp32 parameters that autocast cast get their fp32
+    accumulators, ``grads.scaled``), dW padded to the weight's rows, or added into ``main_weight.main_grad``;
     ``uniform`` is a 0-d bool on the device."""
     n, d = hidden.shape
-    dtype = hidden.dtype
+    dtype, dw_dtype, db_dtype = dtypes or (hidden.dtype,) * 3
     v, n_rows = call.shard.valid_rows, weight.shape[0]
     dw, db = held.dw, held.db
     if n == 0:
@@ -561,10 +562,10 @@ def speculative_grads(held: FastGrads, hidden, weight, bias, tg: TokenTargets, r
     if main_weight is not None and dw is not None:
         dw = weight_grad_to_main(main_weight, dw.mul_(last))
     elif dw is not None:
-        dw = pad_rows(kernels.scale_cast(dw, last, dtype), n_rows, dtype)
+        dw = pad_rows(scaled(dw, last, dw_dtype, kernels.scale_cast), n_rows, dw_dtype)
     dx = held.summed()[0]  # after dW's cast: dX's sum over the group runs beside it
     dx = None if dx is None else kernels.row_scale_cast(dx, gk, dtype)
-    return dx, dw, None if db is None else pad_rows(db.mul_(last), n_rows, dtype), uniform
+    return dx, dw, None if db is None else pad_rows(db.mul_(last), n_rows, db_dtype), uniform
 
 
 def _gated_recompute(hidden, w, b, tg: TokenTargets, rows: RowStats, coef: Coefficients, flags: torch.Tensor,

@@ -147,14 +147,15 @@ def causal_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Ten
     target = shift_labels.reshape(-1).to(weight.device)
     device_type = hidden.device.type
     if torch.is_autocast_enabled(device_type):
-        # stock runs lm_head under autocast, i.e. on operands cast to the autocast dtype
+        # stock runs lm_head under autocast, i.e. on operands cast to the autocast dtype: all of them here but fp32
+        # parameters, which vpce casts under the same autocast inside its autograd Function, handing their
+        # gradients back in fp32 with no 16-bit copy (vpce.prepare.compute_operands)
         dtype = torch.get_autocast_dtype(device_type)
-        hidden, weight = hidden.to(dtype), weight.to(dtype)
-        bias = None if bias is None else bias.to(dtype)
+        cast = lambda t: t if t is None or t.dtype == torch.float32 else t.to(dtype)  # noqa: E731
+        hidden, weight, bias = hidden.to(dtype), cast(weight), cast(bias)
     reduction = "mean" if num_items_in_batch is None else "sum"
-    with torch.autocast(device_type, enabled=False):
-        loss = vpce.linear_cross_entropy(hidden, weight, target, bias, ignore_index=ignore_index,
-                                         reduction=reduction, softcap=softcap, **options)
+    loss = vpce.linear_cross_entropy(hidden, weight, target, bias, ignore_index=ignore_index, reduction=reduction,
+                                     softcap=softcap, **options)
     if num_items_in_batch is not None:
         if torch.is_tensor(num_items_in_batch):
             num_items_in_batch = num_items_in_batch.to(loss.device)
