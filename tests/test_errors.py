@@ -108,3 +108,19 @@ def test_double_backward_is_refused_by_name(memory_budget):
                  vpce.linear_log_probs(h, w, y, memory_budget=memory_budget).sum()):
         with pytest.raises(RuntimeError, match="double backward is not supported"):
             torch.autograd.grad(loss, h, create_graph=True)
+
+
+def test_triton_interpreter_refuses_bfloat16():
+    """The CPU interpreter's numpy emulation has no bfloat16 (its ``tl.dot`` once gave a loss of 9.6e9, silently):
+    ``backend="triton"`` on CPU tensors names the dtype instead, under autocast too; ``"auto"`` takes torch."""
+    if torch.cuda.is_available():
+        pytest.skip("CPU tensors only")
+    pytest.importorskip("triton")
+    h, w, t = torch.randn(6, 8), torch.randn(20, 8), torch.randint(0, 20, (6,))
+    with pytest.raises(TypeError, match=r"hidden: backend='triton' on the CPU interpreter .* got bfloat16"):
+        vpce.linear_cross_entropy(h.bfloat16(), w.bfloat16(), t, backend="triton")
+    with pytest.raises(TypeError, match="got bfloat16"), torch.autocast("cpu", dtype=torch.bfloat16):
+        vpce.linear_log_probs(h, w, t, backend="triton")
+    ref = torch.nn.functional.cross_entropy(h.bfloat16().double() @ w.bfloat16().double().t(), t)
+    got = vpce.linear_cross_entropy(h.bfloat16(), w.bfloat16(), t, backend="auto")
+    assert abs(float(got) - float(ref)) < 1e-2, (float(got), float(ref))

@@ -147,6 +147,11 @@ def resolve_backend(backend: str, hidden: torch.Tensor) -> str:
         if not hidden.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1":
             raise ValueError(f"backend: 'triton' expects CUDA tensors (or TRITON_INTERPRET=1 for the CPU "
                              f"interpreter), got hidden on {hidden.device}")
+        if not hidden.is_cuda and hidden.dtype == torch.bfloat16:
+            # the interpreter's numpy emulation has no bfloat16: its tl.dot returns garbage, silently
+            raise TypeError("hidden: backend='triton' on the CPU interpreter (TRITON_INTERPRET=1) computes bfloat16 "
+                            "wrongly; expected float16, float32 or float64 there, got bfloat16 (use backend='torch' "
+                            "or 'auto' for bfloat16 on a CPU)")
     return backend
 
 
