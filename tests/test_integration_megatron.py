@@ -231,6 +231,18 @@ def _case_loss_mask(rank, world):
     return out
 
 
+def _errors_of(calls: dict) -> dict:
+    """Each call's ``"TypeError: ..."`` / ``"ValueError: ..."``, or ``"no error"``."""
+    out = {}
+    for name, call in calls.items():
+        try:
+            call()
+            out[name] = "no error"
+        except (ValueError, TypeError) as e:
+            out[name] = f"{type(e).__name__}: {e}"
+    return out
+
+
 def _case_errors(rank, world):
     from vpce.integrations.megatron import vocab_parallel_lm_loss
 
@@ -243,14 +255,7 @@ def _case_errors(rank, world):
         "loss_mask wrong shape": lambda: vocab_parallel_lm_loss(hidden, layer, labels, loss_mask=labels.t()),
         "not an output layer": lambda: vocab_parallel_lm_loss(hidden, torch.nn.Linear(D, ROWS), labels),
     }
-    out = {}
-    for name, call in calls.items():
-        try:
-            call()
-            out[name] = "no error"
-        except (ValueError, TypeError) as e:
-            out[name] = f"{type(e).__name__}: {e}"
-    return out
+    return _errors_of(calls)
 
 
 # -- the whole GPTModel --------------------------------------------------------------------------------------------
@@ -455,14 +460,7 @@ def _case_apply_errors(rank, world):
         "vocab_size not int": lambda: vm.apply(model, vocab_size=57.0),
         "unknown option": lambda: vm.apply(model, group=None),
     }
-    out = {}
-    for name, call in calls.items():
-        try:
-            call()
-            out[name] = "no error"
-        except (ValueError, TypeError) as e:
-            out[name] = f"{type(e).__name__}: {e}"
-    return out, not vm.is_applied(model)
+    return _errors_of(calls), not vm.is_applied(model)
 
 
 def _main(rank, world, cases):
