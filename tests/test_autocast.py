@@ -95,7 +95,8 @@ def _autocast_call(entry, backend, h, w, y, b):
         loss = vpce.linear_log_prob_loss(h, w, y, lambda lp, ent: -lp, b, backend=backend)
         return loss, "LogProbLossFunctionBackward", "fast" if backend == "triton" else "lean"
     gen = torch.Generator().manual_seed(7)
-    t_h, t_w = torch.randn(h.shape, generator=gen), torch.randn(w.shape, generator=gen) / w.shape[1] ** 0.5
+    t_h = torch.randn(h.shape, generator=gen).to(h.device)
+    t_w = (torch.randn(w.shape, generator=gen) / w.shape[1] ** 0.5).to(w.device)
     loss = vpce.linear_distillation_loss(h, w, t_h, t_w, y, b, backend=backend)
     return loss, "LinearDistillationFunctionBackward", speculation.route_of(loss)
 

@@ -296,6 +296,10 @@ ERRORS = [
     (dict(teacher_hidden=torch.zeros(6, 9, dtype=torch.float32)), TypeError,
      ["teacher_hidden", "torch.float64", "torch.float32"]),
     (dict(teacher_bias=torch.zeros(12, dtype=torch.float64)), ValueError, ["teacher_bias", "(13,)", "(12,)"]),
+    # the device before the dtype: a teacher on another device is no autocast cast (a CPU teacher under CUDA
+    # autocast stays fp32) and its error names the device
+    (dict(teacher_hidden=torch.zeros(6, 9, dtype=torch.float32, device="meta")), ValueError,
+     ["teacher_hidden", "device cpu", "meta"]),
     (dict(token_weight=torch.ones(5, dtype=torch.float64)), ValueError, ["token_weight", "(6,)", "(5,)"]),
     (dict(target=torch.tensor([0, 1, 2, 3, 4, 13])), ValueError, ["target", "[0, 13)", "13"]),
     (dict(weight=torch.zeros(13, 4, dtype=torch.float64)), ValueError, ["weight", "[V_local, 7]", "(13, 4)"]),

@@ -83,10 +83,10 @@ def _check_teacher(hidden, weight, t_hidden, t_weight, t_bias, sequence_parallel
     for name, t in (("teacher_hidden", t_hidden), ("teacher_weight", t_weight), ("teacher_bias", t_bias)):
         if t is None:
             continue
+        if t.device != hidden.device:  # first: autocast casts only the tensors on its device
+            raise ValueError(f"{name}: expected device {hidden.device} (hidden's), got {t.device}")
         if t.dtype != dtype:
             raise TypeError(f"{name}: expected dtype {dtype} (hidden's), got {t.dtype}")
-        if t.device != hidden.device:
-            raise ValueError(f"{name}: expected device {hidden.device} (hidden's), got {t.device}")
     lead = tuple(hidden.shape[:-1])
     if t_hidden.dim() < 1 or tuple(t_hidden.shape[:-1]) != lead:
         what = "this rank's slice, as hidden" if sequence_parallel else "hidden's leading dims"

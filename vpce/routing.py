@@ -53,9 +53,16 @@ class Sizing:
     """The defaults the sizes of a call are computed from (``SIZING``; tests replace it through a fixture)."""
 
     fast_p_gib: float = 1.5
-    """The Triton fast route's ``P`` chunk (freed before backward's peak), ..."""
+    """The Triton fast route's ``P`` chunk, ..."""
+    fast_p_dw_share: float = 0.5
+    """... at most this share of the shard's fp32 dW accumulator (in a training step the loss's forward is the
+    step's peak: every activation is live, beside ``P``, dW and the 16-bit copy of an fp32 head under autocast).
+    One H100, 2026-11-26: the HF Trainer Llama step (h=2048, V=128256, 8192 tokens) peaked at 14.87 GiB with
+    ``P`` = dW (0.98 GiB), 14.37 at half, 14.12 at a quarter; the Llama-3-8B bench head (h=4096) ran vpce-triton
+    77.53/77.47 ms at 1, 77.82/77.99 at 0.5, 81.29/80.57 at 0.25 (``P`` of 2048 tokens: each chunk's dW GEMM
+    reads and writes the accumulator), ..."""
     min_p_gib: float = 0.25
-    """... and its floor when the fp32 dW accumulator is smaller than ``fast_p_gib``."""
+    """... and at least this much."""
     lean_block_gib: float = 0.2
     """The Triton lean backward's ``[N_b, V_b]`` block (softmax losses)."""
     lean_token_block: int = 4096
@@ -195,13 +202,14 @@ def _fast_chunk(opts: LossOptions, cols: int, dtype: torch.dtype, d: int) -> int
     """Tokens per fast-route chunk for ``cols`` vocab columns per rank; equal on every rank (``cols`` is
     ``vocab_size / world``, not V_local).
 
-    By default ``P`` gets ``Sizing.fast_p_gib``, but never more than the fp32 dW accumulator (at least
-    ``Sizing.min_p_gib``): under tensor parallelism the shard's accumulator shrinks with the group and so does ``P``.
+    By default ``P`` gets ``Sizing.fast_p_gib``, but never more than ``Sizing.fast_p_dw_share`` of the fp32 dW
+    accumulator (at least ``Sizing.min_p_gib``): under tensor parallelism the shard's accumulator shrinks with the
+    group and so does ``P``.
     """
     if isinstance(opts.memory_budget, float):
         gib = opts.memory_budget
     else:
-        gib = min(SIZING.fast_p_gib, max(SIZING.min_p_gib, cols * d * 4 / 2**30))
+        gib = min(SIZING.fast_p_gib, max(SIZING.min_p_gib, SIZING.fast_p_dw_share * cols * d * 4 / 2**30))
     per_tok = cols * torch.empty((), dtype=dtype).element_size()
     return round_to(int(gib * 2**30) // per_tok, ROW_ALIGN)
 
