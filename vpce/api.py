@@ -165,10 +165,10 @@ class CrossEntropyEntry(Entry):
         return plan_cross_entropy(o, needs, backend_name, sharded, sp, speculate)
 
     def memory(self, p, h, rows, needs, world, extra):
-        return settle_by_memory(p, h, rows, needs, self.opts, world, extra)
+        return settle_by_memory(p, h, rows, needs, self.opts, world, extra, self.weight_cast)
 
     def size(self, plan, shard, d, dtype):
-        return size_cross_entropy(plan, self.opts, shard, d, dtype)
+        return size_cross_entropy(plan, self.opts, shard, d, dtype, self.weight_cast)
 
     def fields(self):
         o = self.opts
@@ -313,10 +313,11 @@ class LogProbsEntry(Entry):
         return plan_log_probs(needs, backend_name, sharded, sp, speculate)
 
     def memory(self, p, h, rows, needs, world, extra):
-        return settle_by_memory(p, h, rows, needs, LossOptions(memory_budget=self.budget), world, extra)
+        return settle_by_memory(p, h, rows, needs, LossOptions(memory_budget=self.budget), world, extra,
+                                self.weight_cast)
 
     def size(self, plan, shard, d, dtype):
-        return size_log_probs(plan, self.lp, shard, d, dtype)
+        return size_log_probs(plan, self.lp, shard, d, dtype, self.weight_cast)
 
 
 class LinearCrossEntropy(torch.nn.Module):

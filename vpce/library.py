@@ -161,7 +161,8 @@ def _ce_call(backend, ignore_index, reduction, label_smoothing, z_loss, softcap,
     # the compiled graph's outputs must not depend on free memory: "auto" is the fast route here
     plan = settle(plan_cross_entropy(opts, tuple(needs), backend, False, False), True)
     shard = _shard(weight, vocab_size)
-    return opts, Call(shard, size_cross_entropy(plan, opts, shard, hidden.shape[-1], hidden.dtype), tuple(needs))
+    size = size_cross_entropy(plan, opts, shard, hidden.shape[-1], hidden.dtype, weight.dtype != hidden.dtype)
+    return opts, Call(shard, size, tuple(needs))
 
 
 def _ce_forward(tensors, opts: LossOptions, call: Call):

@@ -192,10 +192,11 @@ class LogProbLossEntry(Entry):
         return plan_log_probs(needs, backend_name, sharded, sp)
 
     def memory(self, p, h, rows, needs, world, extra):
-        return settle_by_memory(p, h, rows, needs, LossOptions(memory_budget=self.budget), world, extra)
+        return settle_by_memory(p, h, rows, needs, LossOptions(memory_budget=self.budget), world, extra,
+                                self.weight_cast)
 
     def size(self, plan, shard, d, dtype):
-        return size_log_prob_loss(plan, self.options, shard, d, dtype)
+        return size_log_prob_loss(plan, self.options, shard, d, dtype, self.weight_cast)
 
 
 # -- GRPO (TRL 1.16 GRPOTrainer._compute_loss) -------------------------------------------------------------------

@@ -201,6 +201,9 @@ class Entry:
     """The target id the agreement's target check skips."""
     history = None
     """``vpce.speculation.Record`` where ``plan`` asked ``speculation.decide``, else None."""
+    weight_cast = False
+    """Whether the autograd Function casts the weight (fp32 under autocast): ``memory`` and ``size`` pass it on
+    (``vpce.routing._fast_chunk``); set by ``prepare_call`` and agreed by the group."""
 
     def checks(self, weight: torch.Tensor, cast_by_autocast: bool) -> None:
         """The entry's own argument checks (``ValueError``/``TypeError``), after the shared ones; ``weight``: the
@@ -261,14 +264,15 @@ def prepare_call(entry: Entry, hidden, weight, target, bias, *, group, vocab_sta
                              "got group=None")
         _check_tensors(hidden, weight, target, bias, world, sequence_parallel, backend, autocast)
         cast = [t for t in (weight, bias) if t is not None and t.dtype != hidden.dtype]  # by autocast, in forward
-        entry.checks(weight, weight.dtype != hidden.dtype)
+        entry.weight_cast = weight.dtype != hidden.dtype
+        entry.checks(weight, entry.weight_cast)
         needs = tuple(torch.is_grad_enabled() and t is not None and t.requires_grad for t in (hidden, weight, bias))
         call_plan = entry.plan(needs, hidden.dtype, backend, world > 1, sequence_parallel)
         call_plan, fast_fits = entry.memory(call_plan, hidden, weight.shape[0], needs, world,
                                             sum(t.numel() for t in cast) * hidden.element_size())
         agreed = [("hidden tokens", hidden.numel() // hidden.shape[-1]), ("hidden size", hidden.shape[-1]),
                   ("hidden dtype", dtype_name(hidden.dtype)),
-                  ("weight dtype", dtype_name(operand_dtype(weight, autocast))),
+                  ("weight dtype", dtype_name(operand_dtype(weight, autocast))), ("weight cast", entry.weight_cast),
                   ("bias", bias is not None), ("target dtype", dtype_name(target.dtype)),
                   ("sequence_parallel", sequence_parallel), ("requires_grad", sum(b << i for i, b in enumerate(needs))),
                   *entry.fields(), ("backend", call_plan.backend), ("route", call_plan.route),

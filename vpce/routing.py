@@ -54,15 +54,9 @@ class Sizing:
 
     fast_p_gib: float = 1.5
     """The Triton fast route's ``P`` chunk, ..."""
-    fast_p_dw_share: float = 0.5
-    """... at most this share of the shard's fp32 dW accumulator (in a training step the loss's forward is the
-    step's peak: every activation is live, beside ``P``, dW and the 16-bit copy of an fp32 head under autocast).
-    One H100, 2026-11-26: the HF Trainer Llama step (h=2048, V=128256, 8192 tokens) peaked at 14.87 GiB with
-    ``P`` = dW (0.98 GiB), 14.37 at half, 14.12 at a quarter; the Llama-3-8B bench head (h=4096) ran vpce-triton
-    77.53/77.47 ms at 1, 77.82/77.99 at 0.5, 81.29/80.57 at 0.25 (``P`` of 2048 tokens: each chunk's dW GEMM
-    reads and writes the accumulator), ..."""
     min_p_gib: float = 0.25
-    """... and at least this much."""
+    """... and its floor when the fp32 dW accumulator (less the weight's 16-bit copy under autocast) is smaller
+    than ``fast_p_gib``."""
     lean_block_gib: float = 0.2
     """The Triton lean backward's ``[N_b, V_b]`` block (softmax losses)."""
     lean_token_block: int = 4096
@@ -198,28 +192,35 @@ def round_to(x: int, m: int) -> int:
     return max(m, (x // m) * m)
 
 
-def _fast_chunk(opts: LossOptions, cols: int, dtype: torch.dtype, d: int) -> int:
+def _fast_chunk(opts: LossOptions, cols: int, dtype: torch.dtype, d: int, weight_cast: bool = False) -> int:
     """Tokens per fast-route chunk for ``cols`` vocab columns per rank; equal on every rank (``cols`` is
-    ``vocab_size / world``, not V_local).
+    ``vocab_size / world``, not V_local; ``weight_cast`` is in the agreement).
 
-    By default ``P`` gets ``Sizing.fast_p_gib``, but never more than ``Sizing.fast_p_dw_share`` of the fp32 dW
-    accumulator (at least ``Sizing.min_p_gib``): under tensor parallelism the shard's accumulator shrinks with the
-    group and so does ``P``.
+    By default ``P`` gets ``Sizing.fast_p_gib``, but never more than the fp32 dW accumulator (at least
+    ``Sizing.min_p_gib``): under tensor parallelism the shard's accumulator shrinks with the group and so does
+    ``P``. Where the Function casts an fp32 weight (``weight_cast``, autocast), ``P`` and that 16-bit copy together
+    stay within the accumulator's size. In a training step the loss's forward is the step's peak (every activation
+    is live): one H100, 2026-11-26, the HF Trainer Llama step (h=2048, V=128256, 8192 tokens, bf16 autocast) peaked
+    at 14.87 GiB with ``P`` the accumulator's size (0.98 GiB), 14.37 with ``P`` + the copy within it (Liger's step:
+    14.39). Without a cast ``P`` keeps the accumulator's size: the Llama-3-8B bench head (bf16) ran vpce-triton
+    0.5-0.9 % slower with half of it (each chunk's dW GEMM reads and writes the accumulator).
     """
     if isinstance(opts.memory_budget, float):
         gib = opts.memory_budget
     else:
-        gib = min(SIZING.fast_p_gib, max(SIZING.min_p_gib, SIZING.fast_p_dw_share * cols * d * 4 / 2**30))
+        elem = torch.empty((), dtype=dtype).element_size()
+        room = cols * d * (4 - (elem if weight_cast else 0))
+        gib = min(SIZING.fast_p_gib, max(SIZING.min_p_gib, room / 2**30))
     per_tok = cols * torch.empty((), dtype=dtype).element_size()
     return round_to(int(gib * 2**30) // per_tok, ROW_ALIGN)
 
 
 def fast_route_bytes(tokens: int, d: int, rows: int, dtype: torch.dtype, needs: tuple[bool, bool, bool],
-                     opts: LossOptions) -> int:
+                     opts: LossOptions, weight_cast: bool = False) -> int:
     """What the fast route holds beyond its inputs and outputs for ``tokens`` tokens (all of them under sequence
     parallelism) and ``rows`` vocab rows: the ``P`` chunk, its tile statistics, fp32 dX and the fp32 dW
     accumulator (``vpce.routing`` weighs it against free memory)."""
-    chunk = min(max(tokens, 1), _fast_chunk(opts, max(rows, 1), dtype, d))
+    chunk = min(max(tokens, 1), _fast_chunk(opts, max(rows, 1), dtype, d, weight_cast))
     p = chunk * rows * torch.empty((), dtype=dtype).element_size()
     tiles = chunk * 2 * math.ceil(rows / 128) * 4
     return p + tiles + (tokens * d * 4 if needs[0] else 0) + (rows * d * 4 if needs[1] else 0)
@@ -238,26 +239,27 @@ def _fits(need: int, device: torch.device) -> bool:
 
 
 def _fast_route_fits(hidden: torch.Tensor, tokens: int, rows: int, needs: tuple[bool, bool, bool],
-                     opts: LossOptions, extra: int = 0) -> bool:
+                     opts: LossOptions, extra: int = 0, weight_cast: bool = False) -> bool:
     """Whether the fast route's buffers for ``tokens`` tokens (plus ``extra`` bytes) fit on ``hidden``'s device."""
-    need = fast_route_bytes(tokens, hidden.shape[-1], rows, hidden.dtype, needs, opts) + extra
+    need = fast_route_bytes(tokens, hidden.shape[-1], rows, hidden.dtype, needs, opts, weight_cast) + extra
     return _fits(need, hidden.device)
 
 
 def settle_by_memory(plan: Plan, hidden: torch.Tensor, rows: int, needs: tuple[bool, bool, bool],
-                     opts: LossOptions, world: int, extra: int = 0) -> tuple[Plan, bool | None]:
+                     opts: LossOptions, world: int, extra: int = 0,
+                     weight_cast: bool = False) -> tuple[Plan, bool | None]:
     """Decide a route left to memory where this rank can: ``(plan, None)``; or, under a group on a long call,
     ``(plan still "auto", whether the fast route fits here)`` for the agreement to AND over the ranks. The
     speculative route (one process) holds what the fast route holds, plus three fp32 statistics per token: with
     ``memory_budget="auto"`` it becomes the lean route where that does not fit. ``extra``: bytes the call holds
     beside the route's buffers that are not allocated yet (the parameters' copies in the compute dtype under
-    autocast, ``vpce.prepare.compute_operands``)."""
+    autocast, ``vpce.prepare.compute_operands``); ``weight_cast``: the weight is one of them (``_fast_chunk``)."""
     # nothing to weigh (CPU interpreter), or no host calls wanted (compiling, or capturing a CUDA graph)
     weigh = not (torch.compiler.is_compiling() or not hidden.is_cuda or torch.cuda.is_current_stream_capturing())
     tokens, d = hidden.numel() // hidden.shape[-1], hidden.shape[-1]
     if plan.route == "speculative":
         if opts.memory_budget != "auto" or not weigh or _fast_route_fits(hidden, tokens, rows, needs, opts,
-                                                                         12 * tokens + extra):
+                                                                         12 * tokens + extra, weight_cast):
             return plan, None
         return Plan(plan.backend, "lean", plan.dx_reduce, plan.sequence_parallel), None
     if plan.route != "auto":
@@ -268,7 +270,7 @@ def settle_by_memory(plan: Plan, hidden: torch.Tensor, rows: int, needs: tuple[b
         tokens *= world  # the fast route gathers the sequence
     if world > 1 and tokens * d * 4 < AUTO_CHECK_BYTES:
         return settle(plan, True), None
-    fits = _fast_route_fits(hidden, tokens, rows, needs, opts, extra)
+    fits = _fast_route_fits(hidden, tokens, rows, needs, opts, extra, weight_cast)
     if world == 1:
         return settle(plan, fits), None
     return plan, fits
@@ -308,7 +310,8 @@ def _torch_chunk(budget_gib: float, cols: int, dtype: torch.dtype, per_acc: int)
     return max(1, int(budget_gib * 2**30) // (cols * per_logit))
 
 
-def size_cross_entropy(plan: Plan, opts: LossOptions, shard: VocabShard, d: int, dtype: torch.dtype) -> Plan:
+def size_cross_entropy(plan: Plan, opts: LossOptions, shard: VocabShard, d: int, dtype: torch.dtype,
+                       weight_cast: bool = False) -> Plan:
     """The cross-entropy's plan with its sizes. Torch: chunks of live logits, their fp32 copy, the probabilities
     and their cast within the budget (the recompute at the default budget). Triton: the fast and speculative
     routes' ``P`` chunk (``_fast_chunk``), else stats-only launches."""
@@ -319,12 +322,13 @@ def size_cross_entropy(plan: Plan, opts: LossOptions, shard: VocabShard, d: int,
                       _torch_chunk(DEFAULT_CHUNK_GIB, cols, dtype, per_acc), SIZING.lean_block_gib)
     else:
         formed = plan.route in ("fast", "speculative")
-        sizes = Sizes(_fast_chunk(opts, cols, dtype, d) if formed else SIZING.stats_tokens, SIZING.lean_token_block,
-                      SIZING.lean_block_gib)
+        sizes = Sizes(_fast_chunk(opts, cols, dtype, d, weight_cast) if formed else SIZING.stats_tokens,
+                      SIZING.lean_token_block, SIZING.lean_block_gib)
     return dataclasses.replace(plan, sizes=sizes)
 
 
-def size_log_probs(plan: Plan, lp: LogProbOptions, shard: VocabShard, d: int, dtype: torch.dtype) -> Plan:
+def size_log_probs(plan: Plan, lp: LogProbOptions, shard: VocabShard, d: int, dtype: torch.dtype,
+                   weight_cast: bool = False) -> Plan:
     """``linear_log_probs``' plan with its sizes: as the cross-entropy's, at the default budget on the torch
     backend; the speculative route's ``P`` from ``memory_budget`` on the Triton one."""
     cols = shard.columns_per_rank
@@ -332,22 +336,24 @@ def size_log_probs(plan: Plan, lp: LogProbOptions, shard: VocabShard, d: int, dt
         chunk = _torch_chunk(DEFAULT_CHUNK_GIB, cols, dtype, 3 if lp.softcap is not None else 2)
         sizes = Sizes(chunk, chunk, SIZING.lean_block_gib)
     else:
-        chunk = _fast_chunk(lp.chunk_options(), cols, dtype, d) \
+        chunk = _fast_chunk(lp.chunk_options(), cols, dtype, d, weight_cast) \
             if plan.route == "speculative" else SIZING.stats_tokens
         sizes = Sizes(chunk, SIZING.lean_token_block, SIZING.lean_block_gib)
     return dataclasses.replace(plan, sizes=sizes)
 
 
-def size_log_prob_loss(plan: Plan, o: LogProbLossOptions, shard: VocabShard, d: int, dtype: torch.dtype) -> Plan:
+def size_log_prob_loss(plan: Plan, o: LogProbLossOptions, shard: VocabShard, d: int, dtype: torch.dtype,
+                       weight_cast: bool = False) -> Plan:
     """``linear_log_prob_loss``'s plan with its sizes: the fast route's ``P`` as the cross-entropy's (scope
     ``"sequence"``: whole rows, at least one), else the two-pass form's statistics launches and recompute blocks,
     as ``linear_log_probs``' lean route."""
     if plan.backend == "triton" and plan.route == "fast":
-        chunk = _fast_chunk(LossOptions(memory_budget=o.memory_budget), shard.columns_per_rank, dtype, d)
+        chunk = _fast_chunk(LossOptions(memory_budget=o.memory_budget), shard.columns_per_rank, dtype, d,
+                            weight_cast)
         if o.scope == "sequence":
             chunk = max(o.row, (chunk // o.row) * o.row)
         return dataclasses.replace(plan, sizes=Sizes(chunk, SIZING.lean_token_block, SIZING.lean_block_gib))
-    return size_log_probs(plan, o.stats_options(), shard, d, dtype)
+    return size_log_probs(plan, o.stats_options(), shard, d, dtype, weight_cast)
 
 
 def size_distillation(plan: Plan, o: DistillOptions, shard: VocabShard, d: int, dtype: torch.dtype) -> Plan:
