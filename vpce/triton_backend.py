@@ -141,10 +141,10 @@ class _ChunkStats:
                 # F.linear does), one bandwidth pass takes their statistics, the target logit comes in fp32
                 if not ready:
                     logits_into(p, h[sl], w, b)
-                if self.zs is not None:
-                    zs = stats["zt"] = self.zs[r].fill_(-math.inf)  # stored by the tile that holds the target
                 kernels.stored_logits(p, None, tl_local[sl], **stats)
-                kernels.target_logits(h[sl], w, b, tl_local[sl], zt, softcap=softcap, inv_t=inv_t)  # every row
+                zs = None if self.zs is None else self.zs[r]
+                kernels.target_logits(h[sl], w, b, tl_local[sl], zt, softcap=softcap, inv_t=inv_t,  # every row
+                                      logits=p, zs=zs)
             else:
                 zt.fill_(-math.inf)  # stored by the tile that holds the target, if any
                 kernels.logits_tiles(h[sl], w, b, tl_local[sl], **stats)

@@ -219,10 +219,6 @@ def _epilogue(
             zt = tl.sum(tl.where(hit, acc, 0.0), axis=1)
             mine = row_ok & (t >= pid_n * BLOCK_N) & (t < pid_n * BLOCK_N + BLOCK_N)
             tl.store(ZT + rm, zt, mask=mine)
-        elif TOP1:  # the target logit as stored, for the argmax test: only a tile that holds some row's target
-            mine = row_ok & (t >= pid_n * BLOCK_N) & (t < pid_n * BLOCK_N + BLOCK_N)
-            if tl.max(mine.to(tl.int32), axis=0) > 0:
-                tl.store(ZT + rm, tl.sum(tl.where(hit, acc, 0.0), axis=1), mask=mine)
 
 
 
@@ -306,15 +302,25 @@ def _stored_logits_kernel(
 
 
 @triton.jit
-def _target_logits_kernel(X, W, BIAS, TL, ZT, M, D, stride_xm, stride_xk, stride_wv, stride_wk, softcap, inv_t,
-                          HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, TEMPERATURE: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+def _target_logits_kernel(X, W, BIAS, TL, ZT, L, ZS, M, D, stride_xm, stride_xk, stride_wv, stride_wk, stride_lm,
+                          stride_ln, softcap, inv_t, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr,
+                          TEMPERATURE: tl.constexpr, STORED: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_K: tl.constexpr):
     """``ZT[row] = z`` of the row's target column from ``X[row] . W[t]`` in fp32 (``-inf`` where ``t < 0``): the
-    target logit never goes through the 16-bit logits buffer."""
+    target logit never goes through the 16-bit logits buffer. ``STORED``: also ``ZS[row]``, the target logit as
+    the logits buffer ``L`` holds it (through the epilogue's soft cap and temperature), for the argmax test."""
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rm < M
     t = tl.load(TL + rm, mask=row_ok, other=-1)
     mine = row_ok & (t >= 0)
+    if STORED:  # one element per row, read before the K loop
+        zs = tl.load(L + rm.to(tl.int64) * stride_lm + tl.where(mine, t, 0).to(tl.int64) * stride_ln, mask=mine,
+                     other=0.0).to(tl.float32)
+        if SOFTCAP:
+            zs, _ = _softcap(zs, softcap)
+        if TEMPERATURE:
+            zs = zs * inv_t
+        tl.store(ZS + rm, tl.where(mine, zs, float("-inf")), mask=row_ok)
     rk = tl.arange(0, BLOCK_K)
     x_ptrs = X + rm.to(tl.int64)[:, None] * stride_xm + rk[None, :] * stride_xk
     w_ptrs = W + tl.where(mine, t, 0).to(tl.int64)[:, None] * stride_wv + rk[None, :] * stride_wk
@@ -540,8 +546,8 @@ def stored_logits(logits, b, t_local, *, softcap=None, inv_t=1.0, tile_m=None, t
                   before=None, block_n=None, block_m=None, num_warps=None):
     """``logits_tiles``'s epilogue over ``logits [M, V]`` that a GEMM already wrote (the inputs' dtype; ``b`` is
     added here, None if the GEMM added it): stats mode fills the same buffers as ``logits_tiles`` but ``zt``, and
-    leaves the target column out of the tile max too (``target_logits`` gives its exact logit; with ``tile_mb``,
-    ``zt`` gets the target's logit as stored, for the argmax test), grad mode
+    leaves the target column out of the tile max too (``target_logits`` gives its exact logit, and the logit as
+    stored for the argmax test), grad mode
     (``rows``, ``coef``) overwrites ``logits`` with the gradient. One bandwidth-bound pass; ``block_n`` is the stats
     tile width (``tile_n``); ``block_m`` / ``num_warps`` override the launch shape (``launch/tune_kernels.py``)."""
     m, v = logits.shape
@@ -571,18 +577,23 @@ def stored_logits(logits, b, t_local, *, softcap=None, inv_t=1.0, tile_m=None, t
     )
 
 
-def target_logits(x, w, b, t_local, zt, *, softcap=None, inv_t=1.0):
+def target_logits(x, w, b, t_local, zt, *, softcap=None, inv_t=1.0, logits=None, zs=None):
     """``zt [M] = cap(x . w[t] + b[t]) / T`` in fp32 for each row's local target column ``t_local`` (``-inf``
-    where it is -1): the exact target logit beside ``stored_logits``' 16-bit logits."""
+    where it is -1): the exact target logit beside ``stored_logits``' 16-bit logits. With ``zs`` (and the
+    ``logits`` buffer) also the target logit as ``logits`` holds it, through the same soft cap and temperature as
+    ``stored_logits``' epilogue: the argmax test compares it with the other stored logits on equal terms."""
     m, d = x.shape
     if m == 0:
         return
     gpu = x.is_cuda and not INTERPRET
     block_m, block_k = (16, 256) if gpu else (32, 32)
+    stored = zs is not None
+    ls = logits if stored else x
     _target_logits_kernel[(triton.cdiv(m, block_m),)](
-        x, w, x if b is None else b, t_local, zt, m, d, x.stride(0), x.stride(1), w.stride(0), w.stride(1),
-        float(softcap or 1.0), float(inv_t), HAS_BIAS=b is not None, SOFTCAP=softcap is not None,
-        TEMPERATURE=inv_t != 1.0, BLOCK_M=block_m, BLOCK_K=block_k, num_warps=4)
+        x, w, x if b is None else b, t_local, zt, ls, zs if stored else zt, m, d, x.stride(0), x.stride(1),
+        w.stride(0), w.stride(1), ls.stride(0), ls.stride(1), float(softcap or 1.0), float(inv_t),
+        HAS_BIAS=b is not None, SOFTCAP=softcap is not None, TEMPERATURE=inv_t != 1.0, STORED=stored,
+        BLOCK_M=block_m, BLOCK_K=block_k, num_warps=4)
 
 
 def reduce_tiles(tile_m, tile_s, tile_z, tile_ez, zt, tile_sq=None, tile_mb=None, zt_stored=None) -> torch.Tensor:
