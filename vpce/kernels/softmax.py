@@ -68,62 +68,6 @@ def _dlogits(p, zc, hit, ca, cb, cc, cd, q, dcap, HAS_CB: tl.constexpr, HAS_CD: 
 
 
 @triton.jit
-def _logits_tile(
-    pid_m, pid_n,
-    # pointers
-    X, W, BIAS, TL, TILE_M, TILE_S, TILE_Z, TILE_EZ, ZT, P, RM, RLSE, RQ, CA, CB, CC, CD, CW, TILE_SQ, TILE_MB, TB,
-    # shapes
-    M, V, D, n_tiles,
-    # strides
-    stride_xm, stride_xk, stride_wv, stride_wk, stride_pm, stride_pn,
-    # options
-    softcap, inv_t,
-    # meta
-    HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, TEMPERATURE: tl.constexpr, GRAD: tl.constexpr,
-    SUM_Z: tl.constexpr, SUM_EZ: tl.constexpr, HAS_CB: tl.constexpr,
-    HAS_CD: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr, HAS_CW: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    EVEN_N: tl.constexpr, SUM_SQ: tl.constexpr, TOP1: tl.constexpr, ROUND: tl.constexpr,
-):
-    """One [BLOCK_M, BLOCK_N] tile: the GEMM over D, then the epilogue."""
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-
-    # -- logits tile: fp32 accumulation over D --
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if TMA:
-        # X and W are tensor descriptors (Hopper's bulk copy engine); out-of-bounds reads come back as 0
-        for k in range(0, tl.cdiv(D, BLOCK_K)):
-            a = X.load([pid_m * BLOCK_M, k * BLOCK_K])
-            b = W.load([pid_n * BLOCK_N, k * BLOCK_K])
-            acc = tl.dot(a, b.T, acc)
-    else:
-        rk = tl.arange(0, BLOCK_K)
-        # rows past the end read a valid row (wrapped) and are never stored: no masks in the K loop
-        rm_load = (rm % M).to(tl.int64)
-        rn_load = (rn % V).to(tl.int64)
-        x_ptrs = X + rm_load[:, None] * stride_xm + rk[None, :] * stride_xk
-        w_ptrs = W + rn_load[None, :] * stride_wv + rk[:, None] * stride_wk
-        for k in range(0, tl.cdiv(D, BLOCK_K)):
-            if EVEN_K:
-                a = tl.load(x_ptrs)
-                b = tl.load(w_ptrs)
-            else:
-                a = tl.load(x_ptrs, mask=rk[None, :] < D - k * BLOCK_K, other=0.0)
-                b = tl.load(w_ptrs, mask=rk[:, None] < D - k * BLOCK_K, other=0.0)
-            if IEEE:
-                acc = tl.dot(a, b, acc, input_precision="ieee")
-            else:
-                acc = tl.dot(a, b, acc)
-            x_ptrs += BLOCK_K * stride_xk
-            w_ptrs += BLOCK_K * stride_wk
-
-    _epilogue(acc, rm, rn, pid_n, BIAS, TL, TILE_M, TILE_S, TILE_Z, TILE_EZ, ZT, P, RM, RLSE, RQ, CA, CB, CC, CD, CW,
-              TILE_SQ, TILE_MB, TB, M, V, n_tiles, stride_pm, stride_pn, softcap, inv_t, HAS_BIAS, SOFTCAP,
-              TEMPERATURE, GRAD, SUM_Z, SUM_EZ, HAS_CB, HAS_CD, HAS_CW, EVEN_N, SUM_SQ, TOP1, BLOCK_N, False, ROUND)
-
-
-@triton.jit
 def _epilogue(
     acc, rm, rn, pid_n,
     # pointers
@@ -243,36 +187,59 @@ def _logits_tiles_kernel(
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, SUM_SQ: tl.constexpr, TOP1: tl.constexpr,
     HAS_FLAG: tl.constexpr, ROUND: tl.constexpr,
 ):
-    """``HAS_FLAG`` (the speculative route's gated recompute, ``vpce.speculation``): a persistent grid whose
-    programs first read ``FLAG[0]`` (int32) and return when it is 0, else walk the tiles ``pid, pid + grid, ...``;
-    ``ROUND`` (with it only) rounds each logit to ``P``'s dtype before the epilogue, as cuBLAS wrote the logits
-    whose statistics that route's forward took. Without them, one tile per program: the kernel every other path
-    compiles."""
+    """Per ``[BLOCK_M, BLOCK_N]`` tile: the GEMM over D, then ``_epilogue``. ``HAS_FLAG`` (the speculative route's
+    gated recompute, ``vpce.speculation``): a persistent grid whose programs first read ``FLAG[0]`` (int32) and
+    return when it is 0, else walk the tiles ``pid, pid + grid, ...``; ``ROUND`` (with it only) rounds each logit to
+    ``P``'s dtype before the epilogue, as cuBLAS wrote the logits whose statistics that route's forward took.
+    Without them, one tile per program (the same loop, one trip): the kernel every other path compiles."""
     # -- grouped tile order: GROUP_M row blocks share each W tile while it sits in L2 --
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(V, BLOCK_N)
     width = GROUP_M * num_n
-    if HAS_FLAG:
-        if tl.load(FLAG) != 0:
-            for pid in range(tl.program_id(0), num_m * num_n, tl.num_programs(0)):
-                first_m = (pid // width) * GROUP_M
-                size_m = min(num_m - first_m, GROUP_M)
-                _logits_tile(first_m + (pid % width) % size_m, (pid % width) // size_m,
-                             X, W, BIAS, TL, TILE_M, TILE_S, TILE_Z, TILE_EZ, ZT, P, RM, RLSE, RQ, CA, CB, CC, CD,
-                             CW, TILE_SQ, TILE_MB, TB,
-                             M, V, D, n_tiles, stride_xm, stride_xk, stride_wv, stride_wk, stride_pm, stride_pn,
-                             softcap, inv_t, HAS_BIAS, SOFTCAP, TEMPERATURE, GRAD, SUM_Z, SUM_EZ, HAS_CB, HAS_CD,
-                             IEEE, TMA, HAS_CW, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, SUM_SQ, TOP1, ROUND)
-    else:
-        pid = tl.program_id(0)
+    last, step = tl.program_id(0) + 1, 1  # one tile per program
+    if HAS_FLAG:  # persistent: tiles pid, pid + grid, ...; none while the flag is 0
+        last = tl.where(tl.load(FLAG) != 0, num_m * num_n, 0)
+        step = tl.num_programs(0)
+    for pid in range(tl.program_id(0), last, step):
         first_m = (pid // width) * GROUP_M
         size_m = min(num_m - first_m, GROUP_M)
-        _logits_tile(first_m + (pid % width) % size_m, (pid % width) // size_m,
-                     X, W, BIAS, TL, TILE_M, TILE_S, TILE_Z, TILE_EZ, ZT, P, RM, RLSE, RQ, CA, CB, CC, CD, CW,
-                     TILE_SQ, TILE_MB, TB,
-                     M, V, D, n_tiles, stride_xm, stride_xk, stride_wv, stride_wk, stride_pm, stride_pn,
-                     softcap, inv_t, HAS_BIAS, SOFTCAP, TEMPERATURE, GRAD, SUM_Z, SUM_EZ, HAS_CB, HAS_CD,
-                     IEEE, TMA, HAS_CW, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, SUM_SQ, TOP1, False)
+        pid_m = first_m + (pid % width) % size_m
+        pid_n = (pid % width) // size_m
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+
+        # -- logits tile: fp32 accumulation over D --
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if TMA:
+            # X and W are tensor descriptors (Hopper's bulk copy engine); out-of-bounds reads come back as 0
+            for k in range(0, tl.cdiv(D, BLOCK_K)):
+                a = X.load([pid_m * BLOCK_M, k * BLOCK_K])
+                b = W.load([pid_n * BLOCK_N, k * BLOCK_K])
+                acc = tl.dot(a, b.T, acc)
+        else:
+            rk = tl.arange(0, BLOCK_K)
+            # rows past the end read a valid row (wrapped) and are never stored: no masks in the K loop
+            rm_load = (rm % M).to(tl.int64)
+            rn_load = (rn % V).to(tl.int64)
+            x_ptrs = X + rm_load[:, None] * stride_xm + rk[None, :] * stride_xk
+            w_ptrs = W + rn_load[None, :] * stride_wv + rk[:, None] * stride_wk
+            for k in range(0, tl.cdiv(D, BLOCK_K)):
+                if EVEN_K:
+                    a = tl.load(x_ptrs)
+                    b = tl.load(w_ptrs)
+                else:
+                    a = tl.load(x_ptrs, mask=rk[None, :] < D - k * BLOCK_K, other=0.0)
+                    b = tl.load(w_ptrs, mask=rk[:, None] < D - k * BLOCK_K, other=0.0)
+                if IEEE:
+                    acc = tl.dot(a, b, acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(a, b, acc)
+                x_ptrs += BLOCK_K * stride_xk
+                w_ptrs += BLOCK_K * stride_wk
+
+        _epilogue(acc, rm, rn, pid_n, BIAS, TL, TILE_M, TILE_S, TILE_Z, TILE_EZ, ZT, P, RM, RLSE, RQ, CA, CB, CC, CD,
+                  CW, TILE_SQ, TILE_MB, TB, M, V, n_tiles, stride_pm, stride_pn, softcap, inv_t, HAS_BIAS, SOFTCAP,
+                  TEMPERATURE, GRAD, SUM_Z, SUM_EZ, HAS_CB, HAS_CD, HAS_CW, EVEN_N, SUM_SQ, TOP1, BLOCK_N, False, ROUND)
 
 
 @triton.heuristics({"EVEN_N": lambda a: a["V"] % a["BLOCK_N"] == 0})
