@@ -12,8 +12,9 @@
                                                                    # output_router_logits (config or keyword)
 
 One generic path serves every family (no per-family copy of the forward). The patched forward runs the family's
-**own** forward with ``labels=None``, with a pre-hook on ``lm_head`` that keeps the hidden states it receives and
-hands it an empty slice of them instead, so the stock code runs everything but the logits: the base model, the
+**own** forward with ``labels=None``, with a stand-in for ``lm_head``'s forward that keeps the hidden states it
+receives and returns ``lm_head``'s output for no position, computed from nothing (no cast of an fp32 head under
+autocast), so the stock code runs everything but the logits: the base model, the
 slicing, any cast before ``lm_head``, the router aux loss (``aux_loss``), the cache. vpce then takes the kept
 hidden states with ``lm_head.weight`` (and its bias) in ``causal_lm_loss``, which shifts the labels as
 ``ForCausalLMLoss`` does, and adds ``coef * aux_loss`` exactly as stock (the coefficient is the attribute the
@@ -22,8 +23,8 @@ family's forward multiplies by, ``router_aux_loss_coef`` or ``aux_loss_coef``).
 The family transform is read from the model at every call, as stock reads it: ``softcap=`` from
 ``config.final_logit_softcapping`` (Gemma 2/3/3n/4), ``logit_scale=`` from ``model.logit_scale`` (Cohere, Cohere 2)
 or ``1 / config.logits_scaling`` (Granite, GraniteMoe: a multiplication where stock divides, the same logits up to
-one rounding). Nothing is assumed unchecked: the first forward with labels gives ``lm_head`` one position instead
-of none, and compares stock's logits for it with vpce's transform of ``lm_head``'s output. A family that does
+one rounding). Nothing is assumed unchecked: the first forward with labels runs the real ``lm_head`` on one
+position (no graph, nothing cached), and compares stock's logits for it with vpce's transform of ``lm_head``'s output. A family that does
 anything else to its logits (a slice of the vocab, another scale) is refused there with a ``TypeError`` that says
 so, before any loss is returned. ``apply`` itself refuses, naming the reason and the alternative, a model whose
 output embedding is not an ``nn.Linear``, whose forward has no ``labels``/``**kwargs`` or does not call

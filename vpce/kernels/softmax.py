@@ -479,10 +479,7 @@ def logits_tiles(x, w, b, t_local, *, softcap=None, inv_t=1.0, tile_m=None, tile
     bn = cfg["BLOCK_N"]
     n_tiles = triton.cdiv(v, bn)
     grad = rows is not None
-    dummy = x.new_empty(0, dtype=torch.float32)
-    ca, cb, cc, cd = coef if grad else (None,) * 4
-    rm, rls, rq = rows if grad else (None,) * 3
-    pick = lambda t: dummy if t is None else t  # noqa: E731
+    pick, (rm, rls, rq), (ca, cb, cc, cd) = _epilogue_operands(x, rows, coef)
     out = p if p is not None else x.new_empty(0)
     grid = (triton.cdiv(m, cfg["BLOCK_M"]) * n_tiles,)
     if flag is not None:
@@ -508,6 +505,15 @@ def logits_tiles(x, w, b, t_local, *, softcap=None, inv_t=1.0, tile_m=None, tile
     )
 
 
+def _epilogue_operands(like: torch.Tensor, rows, coef):
+    """The softmax epilogue's per-row operands for one launch (``logits_tiles``, ``stored_logits``): ``(pick,
+    (m, lse, 1 - p_t), (a, b, c, d))``, the tuples of Nones in stats mode (``rows`` None); ``pick`` stands an empty
+    fp32 tensor on ``like``'s device in for a None (a pointer argument the kernel's flags leave unread)."""
+    dummy = like.new_empty(0, dtype=torch.float32)
+    grad = rows is not None
+    return (lambda t: dummy if t is None else t), (rows if grad else (None,) * 3), (coef if grad else (None,) * 4)
+
+
 def stored_logits(logits, b, t_local, *, softcap=None, inv_t=1.0, tile_m=None, tile_s=None, tile_z=None,
                   tile_ez=None, zt=None, rows=None, coef=None, class_weight=None, tile_sq=None, tile_mb=None,
                   before=None, block_n=None, block_m=None, num_warps=None):
@@ -523,10 +529,7 @@ def stored_logits(logits, b, t_local, *, softcap=None, inv_t=1.0, tile_m=None, t
     bn = block_n or tile_n(logits)
     n_tiles = triton.cdiv(v, bn)
     grad = rows is not None
-    dummy = logits.new_empty(0, dtype=torch.float32)
-    ca, cb, cc, cd = coef if grad else (None,) * 4
-    rm, rls, rq = rows if grad else (None,) * 3
-    pick = lambda t: dummy if t is None else t  # noqa: E731
+    pick, (rm, rls, rq), (ca, cb, cc, cd) = _epilogue_operands(logits, rows, coef)
     gpu = logits.is_cuda and not INTERPRET
     # 16 rows x 256 columns per program, 4 warps: 2.6 TB/s (stats) and 3.8 TB/s (gradient, read + write) on an H200
     # (launch/tune_kernels.py, 2026-11-23); 8 warps or 8-64 rows were slower
