@@ -58,6 +58,7 @@ import torch.nn.functional as F
 import vpce
 from vpce.bench.launch_env import set_collective_env
 from vpce.memory import PeakMemory
+from vpce.parallel import end_process_group
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 
@@ -406,14 +407,16 @@ def main(argv=None) -> None:
     text = load_corpus()
     tok = WordTokenizer(text)
     tokens = torch.tensor(tok.encode(text))
+    finished = False
     try:
         if args.baseline_out:
             run_baseline(args, cfg, tokens, len(tok), world, device)
         else:
             run_sharded(args, cfg, tokens, len(tok), rank, world, group, device)
+        finished = True
     finally:
         if group is not None:
-            dist.destroy_process_group()
+            end_process_group(finished)
 
 
 if __name__ == "__main__":

@@ -92,6 +92,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from demo import WordTokenizer, load_corpus  # noqa: E402 - launch/ is not a package
 
 from vpce.bench.launch_env import set_collective_env  # noqa: E402
+from vpce.parallel import end_process_group  # noqa: E402
 
 MEGATRON_PATHS = ("megatron", "megatron-repeat", "megatron-fused", "vpce", "vpce-per-token")
 HF_PATHS = ("stock", "vpce", "liger")
@@ -902,17 +903,19 @@ def main(argv=None) -> None:
             print(line, flush=True)
 
     t0 = time.perf_counter()
+    finished = False
     try:
         if args.stack == "megatron":
             report = run_megatron(args, rank, world, device, say)
         else:
             report = run_hf(args, device, out_dir, say)
+        finished = True
     finally:
         if args.stack == "megatron":
             from megatron.core import parallel_state as ps
             if ps.model_parallel_is_initialized():
                 ps.destroy_model_parallel()
-            dist.destroy_process_group()
+            end_process_group(finished)
     report["wall_s"] = time.perf_counter() - t0
     if rank == 0:
         write_report(out_dir, report)

@@ -68,6 +68,7 @@ __all__ = [
     "agree",
     "check_group",
     "group_rank_and_size",
+    "end_process_group",
     "RankStats",
     "combine_rank_stats",
     "start_stats_exchange",
@@ -139,6 +140,18 @@ def group_rank_and_size(group) -> tuple[int, int]:
 # torch >= 2.13 names these *_single and deprecates the *_tensor spellings that older releases have.
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def end_process_group(finished: bool) -> None:
+    """Destroy the default process group (the launchers' and the bench's own), after a barrier where this rank
+    ``finished`` its work: a gloo rank whose peer tears the group down while it still uses it can abort in teardown
+    ("terminate called without an active exception", SIGABRT) after every line of its output is printed. No
+    barrier on an error path, where a peer may never reach it."""
+    if not dist.is_initialized():
+        return
+    if finished:
+        dist.barrier()
+    dist.destroy_process_group()
 
 
 def all_gather_tensor(out: torch.Tensor, x: torch.Tensor, *, group, async_op: bool = False):

@@ -409,6 +409,7 @@ def main_tp(args, parser, shapes: list[Shape], settings: Settings, command: str,
             progress.warn(line)
         if caveat:
             print(caveat + "\n", flush=True)  # with the tables too, so that a copied table keeps it
+    finished = False
     try:
         for shape in shapes:
             record, aggs, per_rank = run_shape_tp(shape, env, args.methods, settings, progress, inject)
@@ -417,10 +418,11 @@ def main_tp(args, parser, shapes: list[Shape], settings: Settings, command: str,
             if lead:
                 print(format_tp_shape(record, aggs, per_rank, doc, where), flush=True)
                 write_json(out_json, doc)  # after every shape: a crash later keeps what was measured
+        finished = True
     finally:
         shutdown_megatron()
-        if owned and dist.is_initialized():
-            dist.destroy_process_group()
+        if owned:
+            parallel.end_process_group(finished)
     if lead:
         aggregate = dict(doc, rows=[r for r in doc["rows"] if r["rank"] == "max"])
         files, note = plot_shapes(aggregate, args.out, stem)
