@@ -289,11 +289,12 @@ def test_quack_rows_call_quack_and_its_failure_is_a_row(monkeypatch):
     assert rows["quack-base-frozen"]["floor_ms"] == record["floor"]["frozen_ms"], (rows, record)
 
 
-def test_main_grad_row_and_chunked_floor(monkeypatch):
-    """The lean row with ``accumulate_main_grad`` (on CPU: the torch backend in its place): the harness gives the
-    weight a zeroed fp32 ``main_grad`` before the first step, checks that as dW (as exact as the plain row's) and
-    finds no ``w.grad``. A floor over token chunks (forced here: 3 chunks of 16 tokens, the last one short) says so
-    in its label and record, and its rows are divided by it."""
+@pytest.mark.parametrize("name,budget", [("vpce-triton-main-grad", "auto"), ("vpce-triton-lean-main-grad", "lean")])
+def test_main_grad_row_and_chunked_floor(monkeypatch, name, budget):
+    """The rows with ``accumulate_main_grad``, fast and lean (on CPU: the torch backend in their place): the harness
+    gives the weight a zeroed fp32 ``main_grad`` before the first step, checks that as dW (as exact as the plain
+    row's) and finds no ``w.grad``. A floor over token chunks (forced here: 3 chunks of 16 tokens, the last one
+    short) says so in its label and record, and its rows are divided by it."""
     import functools
 
     from vpce.bench import runner
@@ -301,10 +302,9 @@ def test_main_grad_row_and_chunked_floor(monkeypatch):
     from vpce.bench.methods import METHODS, _vpce
     from vpce.bench.report import Progress
 
-    name = "vpce-triton-lean-main-grad"
     monkeypatch.setitem(METHODS, name, dataclasses.replace(
         METHODS[name], needs_cuda=False,
-        build=functools.partial(_vpce, backend="torch", memory_budget="lean", accumulate_main_grad=True)))
+        build=functools.partial(_vpce, backend="torch", memory_budget=budget, accumulate_main_grad=True)))
     monkeypatch.setattr(runner, "_floor_chunks", lambda n, v, env: 3)
     env = Env(device=torch.device("cpu"), dtype=torch.float32)
     settings = Settings(warmup=1, min_reps=1, max_reps=1, rep_time_s=0.0)

@@ -16,8 +16,8 @@ first (checked) step is lean and the timed steps, after the warmup's, are specul
 ``vpce-logprobs-grpo`` (per-token advantages) stays lean: the general case.
 
 vpce's rows call ``vpce.linear_cross_entropy`` (or ``vpce.linear_log_probs``) as a user does: ``vpce-triton`` and
-``vpce-triton-lean`` (``memory_budget="lean"``; ``vpce-triton-lean-main-grad`` with ``accumulate_main_grad``: see
-``Method.main_grad``) name the Triton backend and need CUDA; ``vpce-torch`` names the
+``vpce-triton-lean`` (``memory_budget="lean"``; ``vpce-triton-main-grad`` and ``vpce-triton-lean-main-grad`` with
+``accumulate_main_grad``: see ``Method.main_grad``) name the Triton backend and need CUDA; ``vpce-torch`` names the
 torch backend; the loss-option rows (label smoothing, z-loss, soft cap, token weights) and the log-prob rows use
 the backend that fits the device (Triton on CUDA, torch elsewhere; their labels say which).
 
@@ -421,6 +421,9 @@ _ROWS = [
     Method(name="vpce-triton-lean", label="vpce triton lean",
            build=functools.partial(_vpce, backend="triton", memory_budget="lean"), package="vpce",
            needs_cuda=True, tp=True),
+    Method(name="vpce-triton-main-grad", label="vpce triton, dW into fp32 main_grad (Megatron)",
+           build=functools.partial(_vpce, backend="triton", accumulate_main_grad=True), package="vpce",
+           needs_cuda=True, main_grad=True),
     Method(name="vpce-triton-lean-main-grad", label="vpce triton lean, dW into fp32 main_grad (Megatron)",
            build=functools.partial(_vpce, backend="triton", memory_budget="lean", accumulate_main_grad=True),
            package="vpce", needs_cuda=True, main_grad=True),
