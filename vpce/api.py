@@ -164,8 +164,8 @@ class CrossEntropyEntry(Entry):
             speculate, self.history = speculation.decide("ce", self.weight, key, backend_name, sharded, needs)
         return plan_cross_entropy(o, needs, backend_name, sharded, sp, speculate)
 
-    def memory(self, p, h, rows, needs, world, extra):
-        return settle_by_memory(p, h, rows, needs, self.opts, world, extra, self.weight_cast)
+    def memory(self, p, h, rows, needs, world):
+        return settle_by_memory(p, h, rows, needs, self.opts, world, self.weight_cast)
 
     def size(self, plan, shard, d, dtype):
         return size_cross_entropy(plan, self.opts, shard, d, dtype, self.weight_cast)
@@ -312,9 +312,8 @@ class LogProbsEntry(Entry):
                                                          sharded, needs)
         return plan_log_probs(needs, backend_name, sharded, sp, speculate)
 
-    def memory(self, p, h, rows, needs, world, extra):
-        return settle_by_memory(p, h, rows, needs, LossOptions(memory_budget=self.budget), world, extra,
-                                self.weight_cast)
+    def memory(self, p, h, rows, needs, world):
+        return settle_by_memory(p, h, rows, needs, LossOptions(memory_budget=self.budget), world, self.weight_cast)
 
     def size(self, plan, shard, d, dtype):
         return size_log_probs(plan, self.lp, shard, d, dtype, self.weight_cast)

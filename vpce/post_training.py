@@ -191,9 +191,8 @@ class LogProbLossEntry(Entry):
             return plan_cross_entropy(LossOptions(memory_budget=self.budget), needs, backend_name, sharded, sp)
         return plan_log_probs(needs, backend_name, sharded, sp)
 
-    def memory(self, p, h, rows, needs, world, extra):
-        return settle_by_memory(p, h, rows, needs, LossOptions(memory_budget=self.budget), world, extra,
-                                self.weight_cast)
+    def memory(self, p, h, rows, needs, world):
+        return settle_by_memory(p, h, rows, needs, LossOptions(memory_budget=self.budget), world, self.weight_cast)
 
     def size(self, plan, shard, d, dtype):
         return size_log_prob_loss(plan, self.options, shard, d, dtype, self.weight_cast)

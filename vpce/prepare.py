@@ -217,11 +217,10 @@ class Entry:
         """``(name, value)`` pairs of the options every rank must agree on."""
         raise NotImplementedError
 
-    def memory(self, plan: Plan, hidden: torch.Tensor, rows: int, needs: tuple[bool, bool, bool], world: int,
-               extra: int) -> tuple[Plan, bool | None]:
-        """A route left to free memory, decided (``vpce.routing.settle_by_memory``; ``extra``: the bytes of the
-        parameters' copies in the compute dtype that the autograd Function makes under autocast); by default
-        nothing to weigh."""
+    def memory(self, plan: Plan, hidden: torch.Tensor, rows: int, needs: tuple[bool, bool, bool],
+               world: int) -> tuple[Plan, bool | None]:
+        """A route left to free memory, decided (``vpce.routing.settle_by_memory``, with ``weight_cast``); by
+        default nothing to weigh."""
         return plan, None
 
     def size(self, plan: Plan, shard: parallel.VocabShard, d: int, dtype: torch.dtype) -> Plan:
@@ -263,13 +262,11 @@ def prepare_call(entry: Entry, hidden, weight, target, bias, *, group, vocab_sta
             raise ValueError("sequence_parallel: expected a process group in `group` with sequence_parallel=True, "
                              "got group=None")
         _check_tensors(hidden, weight, target, bias, world, sequence_parallel, backend, autocast)
-        cast = [t for t in (weight, bias) if t is not None and t.dtype != hidden.dtype]  # by autocast, in forward
-        entry.weight_cast = weight.dtype != hidden.dtype
+        entry.weight_cast = weight.dtype != hidden.dtype  # by autocast, in the Function's forward
         entry.checks(weight, entry.weight_cast)
         needs = tuple(torch.is_grad_enabled() and t is not None and t.requires_grad for t in (hidden, weight, bias))
         call_plan = entry.plan(needs, hidden.dtype, backend, world > 1, sequence_parallel)
-        call_plan, fast_fits = entry.memory(call_plan, hidden, weight.shape[0], needs, world,
-                                            sum(t.numel() for t in cast) * hidden.element_size())
+        call_plan, fast_fits = entry.memory(call_plan, hidden, weight.shape[0], needs, world)
         agreed = [("hidden tokens", hidden.numel() // hidden.shape[-1]), ("hidden size", hidden.shape[-1]),
                   ("hidden dtype", dtype_name(hidden.dtype)),
                   ("weight dtype", dtype_name(operand_dtype(weight, autocast))), ("weight cast", entry.weight_cast),

@@ -205,25 +205,27 @@ def _fast_chunk(opts: LossOptions, cols: int, dtype: torch.dtype, d: int, weight
     14.39). Without a cast ``P`` keeps the accumulator's size: the Llama-3-8B bench head (bf16) ran vpce-triton
     0.5-0.9 % slower with half of it (each chunk's dW GEMM reads and writes the accumulator).
     """
+    elem = torch.empty((), dtype=dtype).element_size()
     if isinstance(opts.memory_budget, float):
         gib = opts.memory_budget
     else:
-        elem = torch.empty((), dtype=dtype).element_size()
         room = cols * d * (4 - (elem if weight_cast else 0))
         gib = min(SIZING.fast_p_gib, max(SIZING.min_p_gib, room / 2**30))
-    per_tok = cols * torch.empty((), dtype=dtype).element_size()
-    return round_to(int(gib * 2**30) // per_tok, ROW_ALIGN)
+    return round_to(int(gib * 2**30) // (cols * elem), ROW_ALIGN)
 
 
 def fast_route_bytes(tokens: int, d: int, rows: int, dtype: torch.dtype, needs: tuple[bool, bool, bool],
                      opts: LossOptions, weight_cast: bool = False) -> int:
     """What the fast route holds beyond its inputs and outputs for ``tokens`` tokens (all of them under sequence
-    parallelism) and ``rows`` vocab rows: the ``P`` chunk, its tile statistics, fp32 dX and the fp32 dW
-    accumulator (``vpce.routing`` weighs it against free memory)."""
+    parallelism) and ``rows`` vocab rows: the ``P`` chunk, its tile statistics, fp32 dX, the fp32 dW accumulator,
+    and with ``weight_cast`` the weight's copy in the compute dtype that the autograd Function makes under autocast
+    (``vpce.prepare.compute_operands``; a bias's copy, ``rows`` 16-bit values, is left out). ``settle_by_memory``
+    weighs it against free memory."""
+    elem = torch.empty((), dtype=dtype).element_size()
     chunk = min(max(tokens, 1), _fast_chunk(opts, max(rows, 1), dtype, d, weight_cast))
-    p = chunk * rows * torch.empty((), dtype=dtype).element_size()
     tiles = chunk * 2 * math.ceil(rows / 128) * 4
-    return p + tiles + (tokens * d * 4 if needs[0] else 0) + (rows * d * 4 if needs[1] else 0)
+    return (chunk * rows * elem + tiles + (tokens * d * 4 if needs[0] else 0) + (rows * d * 4 if needs[1] else 0)
+            + (rows * d * elem if weight_cast else 0))
 
 
 def _fits(need: int, device: torch.device) -> bool:
@@ -246,20 +248,18 @@ def _fast_route_fits(hidden: torch.Tensor, tokens: int, rows: int, needs: tuple[
 
 
 def settle_by_memory(plan: Plan, hidden: torch.Tensor, rows: int, needs: tuple[bool, bool, bool],
-                     opts: LossOptions, world: int, extra: int = 0,
-                     weight_cast: bool = False) -> tuple[Plan, bool | None]:
+                     opts: LossOptions, world: int, weight_cast: bool = False) -> tuple[Plan, bool | None]:
     """Decide a route left to memory where this rank can: ``(plan, None)``; or, under a group on a long call,
     ``(plan still "auto", whether the fast route fits here)`` for the agreement to AND over the ranks. The
     speculative route (one process) holds what the fast route holds, plus three fp32 statistics per token: with
-    ``memory_budget="auto"`` it becomes the lean route where that does not fit. ``extra``: bytes the call holds
-    beside the route's buffers that are not allocated yet (the parameters' copies in the compute dtype under
-    autocast, ``vpce.prepare.compute_operands``); ``weight_cast``: the weight is one of them (``_fast_chunk``)."""
+    ``memory_budget="auto"`` it becomes the lean route where that does not fit. ``weight_cast``: the Function casts
+    the weight under autocast (``fast_route_bytes`` counts that copy; ``_fast_chunk``)."""
     # nothing to weigh (CPU interpreter), or no host calls wanted (compiling, or capturing a CUDA graph)
     weigh = not (torch.compiler.is_compiling() or not hidden.is_cuda or torch.cuda.is_current_stream_capturing())
     tokens, d = hidden.numel() // hidden.shape[-1], hidden.shape[-1]
     if plan.route == "speculative":
         if opts.memory_budget != "auto" or not weigh or _fast_route_fits(hidden, tokens, rows, needs, opts,
-                                                                         12 * tokens + extra, weight_cast):
+                                                                         12 * tokens, weight_cast):
             return plan, None
         return Plan(plan.backend, "lean", plan.dx_reduce, plan.sequence_parallel), None
     if plan.route != "auto":
@@ -270,7 +270,7 @@ def settle_by_memory(plan: Plan, hidden: torch.Tensor, rows: int, needs: tuple[b
         tokens *= world  # the fast route gathers the sequence
     if world > 1 and tokens * d * 4 < AUTO_CHECK_BYTES:
         return settle(plan, True), None
-    fits = _fast_route_fits(hidden, tokens, rows, needs, opts, extra, weight_cast)
+    fits = _fast_route_fits(hidden, tokens, rows, needs, opts, 0, weight_cast)
     if world == 1:
         return settle(plan, fits), None
     return plan, fits
