@@ -144,9 +144,10 @@ _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 
 def end_process_group(finished: bool) -> None:
     """Destroy the default process group (the launchers' and the bench's own), after a barrier where this rank
-    ``finished`` its work: a gloo rank whose peer tears the group down while it still uses it can abort in teardown
-    ("terminate called without an active exception", SIGABRT) after every line of its output is printed. No
-    barrier on an error path, where a peer may never reach it."""
+    ``finished`` its work, so that no rank tears the group down while a peer still uses it. No barrier on an error
+    path, where a peer may never reach it. (A gloo rank's abort at exit after all its output, "terminate called
+    without an active exception", came back with the barrier in place: ``vpce.bench.__main__`` says what the
+    bench does about it.)"""
     if not dist.is_initialized():
         return
     if finished:
