@@ -32,7 +32,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import vpce  # noqa: E402
-from vpce.bench.launch_env import init_process_group  # noqa: E402
+from vpce.bench.launch_env import init_process_group, local_cuda_device  # noqa: E402
 
 TOLERANCE = {"loss": 1e-5, "dX": 1e-2, "dW": 1e-2}
 
@@ -86,10 +86,8 @@ def main(argv=None) -> int:
     ap.add_argument("--vocab", type=int, default=50000)
     ap.add_argument("--tol-scale", type=float, default=1.0, help="multiplies the tolerances (0: any difference fails)")
     args = ap.parse_args(argv)
-    local = int(os.environ.get("LOCAL_RANK", 0))
     if torch.cuda.is_available():
-        device = torch.device("cuda", local)
-        torch.cuda.set_device(device)
+        device = local_cuda_device()
         init_process_group("nccl", device_id=device)
     else:
         device = torch.device("cpu")

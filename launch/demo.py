@@ -56,7 +56,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import vpce
-from vpce.bench.launch_env import set_collective_env
+from vpce.bench.launch_env import local_cuda_device, set_collective_env
 from vpce.memory import PeakMemory
 from vpce.parallel import end_process_group
 
@@ -252,8 +252,7 @@ def init_distributed() -> tuple[int, int, object, torch.device]:
         return 0, 1, None, torch.device("cuda" if torch.cuda.is_available() else "cpu")
     set_collective_env()  # NVLink multicast off, as every launch script
     if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-        torch.cuda.set_device(device)
+        device = local_cuda_device()
         dist.init_process_group("nccl", device_id=device)
     else:
         device = torch.device("cpu")

@@ -29,7 +29,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import vpce  # noqa: E402
-from vpce.bench.launch_env import init_process_group  # noqa: E402
+from vpce.bench.launch_env import init_process_group, local_cuda_device  # noqa: E402
 
 
 def _timed_ms(step, reps: int) -> list[float]:
@@ -76,9 +76,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         ap.error("expected CUDA GPUs (one per process), got none: this script profiles GPU kernels")
     n, d, v = (int(t) for t in args.shape.split("x"))
-    local = int(os.environ.get("LOCAL_RANK", 0))
-    torch.cuda.set_device(local)
-    init_process_group("nccl", device_id=torch.device("cuda", local))
+    init_process_group("nccl", device_id=local_cuda_device())
     rank, tp = dist.get_rank(), dist.get_world_size()
 
     rows = v // tp

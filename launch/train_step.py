@@ -91,7 +91,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from demo import WordTokenizer, load_corpus  # noqa: E402 - launch/ is not a package
 
-from vpce.bench.launch_env import set_collective_env  # noqa: E402
+from vpce.bench.launch_env import local_cuda_device, set_collective_env  # noqa: E402
 from vpce.parallel import end_process_group  # noqa: E402
 
 MEGATRON_PATHS = ("megatron", "megatron-repeat", "megatron-fused", "vpce", "vpce-per-token")
@@ -183,9 +183,8 @@ def init_distributed() -> tuple[int, int, torch.device]:
         if "MASTER_PORT" not in os.environ:
             from vpce.bench.launch_env import free_port
             os.environ["MASTER_PORT"] = str(free_port())
-    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
+    device = local_cuda_device() if cuda else torch.device("cpu")
     if cuda:
-        torch.cuda.set_device(device)
         dist.init_process_group("nccl", device_id=device)
     else:
         torch.set_num_threads(1)

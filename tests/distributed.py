@@ -60,29 +60,49 @@ _PRELOAD = ("numpy", "torch", "torch.distributed", "torch.distributed.tensor", "
             "vpce.reference", "megatron.core", "megatron.core.tensor_parallel", "megatron.core.parallel_state")
 
 
-def _context() -> tuple:
+def _context(cpu_only: bool = False) -> tuple:
     """The forkserver context, and where each module it preloads lives in this process (``_entry`` checks that the
-    rank's copy is the same file: the forkserver resolves imports from the working directory and site-packages)."""
+    rank's copy is the same file: the forkserver resolves imports from the working directory and site-packages).
+
+    ``cpu_only`` on a machine with CUDA: freshly ``spawn``ed interpreters that start with ``CUDA_VISIBLE_DEVICES=""``,
+    so the ranks see a machine without CUDA, as on CI (a forked rank would inherit whatever the forkserver's imports
+    learned about the devices)."""
+    if cpu_only and torch.cuda.is_available():
+        return mp.get_context("spawn"), {}
     ctx = mp.get_context("forkserver")
     preload = [m for m in _PRELOAD if m in sys.modules]
     ctx.set_forkserver_preload(preload)  # no effect once the server runs
     return ctx, {m: getattr(sys.modules[m], "__file__", None) for m in preload}
 
 
-def run_ranks(fn, world: int, *args, timeout: float = 240.0, backend: str = "gloo") -> list:
+def run_ranks(fn, world: int, *args, timeout: float = 240.0, backend: str = "gloo", cpu_only: bool = False) -> list:
     """Run ``fn(rank, world, *args)`` on ``world`` ranks (gloo, or NCCL with one GPU per rank); return each
     rank's result, rank order.
 
     ``fn`` must be a module-level function (pickled by name). Any rank's exception fails with that rank's
-    traceback; ranks still running after ``timeout`` seconds are killed and the call fails.
+    traceback; ranks still running after ``timeout`` seconds are killed and the call fails. ``cpu_only``: the
+    ranks see no CUDA device even where the machine has one (gloo only; see ``_context``).
     """
-    ctx, preloaded = _context()
+    if cpu_only and backend != "gloo":
+        raise ValueError(f"run_ranks: cpu_only needs backend='gloo', got {backend!r}")
+    ctx, preloaded = _context(cpu_only)
     out = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_entry, args=(fn, r, world, port, out, args, backend, preloaded), daemon=True)
              for r in range(world)]
-    for p in procs:
-        p.start()
+    hidden = cpu_only and torch.cuda.is_available()
+    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if hidden:  # a spawned interpreter starts with the parent's environment as it is at start()
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        if hidden:
+            if saved is None:
+                os.environ.pop("CUDA_VISIBLE_DEVICES")
+            else:
+                os.environ["CUDA_VISIBLE_DEVICES"] = saved
     results: dict[int, object] = {}
     try:
         for _ in range(world):

@@ -686,6 +686,20 @@ def test_quick_default_runs_what_is_installed_and_fits_120_columns(tmp_path):
     assert not wide, wide
 
 
+def test_torch_without_linear_cross_entropy_leaves_its_rows_out_of_quick(monkeypatch):
+    """torch < 2.13 has no ``F.linear_cross_entropy``: its rows do not run here, so ``--quick`` leaves them out
+    (found on the GPU image's torch 2.11, where --quick listed a row that came back ``missing``)."""
+    import torch.nn.functional as F
+
+    from vpce.bench import methods
+    from vpce.bench.harness import Env
+
+    monkeypatch.delattr(F, "linear_cross_entropy", raising=False)
+    env = Env(device=torch.device("cpu"), dtype=torch.float32)
+    assert not methods.runs_here("torch-lce", env) and methods.runs_here("torch", env)
+    assert "torch-lce" in methods.quick_methods(env)[1]
+
+
 def test_missing_optional_dependency_is_missing_for_every_row(monkeypatch):
     """A row whose module is not installed is ``missing`` before it is built: vpce's own TRL row as TRL's."""
     from vpce.bench import methods

@@ -31,8 +31,9 @@ demo = _import_demo()
 def torchrun(nproc: int, *args: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(DEMO),
            "--steps", str(STEPS), "--log-every", "5", *args]
+    # the CPU and gloo run, as on CI, also on a machine with GPUs (fewer of them than ranks, maybe)
     return subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""})
 
 
 def tail(run: subprocess.CompletedProcess) -> str:

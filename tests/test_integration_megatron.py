@@ -529,7 +529,7 @@ def _results(world, case):
     """Each rank's checks for ``case``; the ranks of one tp size are spawned once, a failure is reported once."""
     if world not in _RESULTS:
         try:
-            _RESULTS[world] = run_ranks(_main, world, CASES[world])
+            _RESULTS[world] = run_ranks(_main, world, CASES[world], cpu_only=True)
         except AssertionError as e:
             _RESULTS[world] = e
             raise

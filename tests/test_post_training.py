@@ -317,6 +317,8 @@ def test_metric_outputs_from_the_fused_pass(backend, scope, budget):
     t = torch.randint(0, 50, (4, 10), generator=gen)
     t[0, :3] = -100
     t[1, 4:] = (h[1, 4:] @ w.T + b).argmax(-1)  # some top-1 tokens
+    if backend == "triton" and torch.cuda.is_available():  # the interpreter runs only without CUDA (conftest)
+        h, w, b, t = (x.cuda() for x in (h, w, b, t))
     args = dict(temperature=0.7, softcap=4.0, backend=backend, memory_budget=budget)
     want = vpce.linear_log_probs(h, w, t, b, return_entropy=True, return_top1=True, return_mean_logits=True,
                                  temperature=0.7, softcap=4.0, backend="torch")
@@ -328,7 +330,7 @@ def test_metric_outputs_from_the_fused_pass(backend, scope, budget):
     torch.testing.assert_close(mean_z, want[3], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(logp, want[0], rtol=1e-5, atol=1e-5)
     if scope == "sequence":
-        out, logp, ent, top1, mean_z = _linear_dpo_loss(h, w, t, torch.zeros(2), torch.zeros(2), b,
+        out, logp, ent, top1, mean_z = _linear_dpo_loss(h, w, t, torch.zeros(2, device=h.device), torch.zeros(2, device=h.device), b,
                                                         entropy_stats=True, logit_metrics=True, **args)
         for name, got, ref in (("log_probs", logp, want[0]), ("entropy", ent, want[1]),
                                ("mean_logits", mean_z, want[3])):

@@ -41,8 +41,9 @@ def _module():
 
 
 def _run(cmd: list[str]) -> subprocess.CompletedProcess:
+    # the tiny CPU configuration (fp32, gloo), as on CI, also on a machine with GPUs: its tolerances are the CPU's
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+                         env={**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""})
     assert run.returncode == 0, (f"exit {run.returncode}\n--- stdout\n{run.stdout[-3000:]}\n"
                                  f"--- stderr\n{run.stderr[-4000:]}")
     return run

@@ -9,10 +9,11 @@ from __future__ import annotations
 import os
 import socket
 
+import torch
 import torch.distributed as dist
 
 __all__ = ["MULTICAST_OFF", "COLLECTIVE_ENV", "RECORDED_ENV_KEYS", "set_collective_env", "free_port",
-           "init_process_group"]
+           "init_process_group", "local_cuda_device"]
 
 #: NVLink multicast off in NCCL, torch symmetric memory and NVSHMEM: a program that uses it can take a shared
 #: host's GPUs out of service. Always set, whatever the caller's environment says.
@@ -50,3 +51,17 @@ def init_process_group(backend: str, **kwargs) -> None:
     if "WORLD_SIZE" not in os.environ:
         kwargs.update(init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     dist.init_process_group(backend, **kwargs)
+
+
+def local_cuda_device() -> torch.device:
+    """``cuda:LOCAL_RANK`` (0 without torchrun), made current; a rank with no GPU of its own fails with a clear
+    error, not CUDA's "invalid device ordinal" (more processes on a node than it has GPUs)."""
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    count = torch.cuda.device_count()
+    if local >= count:
+        raise SystemExit(f"LOCAL_RANK={local}, but this process sees {count} CUDA device(s): run at most {count} "
+                         f"process(es) per node, one GPU each, or hide the GPUs (CUDA_VISIBLE_DEVICES=) to run on "
+                         f"the CPU with gloo")
+    device = torch.device("cuda", local)
+    torch.cuda.set_device(device)
+    return device

@@ -74,6 +74,9 @@ class Method:
     requires: tuple[str, ...] = ()
     """Top-level modules the row imports (optional dependencies): a row without them is ``missing: <module> not
     installed``, checked before it is built (vpce's own TRL rows need ``trl`` as TRL's rows do)."""
+    check: Callable[[], None] | None = None
+    """Raises ``Unavailable`` where what the row needs is missing in a way ``requires`` cannot name (torch's
+    ``F.linear_cross_entropy``, which only some torch versions have); checked before it is built."""
     needs_cuda: bool = False
     """Has no CPU implementation."""
     no_grad: bool = False
@@ -117,6 +120,8 @@ class Method:
         for module in self.requires:
             if not _installed(module):
                 raise Unavailable(f"{_DISTRIBUTIONS.get(module, module)} not importable (no module {module!r})")
+        if self.check is not None:
+            self.check()
 
 
 #: ``Method.requires`` module -> the distribution that provides it (the ``missing`` row names it, as the peers do).
@@ -385,7 +390,8 @@ _ROWS = [
     Method(name="torch", label="torch eager", build=peers.torch_eager, package="torch", no_grad=True),
     Method(name="compile", label="torch.compile", build=peers.torch_compile, package="torch"),
     *[Method(name="torch-lce" if opts is None else f"torch-lce-{key}", label=f"torch F.linear_cross_entropy{label}",
-             build=functools.partial(peers.torch_lce, options=opts), package="torch")
+             build=functools.partial(peers.torch_lce, options=opts), package="torch",
+             check=peers.torch_lce_available)
       for key, (label, opts) in peers.TORCH_LCE.items()],
     Method(name="liger", label="liger-kernel FLCE", build=peers.liger, package="liger-kernel", needs_cuda=True,
            requires=("liger_kernel",)),

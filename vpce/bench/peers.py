@@ -149,11 +149,16 @@ TORCH_LCE = {  # name: (label, options)
 }
 
 
+def torch_lce_available() -> None:
+    """Raise ``Unavailable`` unless this torch has ``F.linear_cross_entropy``."""
+    if getattr(F, "linear_cross_entropy", None) is None:
+        raise Unavailable(f"torch {torch.__version__} has no F.linear_cross_entropy (added in torch 2.13)")
+
+
 def torch_lce(env: Env, *, options: dict | None) -> LossFn:
     """torch's ``F.linear_cross_entropy``, with ``torch.nn.LinearCrossEntropyOptions(**options)`` unless None."""
-    lce = getattr(F, "linear_cross_entropy", None)
-    if lce is None:
-        raise Unavailable(f"torch {torch.__version__} has no F.linear_cross_entropy (added in torch 2.13)")
+    torch_lce_available()
+    lce = F.linear_cross_entropy
     if options is None:
         return lambda x, w, y: lce(x, w, y)
     opts = torch.nn.LinearCrossEntropyOptions(**options)

@@ -394,13 +394,17 @@ def _patched_forward(model, *args, **kwargs):
         kept["calls"] += 1
         kept["hidden"] = x
         if probe:
+            one = x.narrow(-2, 0, min(1, x.shape[-2]))
             with torch.no_grad():
-                cache = torch.is_autocast_cache_enabled()
-                torch.set_autocast_cache_enabled(False)
-                try:
-                    kept["head_out"] = real(x.narrow(-2, 0, min(1, x.shape[-2])), *rest, **kw)
-                finally:
-                    torch.set_autocast_cache_enabled(cache)
+                if torch.compiler.is_compiling():  # a traced graph has no autocast cache (nor can Dynamo trace one)
+                    kept["head_out"] = real(one, *rest, **kw)
+                else:
+                    cache = torch.is_autocast_cache_enabled()
+                    torch.set_autocast_cache_enabled(False)
+                    try:
+                        kept["head_out"] = real(one, *rest, **kw)
+                    finally:
+                        torch.set_autocast_cache_enabled(cache)
             return kept["head_out"]
         autocast = torch.is_autocast_enabled(x.device.type)
         dtype = torch.get_autocast_dtype(x.device.type) if autocast else x.dtype
