@@ -560,7 +560,7 @@ def speculative_grads(held: FastGrads, hidden, weight, bias, tg: TokenTargets, r
             _gated_recompute(hidden.contiguous(), weight[:v], None if bias is None else bias[:v], tg, rows,
                              coefficients(r), flags, chunk, softcap, inv_t, dw, db)
     if main_weight is not None and dw is not None:
-        dw = weight_grad_to_main(main_weight, dw.mul_(last))
+        dw = weight_grad_to_main(main_weight, dw, last)
     elif dw is not None:
         dw = pad_rows(scaled(dw, last, dw_dtype, kernels.scale_cast), n_rows, dw_dtype)
     dx = held.summed()[0]  # after dW's cast: dX's sum over the group runs beside it
