@@ -34,3 +34,17 @@ def test_check_tp_can_fail():
     out = _run("--budgets", "auto", "--layouts", "replicated", "--tol-scale", "0")
     assert out.returncode == 1, out.stdout + out.stderr
     assert "FAIL" in out.stdout
+
+
+def test_more_ranks_than_gpus_is_named(monkeypatch):
+    """Every launcher takes its GPU from ``local_cuda_device``: a rank whose LOCAL_RANK has no GPU stops with a
+    message that says so and how to run on the CPU, not CUDA's "invalid device ordinal"."""
+    from vpce.bench import launch_env
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    with pytest.raises(SystemExit, match=r"LOCAL_RANK=1, but this process sees 1 CUDA device\(s\).*CUDA_VISIBLE_DEVICES="):
+        launch_env.local_cuda_device()
+    for script in ("demo.py", "train_step.py", "check_tp.py", "profile_tp.py"):
+        source = (Path(__file__).resolve().parents[1] / "launch" / script).read_text()
+        assert "local_cuda_device()" in source and 'int(os.environ["LOCAL_RANK"])' not in source, script
