@@ -20,7 +20,7 @@ epilogue) and 4-5 % less with a soft cap. The logits are then rounded to the inp
 in torch eager, torch.compile and quack; the target logit is not.
 
 Backward scales the held ``dX``, ``dW``, ``db`` by the upstream gradient (and ``1/count`` for ``mean``) and casts
-them in one pass. Memory: ``P`` (``C * V_local`` values; by default 1.5 GiB but at most the fp32 ``dW``
+them in one pass. Memory: ``P`` (``C * V_local`` values; by default 2 GiB but at most the fp32 ``dW``
 accumulator's size), the fp32 ``dW`` accumulator, fp32 ``dX``.
 
 Lean route (``memory_budget="lean"``, ``reduction="none"``, and ``linear_log_probs``), 8NDV.
