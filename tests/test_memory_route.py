@@ -21,7 +21,7 @@ CUDA = torch.cuda.is_available()
 
 
 def test_p_chunk_and_the_weights_cast_copy_share_the_accumulators_size():
-    """The Triton fast route's ``P``: the fp32 dW accumulator's size (1.5 GiB at most); where the Function casts an
+    """The Triton fast route's ``P``: the fp32 dW accumulator's size (2 GiB at most); where the Function casts an
     fp32 weight under autocast, ``P`` and that 16-bit copy together (the HF Trainer step's peak, issue #35); a
     numeric budget as given. Equal on every rank: from the columns per rank, with the cast in the agreement."""
     shard = parallel.VocabShard(None, 0, 1, 0, 128256, 128256)
@@ -32,7 +32,8 @@ def test_p_chunk_and_the_weights_cast_copy_share_the_accumulators_size():
 
     assert chunk(2048, False) == 4096  # P = dW = 0.98 GiB
     assert chunk(2048, True) == 2048  # P + the bf16 copy (0.49 GiB) = dW
-    assert chunk(4096, False) == 6272  # the 1.5 GiB cap (in multiples of 128 tokens)
+    assert chunk(4096, False) == 8192  # P = dW = 1.96 GiB
+    assert chunk(5120, False) == 8320  # the 2 GiB cap (in multiples of 128 tokens)
     assert chunk(4096, True) == 4096
     assert chunk(2048, True, LossOptions(memory_budget=0.25)) == chunk(2048, False, LossOptions(memory_budget=0.25))
     tight = parallel.VocabShard(None, 0, 1, 0, 4000, 4000)  # a small head: the 0.25 GiB floor

@@ -45,10 +45,14 @@ def check_main_grad(weight: torch.Tensor):
                          f"{tuple(weight.shape)} on {weight.device}, got {got}")
 
 
-def weight_grad_to_main(weight: torch.Tensor, dw: torch.Tensor | None) -> torch.Tensor | None:
-    """Add the (already scaled) gradient of the valid rows ``dw`` into ``weight.main_grad``; the grad to return."""
+def weight_grad_to_main(weight: torch.Tensor, dw: torch.Tensor | None,
+                        scale: torch.Tensor | None = None) -> torch.Tensor | None:
+    """Add the gradient of the valid rows, ``dw`` times ``scale`` (a 0-d tensor; None: ``dw`` is scaled already),
+    into ``weight.main_grad``, in one pass over the fp32 accumulator (a separate ``mul_`` read and wrote all of it
+    once more: 2 x 1.96 GiB on the Llama-3-8B head at tp=1); the grad to return."""
     if dw is not None:
-        weight.main_grad[: dw.shape[0]].add_(dw)
+        main = weight.main_grad[: dw.shape[0]]
+        main.add_(dw) if scale is None else main.addcmul_(dw, scale)
     if hasattr(weight, "grad_added_to_main_grad"):
         weight.grad_added_to_main_grad = True
         make = torch.zeros_like if getattr(weight, "zero_out_wgrad", False) else torch.empty_like
@@ -93,7 +97,7 @@ def finish_fast_grads(grads: FastGrads, g: torch.Tensor, dtypes: tuple[torch.dty
     dx_dtype, dw_dtype, db_dtype = dtypes
     db = None if db is None else pad_rows(db.mul_(g), rows, db_dtype)
     if main_weight is not None:  # fp32 straight into main_grad, never rounded
-        dw = weight_grad_to_main(main_weight, None if dw is None else dw.mul_(g).float())
+        dw = weight_grad_to_main(main_weight, dw, g)
     elif dw is not None:
         dw = pad_rows(scaled(dw, g, dw_dtype, scale_cast), rows, dw_dtype)
     dx = grads.summed()[0]

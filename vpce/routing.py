@@ -52,7 +52,7 @@ AUTO_CHECK_BYTES = 2**30  # under a group, "auto" weighs memory only when the fp
 class Sizing:
     """The defaults the sizes of a call are computed from (``SIZING``; tests replace it through a fixture)."""
 
-    fast_p_gib: float = 1.5
+    fast_p_gib: float = 2.0
     """The Triton fast route's ``P`` chunk, ..."""
     min_p_gib: float = 0.25
     """... and its floor when the fp32 dW accumulator (less the weight's 16-bit copy under autocast) is smaller
@@ -203,7 +203,10 @@ def _fast_chunk(opts: LossOptions, cols: int, dtype: torch.dtype, d: int, weight
     is live): one H100, 2026-11-26, the HF Trainer Llama step (h=2048, V=128256, 8192 tokens, bf16 autocast) peaked
     at 14.87 GiB with ``P`` the accumulator's size (0.98 GiB), 14.37 with ``P`` + the copy within it (Liger's step:
     14.39). Without a cast ``P`` keeps the accumulator's size: the Llama-3-8B bench head (bf16) ran vpce-triton
-    0.5-0.9 % slower with half of it (each chunk's dW GEMM reads and writes the accumulator).
+    0.5-0.9 % slower with half of it (each chunk's dW GEMM reads and writes the accumulator). The 2 GiB cap (1.5
+    before): one H100, 2026-11-27, vpce-triton on the Llama-3-8B head (N=16384) was 1.054x the floor with 6272-token
+    chunks, 1.039x with 8192 (the whole accumulator's size, two chunks; cuBLAS's bf16 GEMMs also run slower per
+    token at 6272 than at 4096 or 8192), and on the Gemma-2-2B head (N=8192) 1.156x with 3072, 1.123x with 4096.
     """
     elem = torch.empty((), dtype=dtype).element_size()
     if isinstance(opts.memory_budget, float):

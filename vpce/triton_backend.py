@@ -20,7 +20,7 @@ epilogue) and 4-5 % less with a soft cap. The logits are then rounded to the inp
 in torch eager, torch.compile and quack; the target logit is not.
 
 Backward scales the held ``dX``, ``dW``, ``db`` by the upstream gradient (and ``1/count`` for ``mean``) and casts
-them in one pass. Memory: ``P`` (``C * V_local`` values; by default 1.5 GiB but at most the fp32 ``dW``
+them in one pass. Memory: ``P`` (``C * V_local`` values; by default 2 GiB but at most the fp32 ``dW``
 accumulator's size), the fp32 ``dW`` accumulator, fp32 ``dX``.
 
 Lean route (``memory_budget="lean"``, ``reduction="none"``, and ``linear_log_probs``), 8NDV.
@@ -560,7 +560,7 @@ def speculative_grads(held: FastGrads, hidden, weight, bias, tg: TokenTargets, r
             _gated_recompute(hidden.contiguous(), weight[:v], None if bias is None else bias[:v], tg, rows,
                              coefficients(r), flags, chunk, softcap, inv_t, dw, db)
     if main_weight is not None and dw is not None:
-        dw = weight_grad_to_main(main_weight, dw.mul_(last))
+        dw = weight_grad_to_main(main_weight, dw, last)
     elif dw is not None:
         dw = pad_rows(scaled(dw, last, dw_dtype, kernels.scale_cast), n_rows, dw_dtype)
     dx = held.summed()[0]  # after dW's cast: dX's sum over the group runs beside it
