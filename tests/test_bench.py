@@ -671,6 +671,43 @@ def test_a_device_left_stalled_ends_the_run_with_the_rows_reported(monkeypatch):
     assert record["stalled"].startswith("cpu did not run a tiny op"), record
 
 
+def test_a_device_error_after_a_timeout_ends_the_run_with_the_rows_reported(monkeypatch):
+    """A row abandoned by its time limit may leave the device unusable without stalling it (quack's first step
+    was capturing a CUDA graph, and the next synchronize raised): the run does not crash, the remaining rows are
+    ``failed: not run: ...`` and the record says why. Without an abandoned row the same error propagates."""
+    from vpce.bench import runner
+    from vpce.bench.harness import Env, Settings, Shape
+    from vpce.bench.methods import METHODS, Method
+    from vpce.bench.report import Progress
+
+    def slow(env):
+        def fn(x, w, y):
+            import time
+            time.sleep(120)
+        return fn
+
+    def capturing(device):  # the error while the abandoned row's thread is alive (at once without one)
+        import threading
+        if always or any(t.name == "vpce-bench row slow" for t in threading.enumerate()):
+            raise RuntimeError("CUDA error: operation not permitted when stream is capturing\nmore")
+    monkeypatch.setitem(METHODS, "slow", Method(name="slow", label="sleeps 120 s", build=slow))
+    env = Env(device=torch.device("cpu"), dtype=torch.float32)
+    settings = Settings(warmup=1, min_reps=1, max_reps=1, rep_time_s=0.0, row_timeout_s=5.0)
+    shape = Shape(name="small", n=32, d=16, v=64)
+    monkeypatch.setattr(runner, "free_memory", capturing)
+    always = True
+    with pytest.raises(RuntimeError, match="stream is capturing"):
+        runner.run_shape(shape, env, ["floor", "torch"], settings, Progress(enabled=False), no_grad=False)
+    always = False
+    record, rows = runner.run_shape(shape, env, ["floor", "slow", "torch", "floor"], settings,
+                                    Progress(enabled=False), no_grad=False)
+    by = {r["method"]: r for r in rows}
+    want = "cpu failed after slow timed out: RuntimeError: CUDA error: operation not permitted when stream is capturing"
+    assert by["slow"]["status"].startswith("failed: timeout"), by["slow"]
+    assert by["torch"]["status"] == f"failed: not run: {want}", by["torch"]
+    assert record["stalled"] == want, record
+
+
 def test_quick_default_runs_what_is_installed_and_fits_120_columns(tmp_path):
     """--quick without --methods: only rows that run here (nothing ``missing``), every line within 120 columns,
     and the rows left out named once on stderr."""

@@ -17,7 +17,7 @@ the GPU cannot be interrupted from inside the process. So each row's phases run 
 thread waits for it at most ``Settings.row_timeout_s``. A row that does not finish by then is abandoned: it is
 reported ``failed: timeout after <s> s (in <phase>)``, the worker thread (a daemon) is left behind, and the run
 goes on. Then the device is asked to run one tiny op within ``DEVICE_PROBE_S``: if it cannot (the stalled kernel
-still holds the GPU), every remaining row is reported ``failed: not run: ...`` instead of queueing behind it, the
+still holds the GPU), or if freeing memory between rows fails later (``_free_after``), every remaining row is reported ``failed: not run: ...`` instead of queueing behind it, the
 tables and the JSON are written, and ``python -m vpce.bench`` exits with status 3 through ``os._exit`` (a thread
 stuck in a CUDA call can block a normal interpreter exit). Rows measured after an abandoned row that is still
 computing share the machine with it; the JSON marks them ``after_timeout``. A subprocess per row would isolate
@@ -167,6 +167,21 @@ def run_row(row: dict, phases: list[Phase], env: Env, timeout_s: float | None):
     if not _device_responds(env, DEVICE_PROBE_S):
         raise DeviceStalled(f"{env.device} did not run a tiny op within {DEVICE_PROBE_S:g} s after "
                             f"{row['method']} timed out")
+
+
+def _free_after(env: Env, abandoned: str | None) -> str | None:
+    """``free_memory`` between rows; None, or why the run must end. After a row abandoned by its time limit the
+    device call can fail because of what that row's thread still does (H100, 2026-11-27: quack's first step,
+    abandoned at 90 s, was capturing a CUDA graph, and the next ``synchronize`` raised "operation not permitted
+    when stream is capturing"): the remaining rows are then reported ``failed: not run`` and the tables written,
+    as for a stalled device. Without an abandoned row the error propagates."""
+    try:
+        free_memory(env.device)
+    except Exception as e:  # noqa: BLE001 - only after a timeout, where the abandoned thread may be the cause
+        if abandoned is None:
+            raise
+        return f"{env.device} failed after {abandoned} timed out: {type(e).__name__}: {str(e).splitlines()[0]}"
+    return None
 
 
 def _record_timing(row: dict, timing: Timing, floor_ms: float | None):
@@ -483,7 +498,7 @@ def run_shape(shape: Shape, env: Env, names: list[str], settings: Settings, prog
             floor = row.get("_floor", {})
             record["floor"] = floor or None
         if stalled is None:
-            free_memory(env.device)
+            stalled = _free_after(env, abandoned)
         rows.append(public(row))
         progress.finish(row)
     if stalled is not None:
@@ -494,5 +509,7 @@ def run_shape(shape: Shape, env: Env, names: list[str], settings: Settings, prog
 
     del prob, ref, refs
     if stalled is None:
-        free_memory(env.device)
+        stalled = _free_after(env, abandoned)
+        if stalled is not None:
+            record["stalled"] = stalled
     return record, rows
