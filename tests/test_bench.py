@@ -686,11 +686,13 @@ def test_a_device_error_after_a_timeout_ends_the_run_with_the_rows_reported(monk
             time.sleep(120)
         return fn
 
-    def capturing(device):  # the error while the abandoned row's thread is alive (at once without one)
+    # the error while this test's abandoned row's thread is alive (at once with ``always``); a name of its own,
+    # since the other time-limit tests leave their sleeping threads behind
+    def capturing(device):
         import threading
-        if always or any(t.name == "vpce-bench row slow" for t in threading.enumerate()):
+        if always or any(t.name == "vpce-bench row capturing" for t in threading.enumerate()):
             raise RuntimeError("CUDA error: operation not permitted when stream is capturing\nmore")
-    monkeypatch.setitem(METHODS, "slow", Method(name="slow", label="sleeps 120 s", build=slow))
+    monkeypatch.setitem(METHODS, "capturing", Method(name="capturing", label="sleeps 120 s", build=slow))
     env = Env(device=torch.device("cpu"), dtype=torch.float32)
     settings = Settings(warmup=1, min_reps=1, max_reps=1, rep_time_s=0.0, row_timeout_s=5.0)
     shape = Shape(name="small", n=32, d=16, v=64)
@@ -699,11 +701,12 @@ def test_a_device_error_after_a_timeout_ends_the_run_with_the_rows_reported(monk
     with pytest.raises(RuntimeError, match="stream is capturing"):
         runner.run_shape(shape, env, ["floor", "torch"], settings, Progress(enabled=False), no_grad=False)
     always = False
-    record, rows = runner.run_shape(shape, env, ["floor", "slow", "torch", "floor"], settings,
+    record, rows = runner.run_shape(shape, env, ["floor", "capturing", "torch", "floor"], settings,
                                     Progress(enabled=False), no_grad=False)
     by = {r["method"]: r for r in rows}
-    want = "cpu failed after slow timed out: RuntimeError: CUDA error: operation not permitted when stream is capturing"
-    assert by["slow"]["status"].startswith("failed: timeout"), by["slow"]
+    want = ("cpu failed after capturing timed out: RuntimeError: CUDA error: operation not permitted when stream is "
+            "capturing")
+    assert by["capturing"]["status"].startswith("failed: timeout"), by["capturing"]
     assert by["torch"]["status"] == f"failed: not run: {want}", by["torch"]
     assert record["stalled"] == want, record
 

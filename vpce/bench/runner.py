@@ -17,9 +17,10 @@ the GPU cannot be interrupted from inside the process. So each row's phases run 
 thread waits for it at most ``Settings.row_timeout_s``. A row that does not finish by then is abandoned: it is
 reported ``failed: timeout after <s> s (in <phase>)``, the worker thread (a daemon) is left behind, and the run
 goes on. Then the device is asked to run one tiny op within ``DEVICE_PROBE_S``: if it cannot (the stalled kernel
-still holds the GPU), or if freeing memory between rows fails later (``_free_after``), every remaining row is reported ``failed: not run: ...`` instead of queueing behind it, the
-tables and the JSON are written, and ``python -m vpce.bench`` exits with status 3 through ``os._exit`` (a thread
-stuck in a CUDA call can block a normal interpreter exit). Rows measured after an abandoned row that is still
+still holds the GPU), or if freeing memory between rows fails later (``_free_after``), every remaining row is
+reported ``failed: not run: ...`` instead of queueing behind it, the tables and the JSON are written, and ``python
+-m vpce.bench`` exits with status 3 through ``os._exit`` (a thread stuck in a CUDA call can block a normal
+interpreter exit). Rows measured after an abandoned row that is still
 computing share the machine with it; the JSON marks them ``after_timeout``. A subprocess per row would isolate
 better but repeats the inputs, the float64 reference and the CUDA context for every row, and cannot share the
 device tensors cheaply; under ``--tp`` a hung collective is ended by the process group's ``--timeout`` instead.
