@@ -20,10 +20,10 @@ goes on. Then the device is asked to run one tiny op within ``DEVICE_PROBE_S``: 
 still holds the GPU), or if freeing memory between rows fails later (``_free_after``), every remaining row is
 reported ``failed: not run: ...`` instead of queueing behind it, the tables and the JSON are written, and ``python
 -m vpce.bench`` exits with status 3 through ``os._exit`` (a thread stuck in a CUDA call can block a normal
-interpreter exit). Rows measured after an abandoned row that is still
-computing share the machine with it; the JSON marks them ``after_timeout``. A subprocess per row would isolate
-better but repeats the inputs, the float64 reference and the CUDA context for every row, and cannot share the
-device tensors cheaply; under ``--tp`` a hung collective is ended by the process group's ``--timeout`` instead.
+interpreter exit). Rows measured after an abandoned row that is still computing share the machine with it; the
+JSON marks them ``after_timeout``. A subprocess per row would isolate better but repeats the inputs, the float64
+reference and the CUDA context for every row, and cannot share the device tensors cheaply; under ``--tp`` a hung
+collective is ended by the process group's ``--timeout`` instead.
 
 A distillation shape (``--distill``, ``Shape.d_teacher``) has a floor row and fwd+bwd rows only; the floor adds the
 teacher's logits GEMM to the student's three (``DISTILL_FLOOR_GEMMS``), and each row is checked against the
@@ -502,8 +502,6 @@ def run_shape(shape: Shape, env: Env, names: list[str], settings: Settings, prog
             stalled = _free_after(env, abandoned)
         rows.append(public(row))
         progress.finish(row)
-    if stalled is not None:
-        record["stalled"] = stalled
     if shape.distill:
         record["ref_losses"], record["ref_seconds"] = refs.losses, refs.seconds
         record["gemm_logits_loss_errs"] = refs.logits_errs
@@ -511,6 +509,6 @@ def run_shape(shape: Shape, env: Env, names: list[str], settings: Settings, prog
     del prob, ref, refs
     if stalled is None:
         stalled = _free_after(env, abandoned)
-        if stalled is not None:
-            record["stalled"] = stalled
+    if stalled is not None:
+        record["stalled"] = stalled
     return record, rows
