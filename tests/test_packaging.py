@@ -142,6 +142,7 @@ EXTRAS = {
     "transformers": {"transformers<6,>=4.57", "accelerate>=1.1"},
     "torchtune": {"torchtune==0.6.1", "torchao<0.16,>=0.13"},
     "trl": {"trl==1.16.0"},
+    "hopper": {"quack-kernels==0.6.5", "nvidia-cutlass-dsl==4.7.1"},
 }
 
 

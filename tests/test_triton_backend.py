@@ -295,3 +295,33 @@ def test_statistics_kernels_match_the_torch_combine(sum_z, sum_ez, world, poison
     assert torch.isfinite(lse[[i for i in range(c) if i not in (3, 5, 9)]]).all()
     nll = got.nll.cpu()
     assert torch.isinf(nll[(owner == -1) & ~torch.isnan(lse)]).all(), "a token whose target no rank holds has no finite -log p_t"
+
+
+def _hopper_here() -> bool:
+    from vpce import gemm
+
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9 and gemm._quack() is not None
+
+
+@pytest.mark.skipif(not _hopper_here(), reason="needs an sm_90 GPU and the hopper extra (quack-kernels)")
+@pytest.mark.parametrize("n", [2000, 700], ids=["three-chunks", "one-chunk"])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_gpu_hopper_dw_finishes_in_one_gemm(monkeypatch, sizing, n, reduction):
+    """With the hopper extra the fast route's last chunk leaves its dW GEMM to backward, where one quack GEMM reads
+    the fp32 accumulator (none for one chunk), scales and writes bf16: it runs (counted), dW is no worse than torch
+    eager's, and within a bf16 rounding of the cuBLAS + cast path it replaces (the extra switched off)."""
+    from vpce import gemm, grads
+
+    sizing(fast_p_gib=768 * 4096 * 2 / 2**30)  # 768-token chunks: 3 for n=2000, 1 for n=700
+    p = make_problem(n, 512, 4096, dtype=torch.bfloat16, bias=True, ignore_frac=0.1, reduction=reduction, seed=5)
+    calls = []
+    real = grads.scaled_weight_grad
+    monkeypatch.setattr(grads, "scaled_weight_grad", lambda *a: calls.append(a[0] is None) or real(*a))
+    check(p, reduction=reduction)
+    got = run(p, reduction=reduction)
+    assert calls == [n <= 768] * 2, calls  # the one-chunk call has no accumulator
+    monkeypatch.setattr(gemm, "_quack", lambda: None)
+    base = run(p, reduction=reduction)
+    assert not calls[2:], "the cuBLAS path ran the quack GEMM"
+    assert torch.equal(got[0], base[0]) and torch.equal(got[1], base[1])  # the loss and dX do not change
+    assert rel_err(got[2], base[2]) < 2 ** -8 and rel_err(got[3], base[3]) < 1e-6

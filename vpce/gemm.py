@@ -7,15 +7,22 @@ reduction dimension, so the extra memory stays bounded.
 
 Which of the two is used is decided once per device type, by capability: a probe on 1x1 tensors the first time.
 An error from a real GEMM (out of memory, a bad shape) propagates; it never switches the path.
+
+With the ``hopper`` extra (quack-kernels' CuTe GEMMs) on an sm_90 GPU, ``scaled_weight_grad`` finishes the fast
+route's dW in one GEMM that reads the fp32 accumulator as C, scales by the upstream gradient (a device scalar: no
+host sync) and writes the weight's 16-bit dtype: no separate scale-and-cast pass over ``[V_local, D]`` fp32 (1.07 ms
+on the Llama-3-8B head, one H100). Which library computes a rank's dW changes no collective.
 """
 
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
 
-__all__ = ["mm_out", "mm_into", "addmm_out_", "logits_into", "has_mixed_gemm"]
+__all__ = ["mm_out", "mm_into", "addmm_out_", "logits_into", "has_mixed_gemm", "hopper_dw_ready",
+           "scaled_weight_grad"]
 
 _UPCAST_ELEMS = 1 << 24  # elements of ``b`` upcast at a time on the fallback path
 
@@ -77,3 +84,40 @@ def logits_into(out: torch.Tensor, h: torch.Tensor, w: torch.Tensor, b: torch.Te
     if b is None:
         return torch.mm(h, w.t(), out=out)
     return torch.addmm(b, h, w.t(), out=out)
+
+
+@functools.cache
+def _quack():
+    """quack-kernels' GEMM interface (the optional ``hopper`` extra), or None where it is not installed. An install
+    that fails to import is named once, then left alone."""
+    try:
+        from quack import gemm_interface
+    except ImportError:
+        return None
+    except Exception as e:  # noqa: BLE001 - a broken optional extra must not stop the loss
+        warnings.warn(f"vpce: the hopper extra (quack-kernels) failed to import, dW uses cuBLAS and a cast pass: {e!r}",
+                      stacklevel=2)
+        return None
+    return gemm_interface
+
+
+def hopper_dw_ready(g: torch.Tensor, x: torch.Tensor) -> bool:
+    """Whether ``scaled_weight_grad(acc, g, x, ...)`` can run as one quack GEMM: an sm_90 GPU, the ``hopper`` extra,
+    16-bit row-major ``g [C, V]`` and ``x [C, D]`` of one dtype, 16-byte aligned (TMA)."""
+    if not (g.is_cuda and g.dtype in (torch.float16, torch.bfloat16) and x.dtype == g.dtype):
+        return False
+    if torch.cuda.get_device_capability(g.device)[0] != 9 or _quack() is None:
+        return False
+    return all(t.dim() == 2 and t.stride(1) == 1 and t.stride(0) % 8 == 0 and t.data_ptr() % 16 == 0 for t in (g, x))
+
+
+def scaled_weight_grad(acc: torch.Tensor | None, g: torch.Tensor, x: torch.Tensor, scale: torch.Tensor,
+                       dtype: torch.dtype) -> torch.Tensor:
+    """``scale * (acc + g^T x)`` in the 16-bit ``dtype``, accumulated in fp32 and rounded once, in one quack GEMM
+    (``hopper_dw_ready``): ``acc`` is the fp32 accumulator of the earlier chunks (None: there were none), ``scale``
+    the 0-d upstream gradient."""
+    q = _quack()
+    s = scale.detach().to(torch.float32).reshape(1).contiguous()  # read on the device: no host sync
+    if acc is None:
+        return q.gemm(g.t(), x, alpha=s, out_dtype=dtype, tuned=False)
+    return q.gemm_add(g.t(), x, acc, alpha=s, beta=s, out_dtype=dtype, tuned=False)

@@ -13,7 +13,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from .gemm import addmm_out_, mm_into
+from .gemm import addmm_out_, mm_into, mm_out, scaled_weight_grad
 
 __all__ = ["FastGrads", "finish_fast_grads", "scaled", "check_main_grad", "pad_rows", "weight_grad",
            "weight_grad_to_main", "add_block", "written_rows"]
@@ -25,12 +25,17 @@ class FastGrads(NamedTuple):
 
     ``dx_sum``: dX's sum over the tensor-parallel group, still in flight (``vpce.parallel.HiddenGradReduce``);
     ``summed()`` waits for it. Backward waits only after dW's scale and cast, which the last chunk's all-reduce
-    runs beside: in forward it would wait behind the last dW GEMM, which holds every SM until it ends."""
+    runs beside: in forward it would wait behind the last dW GEMM, which holds every SM until it ends.
+
+    ``last``: ``(g, x)``, the last chunk's gradient ``[c, V_local]`` and hidden rows, whose dW GEMM was left to
+    backward (``vpce.gemm.hopper_dw_ready``): there it reads ``dw`` (None: there was one chunk) as C and writes the
+    weight's dtype, scaled (``finish_fast_grads``)."""
 
     dx: torch.Tensor | None
     dw: torch.Tensor | None
     db: torch.Tensor | None
     dx_sum: object | None = None
+    last: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def summed(self) -> tuple:
         """``(dx, dw, db)`` with dX summed over the group (this rank's rows of it under sequence parallelism)."""
@@ -92,14 +97,22 @@ def finish_fast_grads(grads: FastGrads, g: torch.Tensor, dtypes: tuple[torch.dty
     """Scale the held gradients by the upstream gradient ``g`` (0-d, with ``1/count`` for ``mean``) and return them
     in ``dtypes`` (dX's, dW's, db's: each input's own, so fp32 parameters that autocast cast get their fp32
     accumulators back, unrounded), dW padded to ``rows`` or added into ``main_weight.main_grad``. dW first: dX's
-    sum over the group may still be running (``FastGrads.dx_sum``)."""
-    _, dw, db, _ = grads
+    sum over the group may still be running (``FastGrads.dx_sum``). A deferred last chunk (``FastGrads.last``) is
+    one GEMM that reads the accumulator and writes dW scaled in its 16-bit dtype; for an fp32 dW it is added into
+    the accumulator first."""
+    dw, db = grads.dw, grads.db
     dx_dtype, dw_dtype, db_dtype = dtypes
     db = None if db is None else pad_rows(db.mul_(g), rows, db_dtype)
-    if main_weight is not None:  # fp32 straight into main_grad, never rounded
-        dw = weight_grad_to_main(main_weight, dw, g)
-    elif dw is not None:
-        dw = pad_rows(scaled(dw, g, dw_dtype, scale_cast), rows, dw_dtype)
+    if grads.last is not None and main_weight is None and dw_dtype in (torch.float16, torch.bfloat16):
+        dw = pad_rows(scaled_weight_grad(dw, *grads.last, g, dw_dtype), rows, dw_dtype)
+    else:
+        if grads.last is not None:
+            gl, xl = grads.last
+            dw = mm_out(gl.t(), xl, torch.float32) if dw is None else addmm_out_(dw, gl.t(), xl)
+        if main_weight is not None:  # fp32 straight into main_grad, never rounded
+            dw = weight_grad_to_main(main_weight, dw, g)
+        elif dw is not None:
+            dw = pad_rows(scaled(dw, g, dw_dtype, scale_cast), rows, dw_dtype)
     dx = grads.summed()[0]
     return None if dx is None else scaled(dx, g, dx_dtype, scale_cast), dw, db
 

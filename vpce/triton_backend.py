@@ -85,7 +85,7 @@ from .distill_stats import KL_HEAD, DistillRows, exchange_chunk_stats, heads, lo
 from .formulas import (Coefficients, RowStats, ce_coefficients, ce_token_outputs, evaluate_loss_fn,
                        logprob_coefficients, logprob_part_outputs, loss_fn_coefficients, loss_fn_metric_outputs,
                        store_metric_outputs)
-from .gemm import addmm_out_, logits_into, mm_into, mm_out
+from .gemm import addmm_out_, hopper_dw_ready, logits_into, mm_into, mm_out
 from .grads import FastGrads, add_block, pad_rows, scaled, weight_grad, weight_grad_to_main, written_rows
 from .options import DistillOptions, LogProbLossOptions, LogProbOptions, LossOptions
 from .parallel import HiddenGradReduce, RankStats, gather_sequence, start_gather_sequence, start_stats_exchange
@@ -293,14 +293,16 @@ def recompute_grads(hidden, weight, bias, tg: TokenTargets, rows: RowStats, coef
     return _block_loop(hidden, weight, bias, call, step, main_weight)
 
 
-def _chunk_loop(hidden, w, b, chunk: int, call: Call, step, form: bool = True) -> FastGrads | None:
+def _chunk_loop(hidden, w, b, chunk: int, call: Call, step, form: bool = True,
+                defer_last: bool = False) -> FastGrads | None:
     """The forward chunk loop, every loss and route: per chunk ``sl`` of ``chunk`` tokens the per-loss
     ``step(sl, first)`` takes the chunk's statistics and outputs (from its logits buffer where the route holds one,
     ``first``: the first chunk's logits already written, launched before the forward's set-up) and, where ``form``,
     writes the chunk's gradient at unit upstream scale over them and returns that ``[c, V_local]`` buffer (None on
     an all-padding shard); the chunk's dX rows and dW (db) then go into fp32 (with ``dx_reduce == "forward"``, dX
-    summed over the group, overlapped with the dW GEMM and the next chunk). Returns the unscaled ``FastGrads``, or
-    None without ``form``."""
+    summed over the group, overlapped with the dW GEMM and the next chunk). ``defer_last``: leave the last chunk's
+    dW GEMM to backward where one quack GEMM can finish dW (``FastGrads.last``, ``vpce.gemm.hopper_dw_ready``).
+    Returns the unscaled ``FastGrads``, or None without ``form``."""
     n, d = hidden.shape
     if not form:
         for c0 in range(0, n, chunk):
@@ -315,6 +317,7 @@ def _chunk_loop(hidden, w, b, chunk: int, call: Call, step, form: bool = True) -
     reduce_dx = HiddenGradReduce(dx, shard, plan.sequence_parallel) \
         if dx is not None and plan.dx_reduce == "forward" else None
     dw = None  # fp32 accumulator, allocated by the first chunk's GEMM (no zero fill)
+    last = None
     db = torch.zeros(v, dtype=torch.float32, device=dev) if needs[2] and b is not None else None
     for c0 in range(0, n, chunk):
         sl = slice(c0, min(n, c0 + chunk))
@@ -325,13 +328,15 @@ def _chunk_loop(hidden, w, b, chunk: int, call: Call, step, form: bool = True) -
             reduce_dx.add(sl)
         if v == 0:
             continue
-        if needs[1]:
+        if needs[1] and defer_last and sl.stop == n and hopper_dw_ready(g, hidden[sl]):
+            last = (g, hidden[sl])
+        elif needs[1]:
             dw = mm_out(g.t(), hidden[sl], torch.float32) if dw is None else addmm_out_(dw, g.t(), hidden[sl])
         if db is not None:
             db += g.sum(0, dtype=torch.float32)
-    if needs[1] and dw is None:  # no chunk ran (no tokens, or an all-padding shard)
+    if needs[1] and dw is None and last is None:  # no chunk ran (no tokens, or an all-padding shard)
         dw = torch.zeros(v, d, dtype=torch.float32, device=dev)
-    return FastGrads(dx, dw, db, reduce_dx)  # dX's sum awaited in backward, after dW's cast
+    return FastGrads(dx, dw, db, reduce_dx, last)  # dX's sum awaited in backward, after dW's cast
 
 
 def _softmax_step(hidden, w, b, tl_local, stats: _ChunkStats, p, call: Call, softcap, inv_t, cw, on_part,
@@ -418,7 +423,8 @@ def cross_entropy(hidden, weight, bias, tg: TokenTargets, opts: LossOptions, cal
         p, chunk = None, min(max(n, 1), plan.sizes.chunk)
     stats = _ChunkStats(chunk, v, hidden, smooth, entropy, cw, before=before)
     step = _softmax_step(hidden, w, b, tl_local, stats, p, call, *opts.folded_cap(), cw, on_part)
-    return loss_tok, rows, _chunk_loop(hidden, w, b, chunk, call, step, form=formed)
+    defer = plan.route == "fast" and not call.main_grad  # the speculative route's backward adds to the accumulator
+    return loss_tok, rows, _chunk_loop(hidden, w, b, chunk, call, step, form=formed, defer_last=defer)
 
 
 def log_probs(hidden, weight, bias, tg: TokenTargets, lp: LogProbOptions, call: Call) -> RankStats:
