@@ -1,5 +1,6 @@
-"""``memory_budget="auto"``: the fast route only where its buffers fit in free device memory, the same route on
-every rank (``vpce.routing.settle_by_memory``, the AND over the group in ``vpce.parallel.agree``)."""
+"""``memory_budget="auto"``: the fast route only where its buffers fit in free device memory (in one chunk where
+that fits too), the same route and chunks on every rank (``vpce.routing.settle_by_memory``, the smallest fit over
+the group in ``vpce.parallel.agree``)."""
 
 import dataclasses
 import os
@@ -25,7 +26,8 @@ def test_p_chunk_and_the_weights_cast_copy_share_the_accumulators_size():
     fp32 weight under autocast, ``P`` and that 16-bit copy together (the HF Trainer step's peak, issue #35); a
     numeric budget as given. Equal on every rank: from the columns per rank, with the cast in the agreement."""
     shard = parallel.VocabShard(None, 0, 1, 0, 128256, 128256)
-    plan = routing.settle(routing.plan_cross_entropy(LossOptions(), (True, True, False), "triton", False, False), True)
+    plan = routing.settle(routing.plan_cross_entropy(LossOptions(), (True, True, False), "triton", False, False),
+                          routing.FIT_FAST)
 
     def chunk(d, cast, opts=LossOptions()):
         return routing.size_cross_entropy(plan, opts, shard, d, torch.bfloat16, cast).sizes.chunk
@@ -51,8 +53,9 @@ def test_auto_is_left_to_memory_only_on_the_triton_fast_route():
     no_grad = routing.plan_cross_entropy(auto, (False,) * 3, "triton", False, False)
     assert no_grad.route == "forward"
     sharded = routing.plan_cross_entropy(auto, needs, "triton", True, False)
-    assert routing.settle(sharded, True).dx_reduce == "forward"  # the fast route sums dX in forward
-    assert routing.settle(sharded, False) == routing.Plan("triton", "lean", "region", False)
+    assert routing.settle(sharded, routing.FIT_FAST).dx_reduce == "forward"  # the fast route sums dX in forward
+    assert routing.settle(sharded, routing.FIT_LEAN) == routing.Plan("triton", "lean", "region", False)
+    assert routing.settle(sharded, routing.FIT_WHOLE) == routing.Plan("triton", "fast", "forward", False, whole=True)
     # on the CPU (the interpreter) there is no device memory to weigh: the fast route, nothing for the group
     plan, fits = routing.settle_by_memory(sharded, torch.zeros(4, 8), 16, needs, auto, world=2)
     assert plan.route == "fast" and fits is None
@@ -70,12 +73,36 @@ def _agree_main(rank, world, fits):
     return got, again
 
 
-@pytest.mark.parametrize("fits", [(True, True, True), (True, False, True), (False, False, False)],
-                         ids=["all-fit", "one-does-not", "none-fit"])
-def test_the_group_takes_the_fast_route_only_where_it_fits_on_every_rank(fits):
+@pytest.mark.parametrize("fits", [(2, 2, 2), (2, 1, 2), (1, 0, 2), (0, 0, 0)],
+                         ids=["all-whole", "one-chunked", "one-does-not", "none-fit"])
+def test_the_group_takes_what_fits_on_every_rank(fits):
     for rank, (got, again) in enumerate(run_ranks(_agree_main, 3, fits)):
-        assert got is all(fits), f"rank {rank}: {got} for {fits}"
+        assert got == min(fits), f"rank {rank}: {got} for {fits}"
         assert again is None
+
+
+@pytest.mark.parametrize("case", ["whole", "too-long", "frozen", "deterministic", "whole-does-not-fit", "none-fit",
+                                  "short", "not-ce"])
+def test_auto_takes_one_chunk_where_it_replaces_chunks_and_fits(monkeypatch, case):
+    """One chunk of every token where its ``P`` is at most the default ``P`` plus the fp32 dW accumulator (the
+    Llama-3-8B head at N=16384: two default chunks), dW is needed, it fits in free memory, and the chunking need not
+    be deterministic; then the cross-entropy's fast route sizes ``P`` for every token."""
+    d, rows = 4096, 128256
+    default = 8192  # P = the fp32 dW accumulator's size
+    tokens = {"too-long": 2 * default + 128, "short": default}.get(case, 2 * default)
+    budget = {"whole-does-not-fit": 5 * 2**30, "none-fit": 2**30}.get(case, 80 * 2**30)  # chunked: 4.1 GiB
+    monkeypatch.setattr(routing, "_fits", lambda need, device: need <= budget)
+    if case == "deterministic":
+        monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
+    needs = (True, case != "frozen", False)
+    hidden = torch.empty(tokens, d, dtype=torch.bfloat16)
+    fit = routing._fit(hidden, tokens, rows, needs, LossOptions(), False, case != "not-ce")
+    want = {"whole": routing.FIT_WHOLE, "none-fit": routing.FIT_LEAN}.get(case, routing.FIT_FAST)
+    assert fit == want, (case, fit)
+    plan = routing.settle(routing.plan_cross_entropy(LossOptions(), needs, "triton", False, False), fit)
+    shard = parallel.VocabShard(None, 0, 1, 0, rows, rows)
+    chunk = routing.size_cross_entropy(plan, LossOptions(), shard, d, torch.bfloat16).sizes.chunk
+    assert chunk == (routing.WHOLE_CHUNK if case == "whole" else default) or case == "none-fit", (case, chunk)
 
 
 def _gpu_scenario():
@@ -122,3 +149,36 @@ def test_gpu_auto_takes_the_lean_route_where_the_fast_one_does_not_fit():
     run = subprocess.run([sys.executable, "-c", "import test_memory_route as t; t._gpu_scenario()"], cwd=here,
                          env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_gpu_auto_runs_one_chunk_where_it_fits(monkeypatch):
+    """On a GPU with room, ``"auto"`` runs the fast route in one chunk where the default would take two (here
+    0.25 GiB ``P`` chunks of 8320 tokens, 9000 tokens), with the loss and gradients of the chunked run within a
+    rounding; under deterministic algorithms it keeps the default chunks."""
+    from vpce import triton_backend
+
+    chunks = []
+    real = triton_backend._chunk_loop
+    monkeypatch.setattr(triton_backend, "_chunk_loop",
+                        lambda hidden, w, b, chunk, *a, **k: chunks.append(chunk) or real(hidden, w, b, chunk, *a, **k))
+    p = make_problem(9000, 512, 16001, dtype=torch.bfloat16, ignore_frac=0.1, seed=3)
+    h, w, t = p.hidden.cuda(), p.weight.cuda(), p.target.cuda()
+
+    def step(budget):
+        hh, ww = leaf(h), leaf(w)
+        loss = vpce.linear_cross_entropy(hh, ww, t, memory_budget=budget)
+        loss.backward()
+        return loss.detach(), hh.grad, ww.grad
+
+    whole, chunked = step("auto"), step("fast")
+    assert chunks == [9000, 8320], chunks
+    assert rel_err(whole[0], chunked[0]) < 1e-6
+    assert rel_err(whole[1], chunked[1]) < 2 ** -7 and rel_err(whole[2], chunked[2]) < 2 ** -7  # within a rounding
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    try:
+        step("auto")
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert chunks[2] == 8320, chunks

@@ -165,7 +165,7 @@ class CrossEntropyEntry(Entry):
         return plan_cross_entropy(o, needs, backend_name, sharded, sp, speculate)
 
     def memory(self, p, h, rows, needs, world):
-        return settle_by_memory(p, h, rows, needs, self.opts, world, self.weight_cast)
+        return settle_by_memory(p, h, rows, needs, self.opts, world, self.weight_cast, whole_ok=True)
 
     def size(self, plan, shard, d, dtype):
         return size_cross_entropy(plan, self.opts, shard, d, dtype, self.weight_cast)

@@ -31,7 +31,7 @@ from .distill_stats import DistillRows
 from .formulas import RowStats
 from .options import BUDGET_NAMES, DistillOptions, LossOptions
 from .parallel import VocabShard
-from .routing import Call, plan_cross_entropy, plan_distillation, settle, size_cross_entropy, size_distillation
+from .routing import FIT_FAST, Call, plan_cross_entropy, plan_distillation, settle, size_cross_entropy, size_distillation
 from .targets import TokenTargets
 
 __all__ = ["linear_cross_entropy", "linear_distillation_loss"]
@@ -159,7 +159,7 @@ def _ce_call(backend, ignore_index, reduction, label_smoothing, z_loss, softcap,
     opts = LossOptions(ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
                        z_loss=z_loss, softcap=softcap, memory_budget=_budget(memory_budget), logit_scale=logit_scale)
     # the compiled graph's outputs must not depend on free memory: "auto" is the fast route here
-    plan = settle(plan_cross_entropy(opts, tuple(needs), backend, False, False), True)
+    plan = settle(plan_cross_entropy(opts, tuple(needs), backend, False, False), FIT_FAST)
     shard = _shard(weight, vocab_size)
     size = size_cross_entropy(plan, opts, shard, hidden.shape[-1], hidden.dtype, weight.dtype != hidden.dtype)
     return opts, Call(shard, size, tuple(needs))

@@ -186,9 +186,10 @@ class CallFacts:
     ignore_index: int = -100
     error: Exception | None = None
     """An argument error this rank found; with a group, every rank raises it."""
-    fast_fits: bool | None = None
-    """Only where the route is left to memory (``memory_budget="auto"`` on a long call): whether the fast route's
-    buffers fit in this rank's free device memory. The agreement returns the AND over the group."""
+    fast_fits: int | None = None
+    """Only where the route is left to memory (``memory_budget="auto"`` on a long call): what fits in this rank's
+    free device memory (``vpce.routing.FIT_LEAN``, ``FIT_FAST`` or ``FIT_WHOLE``). The agreement returns the
+    smallest over the group."""
 
 
 _EQUAL = ("call", "vocab_start given", "vocab_size", "host check")  # compared first, before ``fields``
@@ -266,8 +267,8 @@ class Agreement(NamedTuple):
     shard: VocabShard
     poison: torch.Tensor | None
     """A 0-d fp32 device scalar (0, or NaN where the ranks disagreed) to add to every token's max, or None."""
-    fast_fits: bool | None = None
-    """``CallFacts.fast_fits`` of every rank ANDed (read on the host), or this rank's own without a group."""
+    fast_fits: int | None = None
+    """The smallest ``CallFacts.fast_fits`` of the group (read on the host), or this rank's own without a group."""
 
 
 def _layout_error(rows: list[int], starts: list[int], vocab_size: int) -> str | None:
@@ -359,7 +360,7 @@ def agree(group, facts: CallFacts, device: torch.device, *, read: bool) -> Agree
         raise ValueError(f"target: expected the same targets on every rank of the group (each rank computes every "
                          f"token's loss), got different targets (checksums {sums} on ranks 0..{world - 1})")
     fits = host[:, _FITS].tolist()
-    fast_fits = None if facts.fast_fits is None else all(f == 1 for f in fits)
+    fast_fits = None if facts.fast_fits is None else min(fits)
     return Agreement(VocabShard(group, rank, world, starts[rank], rows[rank], size), None, fast_fits)
 
 

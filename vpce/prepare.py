@@ -290,7 +290,7 @@ def prepare_call(entry: Entry, hidden, weight, target, bias, *, group, vocab_sta
                       target=target.reshape(-1) if error is None else None, ignore_index=entry.ignore_index,
                       error=error, fast_fits=fast_fits)
     shard, poison, all_fit = parallel.agree(group, facts, device, read=read)
-    if all_fit is not None:  # the route left to memory: fast only where it fits on every rank
+    if all_fit is not None:  # the route left to memory: fast (in one chunk) only where it fits on every rank
         call_plan = settle(call_plan, all_fit)
     call = Call(shard, entry.size(call_plan, shard, hidden.shape[-1], hidden.dtype), needs, poison=poison)
     return hidden.reshape(-1, hidden.shape[-1]), weight, bias, target, call

@@ -11,6 +11,9 @@ chunk and buffer sizes the backends read (they size nothing themselves).
   that is weighed only for long calls (fp32 dX of at least ``AUTO_CHECK_BYTES``): every rank sends whether the
   fast route fits in the agreement's fingerprint, the agreement is then read on the host (one sync), and every rank
   takes the fast route only if it fits on all of them. Shorter calls take the fast route with no reading.
+  Where free memory allows more, the cross-entropy's fast route takes every token in one chunk (``Plan.whole``,
+  ``settle_by_memory``): no fp32 dW accumulator is read and rewritten chunk after chunk. Under a group that too is
+  decided only where the agreement is read, as the smallest of every rank's fit (``vpce.parallel.agree``).
   ``"speculative"`` (Triton, one process; ``reduction="none"`` and ``linear_log_probs``, whose per-token outputs
   the caller reduces): the fast route's forward at unit upstream scale, exact in backward for any upstream gradient,
   as cheap as the fast route when that gradient is uniform over the non-ignored tokens. The API asks
@@ -40,12 +43,17 @@ from .options import BACKENDS, DEFAULT_CHUNK_GIB, DistillOptions, LogProbLossOpt
 from .parallel import VocabShard
 
 __all__ = ["Plan", "Sizes", "Call", "resolve_backend", "plan_cross_entropy", "plan_log_probs", "plan_distillation",
-           "settle_by_memory", "settle", "size_cross_entropy", "size_log_probs", "size_log_prob_loss",
+           "settle_by_memory", "settle", "FIT_LEAN", "FIT_FAST", "FIT_WHOLE", "size_cross_entropy", "size_log_probs",
+           "size_log_prob_loss",
            "size_distillation", "fast_route_bytes", "SIZING", "Sizing"]
 
 ROW_ALIGN = 128      # chunk and sub-chunk boundaries are multiples of the kernel's largest BLOCK_M
 FAST_HEADROOM = 0.9      # the fast route's buffers may take at most this share of the free device memory
 AUTO_CHECK_BYTES = 2**30  # under a group, "auto" weighs memory only when the fp32 dX alone is at least this
+# what fits in free memory (``settle_by_memory``; the smallest over the group): only the lean route, the fast route,
+# or the fast route with every token in one chunk
+FIT_LEAN, FIT_FAST, FIT_WHOLE = 0, 1, 2
+WHOLE_CHUNK = 2**62  # ``Sizes.chunk`` of one chunk of every token (the backends clamp it to the tokens there are)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -107,6 +115,9 @@ class Plan:
     """``hidden`` is this rank's slice along dim 0 (Megatron SP)."""
     sizes: Sizes | None = None
     """Chunk and buffer sizes; None until the shard is agreed (``size_cross_entropy`` and its kin)."""
+    whole: bool = False
+    """The cross-entropy's fast route in one chunk of every token (``FIT_WHOLE``): ``memory_budget="auto"`` where
+    free memory allows (``settle_by_memory``)."""
 
 
 @dataclass(frozen=True)
@@ -179,13 +190,13 @@ def plan_cross_entropy(opts: LossOptions, needs_grad: tuple[bool, bool, bool], b
     return Plan(backend, route, _dx_reduce(backend, route, sharded), sequence_parallel)
 
 
-def settle(plan: Plan, fast: bool) -> Plan:
-    """A plan whose route was left to memory, decided."""
+def settle(plan: Plan, fit: int) -> Plan:
+    """A plan whose route was left to memory, decided by what fits (``FIT_LEAN``, ``FIT_FAST``, ``FIT_WHOLE``)."""
     if plan.route != "auto":
         return plan
-    route = "fast" if fast else "lean"
+    route = "fast" if fit >= FIT_FAST else "lean"
     return Plan(plan.backend, route, _dx_reduce(plan.backend, route, plan.dx_reduce != "none"),
-                plan.sequence_parallel)
+                plan.sequence_parallel, whole=fit >= FIT_WHOLE)
 
 
 def round_to(x: int, m: int) -> int:
@@ -218,14 +229,14 @@ def _fast_chunk(opts: LossOptions, cols: int, dtype: torch.dtype, d: int, weight
 
 
 def fast_route_bytes(tokens: int, d: int, rows: int, dtype: torch.dtype, needs: tuple[bool, bool, bool],
-                     opts: LossOptions, weight_cast: bool = False) -> int:
+                     opts: LossOptions, weight_cast: bool = False, whole: bool = False) -> int:
     """What the fast route holds beyond its inputs and outputs for ``tokens`` tokens (all of them under sequence
-    parallelism) and ``rows`` vocab rows: the ``P`` chunk, its tile statistics, fp32 dX, the fp32 dW accumulator,
-    and with ``weight_cast`` the weight's copy in the compute dtype that the autograd Function makes under autocast
-    (``vpce.prepare.compute_operands``; a bias's copy, ``rows`` 16-bit values, is left out). ``settle_by_memory``
-    weighs it against free memory."""
+    parallelism) and ``rows`` vocab rows: the ``P`` chunk (``whole``: of every token), its tile statistics, fp32 dX,
+    the fp32 dW accumulator, and with ``weight_cast`` the weight's copy in the compute dtype that the autograd
+    Function makes under autocast (``vpce.prepare.compute_operands``; a bias's copy, ``rows`` 16-bit values, is left
+    out). ``settle_by_memory`` weighs it against free memory."""
     elem = torch.empty((), dtype=dtype).element_size()
-    chunk = min(max(tokens, 1), _fast_chunk(opts, max(rows, 1), dtype, d, weight_cast))
+    chunk = max(tokens, 1) if whole else min(max(tokens, 1), _fast_chunk(opts, max(rows, 1), dtype, d, weight_cast))
     tiles = chunk * 2 * math.ceil(rows / 128) * 4
     return (chunk * rows * elem + tiles + (tokens * d * 4 if needs[0] else 0) + (rows * d * 4 if needs[1] else 0)
             + (rows * d * elem if weight_cast else 0))
@@ -244,19 +255,44 @@ def _fits(need: int, device: torch.device) -> bool:
 
 
 def _fast_route_fits(hidden: torch.Tensor, tokens: int, rows: int, needs: tuple[bool, bool, bool],
-                     opts: LossOptions, extra: int = 0, weight_cast: bool = False) -> bool:
-    """Whether the fast route's buffers for ``tokens`` tokens (plus ``extra`` bytes) fit on ``hidden``'s device."""
-    need = fast_route_bytes(tokens, hidden.shape[-1], rows, hidden.dtype, needs, opts, weight_cast) + extra
+                     opts: LossOptions, extra: int = 0, weight_cast: bool = False, whole: bool = False) -> bool:
+    """Whether the fast route's buffers for ``tokens`` tokens (plus ``extra`` bytes; ``whole``: in one chunk) fit on
+    ``hidden``'s device."""
+    need = fast_route_bytes(tokens, hidden.shape[-1], rows, hidden.dtype, needs, opts, weight_cast, whole) + extra
     return _fits(need, hidden.device)
 
 
+def _fit(hidden: torch.Tensor, tokens: int, rows: int, needs: tuple[bool, bool, bool], opts: LossOptions,
+         weight_cast: bool, whole_ok: bool) -> int:
+    """What fits in this device's free memory: ``FIT_LEAN``, ``FIT_FAST``, or ``FIT_WHOLE`` (``whole_ok``: the
+    cross-entropy's fast route, whose chunk may hold every token). One chunk is weighed only where it replaces
+    chunks that each read and rewrite the fp32 dW accumulator (dW needed, more tokens than the default chunk) and
+    its ``P`` holds at most the default ``P`` plus that accumulator: at most about two default chunks. Where the
+    ``hopper`` extra finishes dW (``vpce.gemm``) one chunk allocates no accumulator at all, so it then costs no
+    memory. Not under ``torch.use_deterministic_algorithms(True)``: the chunking (dW's summation order) must not
+    depend on free memory there. One H100, 2026-11-27, cuBLAS + cast: the Gemma-2-2B head (N=8192) ran 1.6 %
+    faster in one chunk than in two, the Llama-3-8B head (N=16384) the same (docs/benchmarks.md)."""
+    d = hidden.shape[-1]
+    if not _fast_route_fits(hidden, tokens, rows, needs, opts, 0, weight_cast):
+        return FIT_LEAN
+    if not whole_ok or not needs[1] or torch.are_deterministic_algorithms_enabled():
+        return FIT_FAST
+    elem = torch.empty((), dtype=hidden.dtype).element_size()
+    chunk = _fast_chunk(opts, max(rows, 1), hidden.dtype, d, weight_cast)
+    if tokens <= chunk or (tokens - chunk) * elem > 4 * d:  # one chunk's P: more than the default's + fp32 dW
+        return FIT_FAST
+    return FIT_WHOLE if _fast_route_fits(hidden, tokens, rows, needs, opts, 0, weight_cast, whole=True) else FIT_FAST
+
+
 def settle_by_memory(plan: Plan, hidden: torch.Tensor, rows: int, needs: tuple[bool, bool, bool],
-                     opts: LossOptions, world: int, weight_cast: bool = False) -> tuple[Plan, bool | None]:
+                     opts: LossOptions, world: int, weight_cast: bool = False,
+                     whole_ok: bool = False) -> tuple[Plan, int | None]:
     """Decide a route left to memory where this rank can: ``(plan, None)``; or, under a group on a long call,
-    ``(plan still "auto", whether the fast route fits here)`` for the agreement to AND over the ranks. The
-    speculative route (one process) holds what the fast route holds, plus three fp32 statistics per token: with
-    ``memory_budget="auto"`` it becomes the lean route where that does not fit. ``weight_cast``: the Function casts
-    the weight under autocast (``fast_route_bytes`` counts that copy; ``_fast_chunk``)."""
+    ``(plan still "auto", what fits here: FIT_LEAN, FIT_FAST or FIT_WHOLE)`` for the agreement to take the smallest
+    over the ranks. The speculative route (one process) holds what the fast route holds, plus three fp32 statistics
+    per token: with ``memory_budget="auto"`` it becomes the lean route where that does not fit. ``weight_cast``:
+    the Function casts the weight under autocast (``fast_route_bytes`` counts that copy; ``_fast_chunk``).
+    ``whole_ok``: the cross-entropy's fast route, which may take every token in one chunk (``_fit``)."""
     # nothing to weigh (CPU interpreter), or no host calls wanted (compiling, or capturing a CUDA graph)
     weigh = not (torch.compiler.is_compiling() or not hidden.is_cuda or torch.cuda.is_current_stream_capturing())
     tokens, d = hidden.numel() // hidden.shape[-1], hidden.shape[-1]
@@ -268,15 +304,15 @@ def settle_by_memory(plan: Plan, hidden: torch.Tensor, rows: int, needs: tuple[b
     if plan.route != "auto":
         return plan, None
     if not weigh:
-        return settle(plan, True), None
+        return settle(plan, FIT_FAST), None
     if plan.sequence_parallel:
         tokens *= world  # the fast route gathers the sequence
     if world > 1 and tokens * d * 4 < AUTO_CHECK_BYTES:
-        return settle(plan, True), None
-    fits = _fast_route_fits(hidden, tokens, rows, needs, opts, 0, weight_cast)
+        return settle(plan, FIT_FAST), None
+    fit = _fit(hidden, tokens, rows, needs, opts, weight_cast, whole_ok)
     if world == 1:
-        return settle(plan, fits), None
-    return plan, fits
+        return settle(plan, fit), None
+    return plan, fit
 
 
 def plan_log_probs(needs_grad: tuple[bool, bool, bool], backend: str, sharded: bool,
@@ -325,8 +361,10 @@ def size_cross_entropy(plan: Plan, opts: LossOptions, shard: VocabShard, d: int,
                       _torch_chunk(DEFAULT_CHUNK_GIB, cols, dtype, per_acc), SIZING.lean_block_gib)
     else:
         formed = plan.route in ("fast", "speculative")
-        sizes = Sizes(_fast_chunk(opts, cols, dtype, d, weight_cast) if formed else SIZING.stats_tokens,
-                      SIZING.lean_token_block, SIZING.lean_block_gib)
+        chunk = _fast_chunk(opts, cols, dtype, d, weight_cast) if formed else SIZING.stats_tokens
+        if plan.whole and plan.route == "fast":
+            chunk = WHOLE_CHUNK
+        sizes = Sizes(chunk, SIZING.lean_token_block, SIZING.lean_block_gib)
     return dataclasses.replace(plan, sizes=sizes)
 
 
