@@ -111,13 +111,17 @@ def hopper_dw_ready(g: torch.Tensor, x: torch.Tensor) -> bool:
     return all(t.dim() == 2 and t.stride(1) == 1 and t.stride(0) % 8 == 0 and t.data_ptr() % 16 == 0 for t in (g, x))
 
 
-# quack's sm_90 GEMM config for the dW finish, pinned (the autotuner's pick could differ from run to run, and its
-# first call tunes for minutes): 256 x 192 tiles, cooperative, clusters of 1 x 2. One H100, 2026-11-27, dW of one
-# whole chunk scaled and written in bf16 (docs/results/gpu-2026-11-27c): Llama-3-8B head (16384 tokens) 22.24 ms
-# against cuBLAS's fp32 GEMM 24.47 + scale_cast 1.07; Gemma-2-2B (8192 tokens) 12.93 against 13.67 + 1.22; the
-# fastest of 15 sm_90 configs on both heads (quack's default 128 x 192 pingpong: 26.37 and 14.08), with the same
-# bits as cuBLAS + cast.
+# quack's sm_90 GEMM configs for the dW finish, pinned (the autotuner's pick could differ from run to run, and its
+# first call tunes for minutes). One H100, 2026-11-27 (docs/results/gpu-2026-11-27c), each the fastest of those
+# timed on both the Llama-3-8B and the Gemma-2-2B heads:
+# - one chunk, no accumulator (``DW_TILE``: 256 x 192 tiles, cooperative, clusters of 1 x 2): Llama (16384 tokens)
+#   22.24 ms against cuBLAS's fp32 GEMM 24.47 + scale_cast 1.07, Gemma (8192 tokens) 12.93 against 13.67 + 1.22,
+#   the same bits as cuBLAS + cast; quack's default (128 x 192 pingpong) 26.37 and 14.08;
+# - the last of several chunks, the accumulator read as C (``DW_ADD_TILE``: 128 x 256, cooperative, 2 x 1): Llama
+#   (8192 tokens) 12.13 ms against cuBLAS's addmm 12.80 + 1.08, Gemma (4096) 7.44 against 8.64 + 1.20; there
+#   ``DW_TILE`` took 16.94 and 9.73.
 DW_TILE = dict(tile_m=256, tile_n=192, cluster_m=1, cluster_n=2, pingpong=False)
+DW_ADD_TILE = dict(tile_m=128, tile_n=256, cluster_m=2, cluster_n=1, pingpong=False)
 
 
 def scaled_weight_grad(acc: torch.Tensor | None, g: torch.Tensor, x: torch.Tensor, scale: torch.Tensor,
@@ -130,9 +134,9 @@ def scaled_weight_grad(acc: torch.Tensor | None, g: torch.Tensor, x: torch.Tenso
     q = _quack()
     s = scale.detach().to(torch.float32).reshape(1).contiguous()  # read on the device: no host sync
     out = torch.empty(g.shape[1], x.shape[1], dtype=dtype, device=g.device)
-    config = GemmConfig(**DW_TILE, is_dynamic_persistent=False)
     if acc is None:
-        q.gemm_tuned.fn(g.t(), x, out, alpha=s, config=config)
+        q.gemm_tuned.fn(g.t(), x, out, alpha=s, config=GemmConfig(**DW_TILE, is_dynamic_persistent=False))
     else:
-        q.gemm_tuned.fn(g.t(), x, out, C=acc, alpha=s, beta=s, config=config)
+        q.gemm_tuned.fn(g.t(), x, out, C=acc, alpha=s, beta=s,
+                        config=GemmConfig(**DW_ADD_TILE, is_dynamic_persistent=False))
     return out
