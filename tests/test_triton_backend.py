@@ -325,3 +325,19 @@ def test_gpu_hopper_dw_finishes_in_one_gemm(monkeypatch, sizing, n, reduction):
     assert not calls[2:], "the cuBLAS path ran the quack GEMM"
     assert torch.equal(got[0], base[0]) and torch.equal(got[1], base[1])  # the loss and dX do not change
     assert rel_err(got[2], base[2]) < 2 ** -8 and rel_err(got[3], base[3]) < 1e-6
+
+
+def test_held_grads_finish_a_deferred_dw_for_a_caller_that_scales_them():
+    """``FastGrads.summed()`` (the ``torch.compile`` op scales the held gradients itself) does a deferred last dW
+    GEMM (``last``, the hopper extra's) into the fp32 accumulator, or alone where there was one chunk."""
+    from vpce.grads import FastGrads
+
+    gen = torch.Generator().manual_seed(3)
+    g1, g2 = (torch.randn(5, 7, generator=gen) for _ in range(2))
+    x1, x2 = (torch.randn(5, 3, generator=gen) for _ in range(2))
+    whole = (g1.t().double() @ x1.double() + g2.t().double() @ x2.double()).float()
+    acc = (g1.t() @ x1).contiguous()
+    _, dw, _ = FastGrads(None, acc, None, last=(g2, x2)).summed()
+    assert dw.shape == (7, 3) and rel_err(dw, whole) < 1e-6
+    _, dw, _ = FastGrads(None, None, None, last=(g2, x2)).summed()
+    assert rel_err(dw, (g2.t().double() @ x2.double()).float()) < 1e-6

@@ -38,8 +38,18 @@ class FastGrads(NamedTuple):
     last: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def summed(self) -> tuple:
-        """``(dx, dw, db)`` with dX summed over the group (this rank's rows of it under sequence parallelism)."""
-        return self.dx if self.dx_sum is None else self.dx_sum.finish(), self.dw, self.db
+        """``(dx, dw, db)``, unscaled, with dX summed over the group (this rank's rows of it under sequence
+        parallelism) and a deferred last dW GEMM (``last``) done here into the fp32 accumulator: for a caller that
+        scales the held gradients itself (the ``torch.compile`` op, ``vpce.library``)."""
+        dw = self.dw
+        if self.last is not None:
+            gl, xl = self.last
+            dw = mm_out(gl.t(), xl, torch.float32) if dw is None else addmm_out_(dw, gl.t(), xl)
+        return self.summed_dx(), dw, self.db
+
+    def summed_dx(self) -> torch.Tensor | None:
+        """dX, summed over the group (waits for ``dx_sum``)."""
+        return self.dx if self.dx_sum is None else self.dx_sum.finish()
 
 
 def check_main_grad(weight: torch.Tensor):
@@ -113,7 +123,7 @@ def finish_fast_grads(grads: FastGrads, g: torch.Tensor, dtypes: tuple[torch.dty
             dw = weight_grad_to_main(main_weight, dw, g)
         elif dw is not None:
             dw = pad_rows(scaled(dw, g, dw_dtype, scale_cast), rows, dw_dtype)
-    dx = grads.summed()[0]
+    dx = grads.summed_dx()
     return None if dx is None else scaled(dx, g, dx_dtype, scale_cast), dw, db
 
 

@@ -569,7 +569,7 @@ def speculative_grads(held: FastGrads, hidden, weight, bias, tg: TokenTargets, r
         dw = weight_grad_to_main(main_weight, dw, last)
     elif dw is not None:
         dw = pad_rows(scaled(dw, last, dw_dtype, kernels.scale_cast), n_rows, dw_dtype)
-    dx = held.summed()[0]  # after dW's cast: dX's sum over the group runs beside it
+    dx = held.summed_dx()  # after dW's cast: dX's sum over the group runs beside it
     dx = None if dx is None else kernels.row_scale_cast(dx, gk, dtype)
     return dx, dw, None if db is None else pad_rows(db.mul_(last), n_rows, db_dtype), uniform
 
