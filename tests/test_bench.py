@@ -462,7 +462,9 @@ def test_distill_header_floor_and_reference(distill_run):
     assert list(shape["ref_losses"]) == [label for _, _, label in DIVERGENCE_OF.values()], shape["ref_losses"]
     for divergence, beta, label in DIVERGENCE_OF.values():
         want = float(reference_distillation(prob.x, prob.w, prob.xt, prob.wt, divergence=divergence, beta=beta).loss)
-        assert shape["ref_losses"][label] == pytest.approx(want, rel=1e-12), (label, shape["ref_losses"], want)
+        # float64 in the bench's own process: its BLAS may split the sums differently (another thread count;
+        # 4.9e-12 relative seen in CI)
+        assert shape["ref_losses"][label] == pytest.approx(want, rel=1e-10), (label, shape["ref_losses"], want)
     # float64 math on the bf16 logits F.linear writes: the loss error every row starting from them inherits
     assert list(shape["gemm_logits_loss_errs"]) == list(shape["ref_losses"]), shape["gemm_logits_loss_errs"]
     for divergence, beta, label in DIVERGENCE_OF.values():

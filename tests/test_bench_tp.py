@@ -269,7 +269,9 @@ def test_distill_vocab_parallel(distill_run):
                         Env(device=torch.device("cpu"), dtype=torch.bfloat16), Settings())
     for (divergence, beta), label in ((("forward_kl", None), "forward KL"), (("jsd", 0.5), "JSD beta=0.5")):
         want = float(reference_distillation(prob.x, prob.w, prob.xt, prob.wt, divergence=divergence, beta=beta).loss)
-        assert s["ref_losses"][label] == pytest.approx(want, rel=1e-12), (label, s["ref_losses"], want)
+        # float64 in the bench's own process: its BLAS may split the sums differently (another thread count;
+        # 4.9e-12 relative seen in CI)
+        assert s["ref_losses"][label] == pytest.approx(want, rel=1e-10), (label, s["ref_losses"], want)
     got = sorted((r["method"], str(r["rank"])) for r in doc["rows"])
     assert got == sorted((m, str(k)) for m in DISTILL_METHODS for k in (0, 1, "max")), got
     floor, _ = _rows(doc, "tiny-odd", "floor")
