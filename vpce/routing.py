@@ -272,7 +272,8 @@ def _fit(hidden: torch.Tensor, tokens: int, rows: int, needs: tuple[bool, bool, 
     into backward beside the 16-bit dW. Not under ``torch.use_deterministic_algorithms(True)``: the chunking (dW's
     summation order) must not depend on free memory there. One H100, 2026-11-27: on cuBLAS + cast the Gemma-2-2B
     head (N=8192) ran 1.6 % faster in one chunk than in two, the Llama-3-8B head (N=16384) no faster; with the
-    extra both heads ran 1.3-3.0 ms faster than main, for +1.07 / +0.86 GiB (docs/benchmarks.md)."""
+    extra Llama ran 1.3 ms and Gemma 2.9 ms faster than main (means of two runs), for +1.07 / +0.86 GiB
+    (docs/benchmarks.md)."""
     d = hidden.shape[-1]
     if not _fast_route_fits(hidden, tokens, rows, needs, opts, 0, weight_cast):
         return FIT_LEAN
