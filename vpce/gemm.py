@@ -21,7 +21,7 @@ import warnings
 
 import torch
 
-__all__ = ["mm_out", "mm_into", "addmm_out_", "logits_into", "has_mixed_gemm", "hopper_dw_ready",
+__all__ = ["mm_out", "mm_into", "addmm_out_", "add_product", "logits_into", "has_mixed_gemm", "hopper_dw_ready",
            "scaled_weight_grad"]
 
 _UPCAST_ELEMS = 1 << 24  # elements of ``b`` upcast at a time on the fallback path
@@ -76,6 +76,11 @@ def addmm_out_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Ten
     for k0 in range(0, a.shape[1], step):
         acc.addmm_(a[:, k0:k0 + step].to(acc.dtype), b[k0:k0 + step].to(acc.dtype))
     return acc
+
+
+def add_product(acc: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``acc += a @ b`` in fp32, in place; a new fp32 ``a @ b`` where there is no ``acc`` yet (no zero fill)."""
+    return mm_out(a, b, torch.float32) if acc is None else addmm_out_(acc, a, b)
 
 
 def logits_into(out: torch.Tensor, h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:

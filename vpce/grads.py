@@ -13,7 +13,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from .gemm import addmm_out_, mm_into, mm_out, scaled_weight_grad
+from .gemm import add_product, addmm_out_, mm_into, scaled_weight_grad
 
 __all__ = ["FastGrads", "finish_fast_grads", "scaled", "check_main_grad", "pad_rows", "weight_grad",
            "weight_grad_to_main", "add_block", "written_rows"]
@@ -41,11 +41,11 @@ class FastGrads(NamedTuple):
         """``(dx, dw, db)``, unscaled, with dX summed over the group (this rank's rows of it under sequence
         parallelism) and a deferred last dW GEMM (``last``) done here into the fp32 accumulator: for a caller that
         scales the held gradients itself (the ``torch.compile`` op, ``vpce.library``)."""
-        dw = self.dw
-        if self.last is not None:
-            gl, xl = self.last
-            dw = mm_out(gl.t(), xl, torch.float32) if dw is None else addmm_out_(dw, gl.t(), xl)
-        return self.summed_dx(), dw, self.db
+        return self.summed_dx(), self.dw_in_fp32(), self.db
+
+    def dw_in_fp32(self) -> torch.Tensor | None:
+        """The fp32 dW accumulator with a deferred last chunk (``last``) added into it (or alone: one chunk)."""
+        return self.dw if self.last is None else add_product(self.dw, self.last[0].t(), self.last[1])
 
     def summed_dx(self) -> torch.Tensor | None:
         """dX, summed over the group (waits for ``dx_sum``)."""
@@ -116,9 +116,7 @@ def finish_fast_grads(grads: FastGrads, g: torch.Tensor, dtypes: tuple[torch.dty
     if grads.last is not None and main_weight is None and dw_dtype in (torch.float16, torch.bfloat16):
         dw = pad_rows(scaled_weight_grad(dw, *grads.last, g, dw_dtype), rows, dw_dtype)
     else:
-        if grads.last is not None:
-            gl, xl = grads.last
-            dw = mm_out(gl.t(), xl, torch.float32) if dw is None else addmm_out_(dw, gl.t(), xl)
+        dw = grads.dw_in_fp32()
         if main_weight is not None:  # fp32 straight into main_grad, never rounded
             dw = weight_grad_to_main(main_weight, dw, g)
         elif dw is not None:

@@ -31,7 +31,8 @@ from .distill_stats import DistillRows
 from .formulas import RowStats
 from .options import BUDGET_NAMES, DistillOptions, LossOptions
 from .parallel import VocabShard
-from .routing import FIT_FAST, Call, plan_cross_entropy, plan_distillation, settle, size_cross_entropy, size_distillation
+from .routing import (FIT_FAST, Call, plan_cross_entropy, plan_distillation, settle, size_cross_entropy,
+                      size_distillation)
 from .targets import TokenTargets
 
 __all__ = ["linear_cross_entropy", "linear_distillation_loss"]

@@ -85,7 +85,7 @@ from .distill_stats import KL_HEAD, DistillRows, exchange_chunk_stats, heads, lo
 from .formulas import (Coefficients, RowStats, ce_coefficients, ce_token_outputs, evaluate_loss_fn,
                        logprob_coefficients, logprob_part_outputs, loss_fn_coefficients, loss_fn_metric_outputs,
                        store_metric_outputs)
-from .gemm import addmm_out_, hopper_dw_ready, logits_into, mm_into, mm_out
+from .gemm import add_product, hopper_dw_ready, logits_into, mm_into
 from .grads import FastGrads, add_block, pad_rows, scaled, weight_grad, weight_grad_to_main, written_rows
 from .options import DistillOptions, LogProbLossOptions, LogProbOptions, LossOptions
 from .parallel import HiddenGradReduce, RankStats, gather_sequence, start_gather_sequence, start_stats_exchange
@@ -331,7 +331,7 @@ def _chunk_loop(hidden, w, b, chunk: int, call: Call, step, form: bool = True,
         if needs[1] and defer_last and sl.stop == n and hopper_dw_ready(g, hidden[sl]):
             last = (g, hidden[sl])
         elif needs[1]:
-            dw = mm_out(g.t(), hidden[sl], torch.float32) if dw is None else addmm_out_(dw, g.t(), hidden[sl])
+            dw = add_product(dw, g.t(), hidden[sl])
         if db is not None:
             db += g.sum(0, dtype=torch.float32)
     if needs[1] and dw is None and last is None:  # no chunk ran (no tokens, or an all-padding shard)
