@@ -22,7 +22,7 @@ import warnings
 import torch
 
 __all__ = ["mm_out", "mm_into", "addmm_out_", "add_product", "logits_into", "has_mixed_gemm", "hopper_dw_ready",
-           "scaled_weight_grad"]
+           "scaled_weight_grad", "scaled_hidden_grad"]
 
 _UPCAST_ELEMS = 1 << 24  # elements of ``b`` upcast at a time on the fallback path
 
@@ -107,8 +107,9 @@ def _quack():
 
 
 def hopper_dw_ready(g: torch.Tensor, x: torch.Tensor) -> bool:
-    """Whether ``scaled_weight_grad(acc, g, x, ...)`` can run as one quack GEMM: an sm_90 GPU, the ``hopper`` extra,
-    16-bit row-major ``g [C, V]`` and ``x [C, D]`` of one dtype, 16-byte aligned (TMA)."""
+    """Whether ``scaled_weight_grad(acc, g, x, ...)`` (and ``scaled_hidden_grad(g, x, ...)``, ``x`` then the weight
+    ``[V, D]``) can run as one quack GEMM: an sm_90 GPU, the ``hopper`` extra, 16-bit row-major ``g`` and ``x`` of
+    one dtype, 16-byte aligned (TMA)."""
     if not (g.is_cuda and g.dtype in (torch.float16, torch.bfloat16) and x.dtype == g.dtype):
         return False
     if torch.cuda.get_device_capability(g.device)[0] != 9 or _quack() is None:
@@ -126,6 +127,9 @@ def hopper_dw_ready(g: torch.Tensor, x: torch.Tensor) -> bool:
 #   (8192 tokens) 12.13 ms against cuBLAS's addmm 12.80 + 1.08, Gemma (4096) 7.44 against 8.64 + 1.20; there
 #   ``DW_TILE`` took 16.94 and 9.73.
 DW_TILE = dict(tile_m=256, tile_n=192, cluster_m=1, cluster_n=2, pingpong=False)
+# dX of one whole chunk (``scaled_hidden_grad``): DW_TILE's config until swept on its own shapes (Llama-3-8B:
+# 16384 x 4096 over K = 128256; Gemma-2-2B: 8192 x 2304 over K = 256000)
+DX_TILE = DW_TILE
 DW_ADD_TILE = dict(tile_m=128, tile_n=256, cluster_m=2, cluster_n=1, pingpong=False)
 
 
@@ -144,4 +148,16 @@ def scaled_weight_grad(acc: torch.Tensor | None, g: torch.Tensor, x: torch.Tenso
     else:
         q.gemm_tuned.fn(g.t(), x, out, C=acc, alpha=s, beta=s,
                         config=GemmConfig(**DW_ADD_TILE, is_dynamic_persistent=False))
+    return out
+
+
+def scaled_hidden_grad(g: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``scale * (g @ w)`` in the 16-bit ``dtype``, accumulated in fp32 and rounded once, in one quack GEMM
+    (``hopper_dw_ready(g, w)``): dX of a call whose gradient ``g [N, V]`` is one chunk, with no fp32 ``[N, D]``
+    buffer and no scale-and-cast pass; ``scale`` the 0-d upstream gradient."""
+    from quack.gemm_config import GemmConfig
+
+    s = scale.detach().to(torch.float32).reshape(1).contiguous()  # read on the device: no host sync
+    out = torch.empty(g.shape[0], w.shape[1], dtype=dtype, device=g.device)
+    _quack().gemm_tuned.fn(g, w, out, alpha=s, config=GemmConfig(**DX_TILE, is_dynamic_persistent=False))
     return out

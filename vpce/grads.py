@@ -13,7 +13,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from .gemm import add_product, addmm_out_, mm_into, scaled_weight_grad
+from .gemm import add_product, addmm_out_, mm_into, mm_out, scaled_hidden_grad, scaled_weight_grad
 
 __all__ = ["FastGrads", "finish_fast_grads", "scaled", "check_main_grad", "pad_rows", "weight_grad",
            "weight_grad_to_main", "add_block", "written_rows"]
@@ -36,12 +36,16 @@ class FastGrads(NamedTuple):
     db: torch.Tensor | None
     dx_sum: object | None = None
     last: tuple[torch.Tensor, torch.Tensor] | None = None
+    dx_last: tuple[torch.Tensor, torch.Tensor] | None = None
+    """``(g, w)``: the whole call's gradient ``[N, V]`` (one chunk, no group) and the weight's valid rows, whose dX
+    GEMM was left to backward (``dx`` is then None): one quack GEMM writes dX scaled in its 16-bit dtype."""
 
     def summed(self) -> tuple:
         """``(dx, dw, db)``, unscaled, with dX summed over the group (this rank's rows of it under sequence
         parallelism) and a deferred last dW GEMM (``last``) done here into the fp32 accumulator: for a caller that
         scales the held gradients itself (the ``torch.compile`` op, ``vpce.library``)."""
-        return self.summed_dx(), self.dw_in_fp32(), self.db
+        dx = self.summed_dx() if self.dx_last is None else mm_out(*self.dx_last, torch.float32)
+        return dx, self.dw_in_fp32(), self.db
 
     def dw_in_fp32(self) -> torch.Tensor | None:
         """The fp32 dW accumulator with a deferred last chunk (``last``) added into it (or alone: one chunk)."""
@@ -121,6 +125,11 @@ def finish_fast_grads(grads: FastGrads, g: torch.Tensor, dtypes: tuple[torch.dty
             dw = weight_grad_to_main(main_weight, dw, g)
         elif dw is not None:
             dw = pad_rows(scaled(dw, g, dw_dtype, scale_cast), rows, dw_dtype)
+    if grads.dx_last is not None:
+        gl, wl = grads.dx_last
+        if dx_dtype in (torch.float16, torch.bfloat16):
+            return scaled_hidden_grad(gl, wl, g, dx_dtype), dw, db
+        return scaled(mm_out(gl, wl, torch.float32), g, dx_dtype, scale_cast), dw, db
     dx = grads.summed_dx()
     return None if dx is None else scaled(dx, g, dx_dtype, scale_cast), dw, db
 

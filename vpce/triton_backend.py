@@ -301,7 +301,8 @@ def _chunk_loop(hidden, w, b, chunk: int, call: Call, step, form: bool = True,
     writes the chunk's gradient at unit upstream scale over them and returns that ``[c, V_local]`` buffer (None on
     an all-padding shard); the chunk's dX rows and dW (db) then go into fp32 (with ``dx_reduce == "forward"``, dX
     summed over the group, overlapped with the dW GEMM and the next chunk). ``defer_last``: leave the last chunk's
-    dW GEMM to backward where one quack GEMM can finish dW (``FastGrads.last``, ``vpce.gemm.hopper_dw_ready``).
+    dW GEMM to backward where one quack GEMM can finish dW (``FastGrads.last``, ``vpce.gemm.hopper_dw_ready``), and
+    with one chunk and no group the dX GEMM too (``FastGrads.dx_last``).
     Returns the unscaled ``FastGrads``, or None without ``form``."""
     n, d = hidden.shape
     if not form:
@@ -311,8 +312,11 @@ def _chunk_loop(hidden, w, b, chunk: int, call: Call, step, form: bool = True,
     shard, plan, needs = call.shard, call.plan, call.needs_grad
     dev = hidden.device
     v = shard.valid_rows
-    dx = None
-    if needs[0]:  # fp32; an all-padding shard contributes zeros (and still joins the collectives)
+    dx = dx_last = None
+    # one chunk, no group: dX's GEMM too can wait for backward, where one quack GEMM writes it scaled in bf16
+    defer_dx = needs[0] and defer_last and not shard.sharded and 0 < n <= chunk and v > 0 and \
+        hopper_dw_ready(hidden, w)
+    if needs[0] and not defer_dx:  # fp32; an all-padding shard contributes zeros (and still joins the collectives)
         dx = (torch.empty if v > 0 else torch.zeros)(n, d, dtype=torch.float32, device=dev)
     reduce_dx = HiddenGradReduce(dx, shard, plan.sequence_parallel) \
         if dx is not None and plan.dx_reduce == "forward" else None
@@ -322,7 +326,11 @@ def _chunk_loop(hidden, w, b, chunk: int, call: Call, step, form: bool = True,
     for c0 in range(0, n, chunk):
         sl = slice(c0, min(n, c0 + chunk))
         g = step(sl, c0 == 0)
-        if v > 0 and dx is not None:
+        if defer_dx and hopper_dw_ready(g, w):
+            dx_last = (g, w)
+        elif defer_dx:  # (P is always row-major and aligned: not reached)
+            dx = mm_out(g, w, torch.float32)
+        elif v > 0 and dx is not None:
             mm_into(dx[sl], g, w)
         if reduce_dx is not None:  # overlaps this chunk's dW GEMM and the next chunk
             reduce_dx.add(sl)
@@ -336,7 +344,7 @@ def _chunk_loop(hidden, w, b, chunk: int, call: Call, step, form: bool = True,
             db += g.sum(0, dtype=torch.float32)
     if needs[1] and dw is None and last is None:  # no chunk ran (no tokens, or an all-padding shard)
         dw = torch.zeros(v, d, dtype=torch.float32, device=dev)
-    return FastGrads(dx, dw, db, reduce_dx, last)  # dX's sum awaited in backward, after dW's cast
+    return FastGrads(dx, dw, db, reduce_dx, last, dx_last)  # dX's sum awaited in backward, after dW's cast
 
 
 def _softmax_step(hidden, w, b, tl_local, stats: _ChunkStats, p, call: Call, softcap, inv_t, cw, on_part,
