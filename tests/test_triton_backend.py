@@ -341,3 +341,41 @@ def test_held_grads_finish_a_deferred_dw_for_a_caller_that_scales_them():
     assert dw.shape == (7, 3) and rel_err(dw, whole) < 1e-6
     _, dw, _ = FastGrads(None, None, None, last=(g2, x2)).summed()
     assert rel_err(dw, (g2.t().double() @ x2.double()).float()) < 1e-6
+
+
+import triton.language as tl  # noqa: E402 - after the importorskip above
+from vpce.kernels.common import _softcap  # noqa: E402
+
+
+@triton.jit
+def _both_caps(X, OUT, n, softcap, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(X + i, mask=i < n, other=0.0)
+    z0, d0 = _softcap(x, softcap)
+    z1, d1 = _softcap(x, softcap, True)
+    tl.store(OUT + i, z0, mask=i < n)
+    tl.store(OUT + n + i, d0, mask=i < n)
+    tl.store(OUT + 2 * n + i, z1, mask=i < n)
+    tl.store(OUT + 3 * n + i, d1, mask=i < n)
+
+
+def test_the_gradient_passes_soft_cap_reciprocal_is_within_an_ulp():
+    """The gradient passes' soft cap takes ``1 / (1 + e)`` by Newton steps on the FMA pipe (``_softcap(...,
+    FMA_RCP=True)``): the capped logit and its derivative stay within an ulp or two of the division form's, and of
+    float64, from tiny through saturated logits of either sign."""
+    x = torch.cat([torch.linspace(-400, 400, 8001), torch.logspace(-30, 3, 500), -torch.logspace(-30, 3, 500)])
+    x = x.to(DEV, torch.float32)
+    out = torch.empty(4, x.numel(), device=DEV)
+    cap = 30.0
+    _both_caps[(triton.cdiv(x.numel(), 1024),)](x, out, x.numel(), cap, BLOCK=1024)
+    z0, d0, z1, d1 = out.double().cpu()
+    u = x.double().cpu() / cap
+    z, d = cap * torch.tanh(u), 1 / torch.cosh(u) ** 2
+    ulp = 2.0 ** -23
+    # the capped logit to a few ulps of the cap (``1 - e`` cancels for tiny logits in both forms: the softmax sees
+    # an absolute error), the derivative to a few ulps of the division form's
+    assert ((z1 - z).abs() <= 4 * ulp * cap).all(), (z1 - z).abs().max() / (ulp * cap)
+    assert ((z1 - z0).abs() <= 2 * ulp * z0.abs()).all(), ((z1 - z0).abs() / (ulp * z0.abs())).max()
+    assert ((d1 - d0).abs() <= 4 * ulp * d).all(), ((d1 - d0).abs() / (ulp * d)).max()
+    # both forms share ``e``'s error: at saturation the rounding of exp's argument (-2|u|, up to 27 ulp here)
+    assert ((d1 - d).abs() <= 32 * ulp * d).all() and ((d0 - d).abs() <= 32 * ulp * d).all()

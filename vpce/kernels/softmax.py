@@ -90,7 +90,7 @@ def _epilogue(
         acc = acc.to(P.dtype.element_ty).to(tl.float32)
     dcap = acc
     if SOFTCAP:
-        acc, dcap = _softcap(acc, softcap)
+        acc, dcap = _softcap(acc, softcap, GRAD)  # the gradient passes: the reciprocal on the FMA pipe
     if TEMPERATURE:
         acc = acc * inv_t
     t = tl.load(TL + rm, mask=row_ok, other=-1)
