@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+HW_MATH: tl.constexpr = tl.constexpr(not INTERPRET)  # compiled for an NVIDIA GPU: PTX's approximate instructions
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)  # log2(e)
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)    # ln(2)
@@ -51,6 +52,28 @@ def _softcap(x, softcap, FMA_RCP: tl.constexpr = False):
         r = 1.0 / (1.0 + e)
     th = (1.0 - e) * r
     return softcap * tl.where(u >= 0, th, -th), 4.0 * e * (r * r)
+
+
+@triton.jit
+def _softcap_value(x, softcap):
+    """``softcap * tanh(x / softcap)`` alone, for the passes that need no derivative (the statistics, the target
+    logit): ``tanh(u) = 2 / (1 + exp(-2u)) - 1``, no sign select, and the final scale and shift one FMA.
+    ``exp(-2u)`` overflows to inf for ``x < -44 softcap``, where the reciprocal gives 0 and the cap its limit
+    ``-softcap``. Within a few ulps of ``softcap`` of ``_softcap``'s value (both lose ``tanh``'s relative precision
+    for tiny ``u``; the softmax sees the absolute error)."""
+    r = _rcp(1.0 + tl.exp2(x * (-2.0 * LOG2E / softcap)))
+    return r * (2.0 * softcap) - softcap
+
+
+@triton.jit
+def _rcp(y):
+    """``1 / y`` as PTX's one-instruction ``rcp.approx.ftz.f32`` (within an ulp; 0 for inf, denormals flushed) where
+    compiled for a GPU: Triton's ``/`` is ``div.full``, a range test, a select and two multiplies around the same
+    reciprocal. The interpreter divides."""
+    if HW_MATH:
+        return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [y], dtype=tl.float32, is_pure=True,
+                                         pack=1)
+    return 1.0 / y
 
 
 @triton.jit
