@@ -349,3 +349,49 @@ def test_held_grads_finish_a_deferred_dw_for_a_caller_that_scales_them():
     w = torch.randn(7, 3, generator=gen)
     dx, _, _ = FastGrads(None, None, None, dx_last=(g1, w)).summed()  # one chunk's dX left to backward
     assert rel_err(dx, (g1.double() @ w.double()).float()) < 1e-6
+
+
+import triton.language as tl  # noqa: E402 - after the importorskip above
+from vpce.kernels.common import _softcap, _softcap_value  # noqa: E402
+
+
+@triton.jit
+def _both_caps(X, OUT, n, softcap, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(X + i, mask=i < n, other=0.0)
+    z0, d0 = _softcap(x, softcap)
+    z1, d1 = _softcap(x, softcap, True)
+    tl.store(OUT + i, z0, mask=i < n)
+    tl.store(OUT + n + i, d0, mask=i < n)
+    tl.store(OUT + 2 * n + i, z1, mask=i < n)
+    tl.store(OUT + 3 * n + i, d1, mask=i < n)
+    tl.store(OUT + 4 * n + i, _softcap_value(x, softcap), mask=i < n)
+
+
+def test_the_soft_cap_forms_agree_within_ulps():
+    """The gradient passes' soft cap takes ``1 / (1 + e)`` by Newton steps on the FMA pipe (``_softcap(...,
+    FMA_RCP=True)``), the statistics pass the value alone in its shortest form (``_softcap_value``): the capped
+    logit and its derivative stay within an ulp or two of the division form's, and of float64, from tiny through
+    saturated logits of either sign."""
+    x = torch.cat([torch.linspace(-400, 400, 8001), torch.logspace(-30, 3, 500), -torch.logspace(-30, 3, 500),
+                   torch.tensor([2000.0, -2000.0, 1e30, -1e30])])
+    x = x.to(DEV, torch.float32)
+    out = torch.empty(5, x.numel(), device=DEV)
+    cap = 30.0
+    _both_caps[(triton.cdiv(x.numel(), 1024),)](x, out, x.numel(), cap, BLOCK=1024)
+    z0, d0, z1, d1, zv = out.double().cpu()
+    u = x.double().cpu() / cap
+    z, d = cap * torch.tanh(u), 1 / torch.cosh(u) ** 2
+    ulp = 2.0 ** -23
+    # the capped logit to a few ulps of the cap (``1 - e`` cancels for tiny logits in both forms: the softmax sees
+    # an absolute error), the derivative to a few ulps of the division form's
+    assert ((z1 - z).abs() <= 4 * ulp * cap).all(), (z1 - z).abs().max() / (ulp * cap)
+    assert ((z1 - z0).abs() <= 2 * ulp * z0.abs()).all(), ((z1 - z0).abs() / (ulp * z0.abs())).max()
+    assert ((zv - z).abs() <= 4 * ulp * cap).all(), (zv - z).abs().max() / (ulp * cap)
+    assert (zv[x.cpu() < -44 * cap] == -cap).all() and (zv[x.cpu() > 44 * cap] == cap).all()  # the limits exactly
+    assert ((d1 - d0).abs() <= 4 * ulp * d).all(), ((d1 - d0).abs() / (ulp * d)).max()
+    # both forms share ``e``'s error: at saturation the rounding of exp's argument (-2|u|, up to 27 ulp here);
+    # below fp32's normal range ``e`` (and so the derivative) flushes to 0
+    normal = d > 2.0 ** -100
+    assert ((d1 - d).abs() <= 32 * ulp * d)[normal].all() and ((d0 - d).abs() <= 32 * ulp * d)[normal].all()
+    assert (d1[~normal] < 2.0 ** -100).all()

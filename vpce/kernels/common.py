@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+HW_MATH: tl.constexpr = tl.constexpr(not INTERPRET)  # compiled for an NVIDIA GPU: PTX's approximate instructions
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)  # log2(e)
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)    # ln(2)
@@ -26,16 +27,53 @@ def _exp(x):
 
 
 @triton.jit
-def _softcap(x, softcap):
+def _softcap(x, softcap, FMA_RCP: tl.constexpr = False):
     """``softcap * tanh(x / softcap)`` and its derivative ``sech^2``, both from ``e = exp(-2|u|)``: no
-    cancellation in the derivative where the cap saturates (``1 - tanh^2`` would lose it all). One division,
-    ``1 / (1 + e)``, serves both (Triton's fp32 ``/`` is the two-ulp ``div.full``), and ``x / softcap`` is a
-    multiply: three divisions per element made the soft cap the slowest option of the bandwidth passes."""
+    cancellation in the derivative where the cap saturates (``1 - tanh^2`` would lose it all). One reciprocal,
+    ``1 / (1 + e)``, serves both, and ``x / softcap`` is a multiply: three divisions per element made the soft cap
+    the slowest option of the bandwidth passes.
+
+    The reciprocal: Triton's fp32 ``/`` (the two-ulp ``div.full``, on the special-function unit) by default;
+    ``FMA_RCP``: three Newton steps from a linear guess on the FMA pipe (within an ulp: ``y = 1 + e`` lies in
+    [1, 2], where ``24/17 - 8/17 y`` is within 1/17 of ``1 / y``). The gradient passes take it: their
+    special-function unit also serves the softmax's ``exp`` and is their limit with the cap, and without that
+    division the Llama-3-8B chunk's gradient pass (8192 x 128256) ran as fast as without a cap (one H100,
+    2026-11-27: 1.50 ms against 1.71, the plain pass 1.49). The statistics pass is short of issue slots instead,
+    and ran slower with it (1.27 ms against 1.20), so it keeps the division."""
     u = x * (1.0 / softcap)
     e = _exp(-2.0 * tl.abs(u))
-    r = 1.0 / (1.0 + e)
+    if FMA_RCP:
+        y = 1.0 + e
+        r = 1.4117647058823528 - 0.47058823529411764 * y  # 24/17 - 8/17 y
+        r = r + r * (1.0 - y * r)
+        r = r + r * (1.0 - y * r)
+        r = r + r * (1.0 - y * r)
+    else:
+        r = 1.0 / (1.0 + e)
     th = (1.0 - e) * r
     return softcap * tl.where(u >= 0, th, -th), 4.0 * e * (r * r)
+
+
+@triton.jit
+def _softcap_value(x, softcap):
+    """``softcap * tanh(x / softcap)`` alone, for the passes that need no derivative (the statistics, the target
+    logit): ``tanh(u) = 2 / (1 + exp(-2u)) - 1``, no sign select, and the final scale and shift one FMA.
+    ``exp(-2u)`` overflows to inf for ``x < -44 softcap``, where the reciprocal gives 0 and the cap its limit
+    ``-softcap``. Within a few ulps of ``softcap`` of ``_softcap``'s value (both lose ``tanh``'s relative precision
+    for tiny ``u``; the softmax sees the absolute error)."""
+    r = _rcp(1.0 + tl.exp2(x * (-2.0 * LOG2E / softcap)))
+    return r * (2.0 * softcap) - softcap
+
+
+@triton.jit
+def _rcp(y):
+    """``1 / y`` as PTX's one-instruction ``rcp.approx.ftz.f32`` (within an ulp; 0 for inf, denormals flushed) where
+    compiled for a GPU: Triton's ``/`` is ``div.full``, a range test, a select and two multiplies around the same
+    reciprocal. The interpreter divides."""
+    if HW_MATH:
+        return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [y], dtype=tl.float32, is_pure=True,
+                                         pack=1)
+    return 1.0 / y
 
 
 @triton.jit

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from ..parallel import RankStats
-from .common import INTERPRET, _exp, _log1p, _persistent, _program_tile, _softcap, _tiles_max
+from .common import INTERPRET, _exp, _log1p, _persistent, _program_tile, _softcap, _softcap_value, _tiles_max
 
 try:  # host-side TMA descriptors (Triton >= 3.3)
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -90,7 +90,10 @@ def _epilogue(
         acc = acc.to(P.dtype.element_ty).to(tl.float32)
     dcap = acc
     if SOFTCAP:
-        acc, dcap = _softcap(acc, softcap)
+        if GRAD:  # the cap and its derivative, the reciprocal on the FMA pipe (_softcap says why)
+            acc, dcap = _softcap(acc, softcap, True)
+        else:  # the statistics need the value alone: its shortest form
+            acc = _softcap_value(acc, softcap)
     if TEMPERATURE:
         acc = acc * inv_t
     t = tl.load(TL + rm, mask=row_ok, other=-1)
@@ -284,7 +287,7 @@ def _target_logits_kernel(X, W, BIAS, TL, ZT, L, ZS, M, D, stride_xm, stride_xk,
         zs = tl.load(L + rm.to(tl.int64) * stride_lm + tl.where(mine, t, 0).to(tl.int64) * stride_ln, mask=mine,
                      other=0.0).to(tl.float32)
         if SOFTCAP:
-            zs, _ = _softcap(zs, softcap)
+            zs = _softcap_value(zs, softcap)  # as the statistics pass caps the stored logits
         if TEMPERATURE:
             zs = zs * inv_t
         tl.store(ZS + rm, tl.where(mine, zs, float("-inf")), mask=row_ok)
@@ -303,7 +306,7 @@ def _target_logits_kernel(X, W, BIAS, TL, ZT, L, ZS, M, D, stride_xm, stride_xk,
     if HAS_BIAS:
         z += tl.load(BIAS + t, mask=mine, other=0.0).to(tl.float32)
     if SOFTCAP:
-        z, _ = _softcap(z, softcap)
+        z = _softcap_value(z, softcap)
     if TEMPERATURE:
         z = z * inv_t
     tl.store(ZT + rm, tl.where(mine, z, float("-inf")), mask=row_ok)
