@@ -352,6 +352,7 @@ def agree(group, facts: CallFacts, device: torch.device, *, read: bool) -> Agree
 
     if not read:  # decided on the device: no host sync, the all-gather left in flight beside the first GEMM
         if facts.error is not None:  # this rank cannot go on; the others see its error flag and turn NaN
+            work.wait()  # its share of the all-gather done first (a process that exits at once would cut it)
             raise facts.error
         poison = PendingPoison(work, every, facts.vocab_size, device)
         return Agreement(VocabShard(group, rank, world, facts.vocab_start, facts.rows, facts.vocab_size), poison)
