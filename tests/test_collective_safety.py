@@ -187,13 +187,19 @@ def _device_verdict(rank, world, differ):
     """The agreement decided on the device (no host read): a disagreement gives a NaN poison on every rank."""
     facts = parallel.CallFacts(entry="ce", fields=(("z_loss", 0.1 * rank if differ else 0.0),), rows=10,
                                vocab_start=10 * rank, vocab_size=20, target=torch.arange(5))
-    return float(parallel.agree(dist.group.WORLD, facts, torch.device("cpu"), read=False).poison)
+    pending = parallel.agree(dist.group.WORLD, facts, torch.device("cpu"), read=False).poison
+    assert isinstance(pending, parallel.PendingPoison)  # left in flight: the call's first GEMM starts beside it
+    # the first statistics exchange comes after it on every rank, and its combine resolves the verdict
+    shard = parallel.VocabShard(dist.group.WORLD, rank, world, 10 * rank, 10, 20)
+    packed = torch.stack([torch.full((3,), float(rank)), torch.ones(3), torch.full((3,), -math.inf)])
+    st = parallel.start_stats_exchange(packed, 0, shard, pending).wait()
+    return float(parallel.poison_value(pending)), math.isnan(float(st.lse[0]))
 
 
 @pytest.mark.parametrize("differ", [False, True])
 def test_device_verdict_is_nan_on_every_rank(differ):
     got = run_ranks(_device_verdict, 2, differ, timeout=TIMEOUT)
-    assert all(math.isnan(g) for g in got) if differ else got == [0.0, 0.0]
+    assert all(math.isnan(g) and nan for g, nan in got) if differ else got == [(0.0, False), (0.0, False)]
 
 
 def _device_verdict_with_error(rank, world):
@@ -203,7 +209,8 @@ def _device_verdict_with_error(rank, world):
     facts = parallel.CallFacts(entry="ce", rows=10, vocab_start=10 * rank, vocab_size=20, target=torch.arange(5),
                                error=error)
     try:
-        return float(parallel.agree(dist.group.WORLD, facts, torch.device("cpu"), read=False).poison)
+        agreement = parallel.agree(dist.group.WORLD, facts, torch.device("cpu"), read=False)
+        return float(parallel.poison_value(agreement.poison))
     except ValueError as e:
         return str(e)
 

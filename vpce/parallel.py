@@ -21,7 +21,10 @@ import, a fallback flag) can change the number, order or size of collectives. Th
   either all go on, or all raise the same ``ValueError``/``TypeError`` naming the field and each rank's value;
 * otherwise (CUDA, layout given) nothing is read: the verdict is a device scalar, 0 or NaN, that the statistics
   combine adds to every token's max, so a disagreement makes the loss and gradients NaN on every rank and never a
-  finite wrong value, with no host sync.
+  finite wrong value, with no host sync. That all-gather is left in flight (``PendingPoison``): the call's first
+  GEMM, which needs nothing from the other ranks, starts beside it, and the first statistics combine waits for it
+  on the stream (``PendingStats.wait``). The collectives and their order are the same as when it was awaited at
+  once.
 
 Statistics exchange. Per token chunk each rank has a local max ``m_r`` (over its valid rows, with or without the
 target's: the combine holds for either) and the sum ``x_r`` of ``exp(z - m_r)`` over its valid rows but the
@@ -65,6 +68,8 @@ __all__ = [
     "VocabShard",
     "CallFacts",
     "Agreement",
+    "PendingPoison",
+    "poison_value",
     "agree",
     "check_group",
     "group_rank_and_size",
@@ -263,10 +268,41 @@ def _fingerprint(facts: CallFacts, device: torch.device, read: bool) -> torch.Te
     return out
 
 
+class PendingPoison:
+    """The agreement decided on the device, its all-gather still in flight: ``value()`` (first called by the first
+    statistics combine, ``PendingStats.wait``) orders the stream after it and gives the 0-d fp32 poison scalar, 0 or
+    NaN where the ranks disagreed. No host sync."""
+
+    def __init__(self, work, every: torch.Tensor, vocab_size: int | None, device: torch.device):
+        self._work, self._every, self._vocab_size, self._device = work, every, vocab_size, device
+        self._value = None
+
+    def value(self) -> torch.Tensor:
+        if self._value is None:
+            if self._work is not None:
+                self._work.wait()
+                self._work = None
+            every = self._every
+            pairs = every[:, _HEAD:_HEAD + 2 * _N_FIELDS]
+            bad = (pairs != pairs[:1]).any() | (every[:, _ERR] != 0).any()
+            starts, order = every[:, _START].sort()
+            ends = starts + every[:, _ROWS][order]
+            bad = bad | (starts[0] != 0) | (starts[1:] != ends[:-1]).any() | (ends[-1] < (self._vocab_size or 0))
+            self._value = torch.where(bad, math.nan, 0.0).to(device=self._device, dtype=torch.float32)
+            self._every = None
+        return self._value
+
+
+def poison_value(poison) -> torch.Tensor | None:
+    """The poison scalar of a call (``Agreement.poison``), waiting for the agreement where it is still in flight."""
+    return poison.value() if isinstance(poison, PendingPoison) else poison
+
+
 class Agreement(NamedTuple):
     shard: VocabShard
-    poison: torch.Tensor | None
-    """A 0-d fp32 device scalar (0, or NaN where the ranks disagreed) to add to every token's max, or None."""
+    poison: torch.Tensor | PendingPoison | None
+    """A 0-d fp32 device scalar (0, or NaN where the ranks disagreed) to add to every token's max, the same still in
+    flight (``PendingPoison``: the agreement decided on the device), or None."""
     fast_fits: int | None = None
     """The smallest ``CallFacts.fast_fits`` of the group (read on the host), or this rank's own without a group."""
 
@@ -311,18 +347,14 @@ def agree(group, facts: CallFacts, device: torch.device, *, read: bool) -> Agree
         dev = device if device.type == "cuda" else torch.device("cuda", torch.cuda.current_device())
     mine = _fingerprint(facts, dev, read)
     every = torch.empty(world * mine.numel(), dtype=torch.int64, device=dev)
-    all_gather_tensor(every, mine, group=group)
+    work = all_gather_tensor(every, mine, group=group, async_op=not read)
     every = every.view(world, -1)
-    pairs = every[:, _HEAD:_HEAD + 2 * _N_FIELDS]
 
-    if not read:  # decided on the device: no host sync
+    if not read:  # decided on the device: no host sync, the all-gather left in flight beside the first GEMM
         if facts.error is not None:  # this rank cannot go on; the others see its error flag and turn NaN
+            work.wait()  # its share of the all-gather done first (a process that exits at once would cut it)
             raise facts.error
-        bad = (pairs != pairs[:1]).any() | (every[:, _ERR] != 0).any()
-        starts, order = every[:, _START].sort()
-        ends = starts + every[:, _ROWS][order]
-        bad = bad | (starts[0] != 0) | (starts[1:] != ends[:-1]).any() | (ends[-1] < (facts.vocab_size or 0))
-        poison = torch.where(bad, math.nan, 0.0).to(device=device, dtype=torch.float32)
+        poison = PendingPoison(work, every, facts.vocab_size, device)
         return Agreement(VocabShard(group, rank, world, facts.vocab_start, facts.rows, facts.vocab_size), poison)
 
     host = every.cpu()
@@ -471,7 +503,7 @@ class PendingStats:
         if self.work is not None:
             self.work.wait()
             self.work = None
-        return self.combine(self.every, self.n_sums, self.poison, **self.extra)
+        return self.combine(self.every, self.n_sums, poison_value(self.poison), **self.extra)
 
 
 def start_stats_exchange(packed: torch.Tensor, n_sums: int, shard: VocabShard, poison=None,
