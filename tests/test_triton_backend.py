@@ -332,6 +332,24 @@ def test_gpu_hopper_dw_finishes_in_one_gemm(monkeypatch, sizing, n, reduction):
     assert rel_err(got[2], base[2]) < 2 ** -8 and rel_err(got[3], base[3]) < 1e-6
 
 
+@pytest.mark.parametrize("v", [75, 80], ids=["unaligned-rows", "aligned-rows"])
+def test_one_chunk_dx_where_the_hopper_gemm_cannot_take_the_gradient(monkeypatch, v):
+    """One chunk, no group, hopper extra present: dX's GEMM waits for backward only where one quack GEMM can read
+    the gradient buffer ``P [N, V]`` (16-byte aligned rows); where it cannot (``V`` not a multiple of 8) forward
+    does cuBLAS's fp32 GEMM as without the extra. Here ``hopper_dw_ready`` says yes to the hidden ``[N, D]`` and to
+    aligned rows on any device, and the inputs are fp32, so backward's deferred GEMM is torch's (``grads.mm_out``,
+    counted): both branches run here, and both match the oracle."""
+    from vpce import grads, triton_backend
+
+    d = 16
+    monkeypatch.setattr(triton_backend, "hopper_dw_ready", lambda a, b: a.shape[1] == d or a.shape[1] % 8 == 0)
+    seen, real = [], grads.mm_out
+    monkeypatch.setattr(grads, "mm_out", lambda a, b, dt: seen.append(tuple(a.shape)) or real(a, b, dt))
+    p = make_problem(37, d, v, dtype=torch.float32, bias=False, ignore_frac=0.1, reduction="sum", seed=11)
+    check(p, reduction="sum")
+    assert seen == ([] if v % 8 else [(37, v)]), seen
+
+
 def test_held_grads_finish_a_deferred_dw_for_a_caller_that_scales_them():
     """``FastGrads.summed()`` (the ``torch.compile`` op scales the held gradients itself) does a deferred last dW
     GEMM (``last``, the hopper extra's) into the fp32 accumulator, or alone where there was one chunk."""

@@ -85,7 +85,7 @@ from .distill_stats import KL_HEAD, DistillRows, exchange_chunk_stats, heads, lo
 from .formulas import (Coefficients, RowStats, ce_coefficients, ce_token_outputs, evaluate_loss_fn,
                        logprob_coefficients, logprob_part_outputs, loss_fn_coefficients, loss_fn_metric_outputs,
                        store_metric_outputs)
-from .gemm import add_product, hopper_dw_ready, logits_into, mm_into
+from .gemm import add_product, hopper_dw_ready, logits_into, mm_into, mm_out
 from .grads import FastGrads, add_block, pad_rows, scaled, weight_grad, weight_grad_to_main, written_rows
 from .options import DistillOptions, LogProbLossOptions, LogProbOptions, LossOptions
 from .parallel import HiddenGradReduce, RankStats, gather_sequence, start_gather_sequence, start_stats_exchange
@@ -328,7 +328,7 @@ def _chunk_loop(hidden, w, b, chunk: int, call: Call, step, form: bool = True,
         g = step(sl, c0 == 0)
         if defer_dx and hopper_dw_ready(g, w):
             dx_last = (g, w)
-        elif defer_dx:  # (P is always row-major and aligned: not reached)
+        elif defer_dx:  # P's rows not 16-byte aligned (V_local not a multiple of 8): cuBLAS's fp32 GEMM
             dx = mm_out(g, w, torch.float32)
         elif v > 0 and dx is not None:
             mm_into(dx[sl], g, w)
