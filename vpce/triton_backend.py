@@ -85,7 +85,7 @@ from .distill_stats import KL_HEAD, DistillRows, exchange_chunk_stats, heads, lo
 from .formulas import (Coefficients, RowStats, ce_coefficients, ce_token_outputs, evaluate_loss_fn,
                        logprob_coefficients, logprob_part_outputs, loss_fn_coefficients, loss_fn_metric_outputs,
                        store_metric_outputs)
-from .gemm import add_product, hopper_dw_ready, logits_into, mm_into, mm_out
+from .gemm import add_product, hopper_dw_ready, logits_into, mm_into
 from .grads import FastGrads, add_block, pad_rows, scaled, weight_grad, weight_grad_to_main, written_rows
 from .options import DistillOptions, LogProbLossOptions, LogProbOptions, LossOptions
 from .parallel import HiddenGradReduce, RankStats, gather_sequence, start_gather_sequence, start_stats_exchange
@@ -313,9 +313,11 @@ def _chunk_loop(hidden, w, b, chunk: int, call: Call, step, form: bool = True,
     dev = hidden.device
     v = shard.valid_rows
     dx = dx_last = None
-    # one chunk, no group: dX's GEMM too can wait for backward, where one quack GEMM writes it scaled in bf16
+    # one chunk, no group: dX's GEMM too can wait for backward, where one quack GEMM writes it scaled in bf16. It
+    # reads the chunk's P [n, V_local] (``_first_chunk``: row-major, rows V_local apart), whose rows must start on
+    # 16-byte boundaries: V_local a multiple of 8 (else cuBLAS's fp32 GEMM below, as without the extra)
     defer_dx = needs[0] and defer_last and not shard.sharded and 0 < n <= chunk and v > 0 and \
-        hopper_dw_ready(hidden, w)
+        (v * hidden.element_size()) % 16 == 0 and hopper_dw_ready(hidden, w)
     if needs[0] and not defer_dx:  # fp32; an all-padding shard contributes zeros (and still joins the collectives)
         dx = (torch.empty if v > 0 else torch.zeros)(n, d, dtype=torch.float32, device=dev)
     reduce_dx = HiddenGradReduce(dx, shard, plan.sequence_parallel) \
@@ -326,10 +328,8 @@ def _chunk_loop(hidden, w, b, chunk: int, call: Call, step, form: bool = True,
     for c0 in range(0, n, chunk):
         sl = slice(c0, min(n, c0 + chunk))
         g = step(sl, c0 == 0)
-        if defer_dx and hopper_dw_ready(g, w):
+        if defer_dx:
             dx_last = (g, w)
-        elif defer_dx:  # P's rows not 16-byte aligned (V_local not a multiple of 8): cuBLAS's fp32 GEMM
-            dx = mm_out(g, w, torch.float32)
         elif v > 0 and dx is not None:
             mm_into(dx[sl], g, w)
         if reduce_dx is not None:  # overlaps this chunk's dW GEMM and the next chunk
