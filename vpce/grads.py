@@ -44,15 +44,16 @@ class FastGrads(NamedTuple):
         """``(dx, dw, db)``, unscaled, with dX summed over the group (this rank's rows of it under sequence
         parallelism) and a deferred last dW GEMM (``last``) done here into the fp32 accumulator: for a caller that
         scales the held gradients itself (the ``torch.compile`` op, ``vpce.library``)."""
-        dx = self.summed_dx() if self.dx_last is None else mm_out(*self.dx_last, torch.float32)
-        return dx, self.dw_in_fp32(), self.db
+        return self.summed_dx(), self.dw_in_fp32(), self.db
 
     def dw_in_fp32(self) -> torch.Tensor | None:
         """The fp32 dW accumulator with a deferred last chunk (``last``) added into it (or alone: one chunk)."""
         return self.dw if self.last is None else add_product(self.dw, self.last[0].t(), self.last[1])
 
     def summed_dx(self) -> torch.Tensor | None:
-        """dX, summed over the group (waits for ``dx_sum``)."""
+        """dX in fp32, summed over the group (waits for ``dx_sum``), or the deferred one chunk's (``dx_last``)."""
+        if self.dx_last is not None:
+            return mm_out(*self.dx_last, torch.float32)
         return self.dx if self.dx_sum is None else self.dx_sum.finish()
 
 
@@ -125,11 +126,8 @@ def finish_fast_grads(grads: FastGrads, g: torch.Tensor, dtypes: tuple[torch.dty
             dw = weight_grad_to_main(main_weight, dw, g)
         elif dw is not None:
             dw = pad_rows(scaled(dw, g, dw_dtype, scale_cast), rows, dw_dtype)
-    if grads.dx_last is not None:
-        gl, wl = grads.dx_last
-        if dx_dtype in (torch.float16, torch.bfloat16):
-            return scaled_hidden_grad(gl, wl, g, dx_dtype), dw, db
-        return scaled(mm_out(gl, wl, torch.float32), g, dx_dtype, scale_cast), dw, db
+    if grads.dx_last is not None and dx_dtype in (torch.float16, torch.bfloat16):
+        return scaled_hidden_grad(*grads.dx_last, g, dx_dtype), dw, db
     dx = grads.summed_dx()
     return None if dx is None else scaled(dx, g, dx_dtype, scale_cast), dw, db
 
