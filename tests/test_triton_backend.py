@@ -350,6 +350,78 @@ def test_one_chunk_dx_where_the_hopper_gemm_cannot_take_the_gradient(monkeypatch
     assert seen == ([] if v % 8 else [(37, v)]), seen
 
 
+def _stats_epilogue_stand_in(calls):
+    """What ``vpce.gemm.logits_with_stats`` computes (one quack GEMM with an epilogue on a GPU), in torch: P, the
+    log-sum-exp of P's logits but the target's, the target's fp32 logit (-inf where it is not in these columns)."""
+    def run(p, h, w, t_local, zt):
+        calls.append(tuple(p.shape))
+        torch.mm(h, w.t(), out=p)
+        z = p.float().clone()
+        here = t_local >= 0
+        rows = torch.arange(t_local.shape[0], device=t_local.device)[here]
+        cols = t_local[here].long()
+        exact = (h.double() * w[t_local.clamp(min=0).long()].double()).sum(1).float()
+        zt.copy_(torch.where(here, exact, -math.inf))
+        z[rows, cols] = -1e30
+        return torch.logsumexp(z, 1)
+    return run
+
+
+@pytest.mark.parametrize("case", ["plain", "z-loss-weights", "dft-class-weight", "confident", "bias", "smoothing",
+                                  "softcap", "metrics"])
+def test_statistics_in_the_logits_gemms_epilogue(monkeypatch, case):
+    """With the hopper extra, where the options need of the statistics only the log-sum-exp and the target logit,
+    the fast route's logits GEMM takes them in its epilogue (``vpce.gemm.logits_with_stats``: no statistics pass,
+    no first GEMM launched before the targets are known); elsewhere the statistics pass as before. Here a torch
+    stand-in plays the quack GEMM on any device, and the result matches the oracle either way."""
+    from vpce import triton_backend
+
+    calls = []
+    monkeypatch.setattr(triton_backend, "stats_epilogue_ready", lambda h, w, b, cols: b is None and cols % 8 == 0)
+    monkeypatch.setattr(triton_backend, "logits_with_stats", _stats_epilogue_stand_in(calls))
+    opts = {"z-loss-weights": dict(z_loss=1e-3), "dft-class-weight": dict(token_scaling=True),
+            "smoothing": dict(label_smoothing=0.1), "softcap": dict(softcap=3.0),
+            "metrics": dict(return_token_accuracy=True)}.get(case, {})
+    p = make_problem(40, 16, 96, dtype=torch.float32, bias=case == "bias", ignore_frac=0.2, reduction="sum",
+                     scale=30.0 if case == "confident" else 1.0, seed=13)
+    if case == "z-loss-weights":
+        opts["token_weight"] = torch.rand(40, generator=torch.Generator().manual_seed(2)) + 0.5
+    if case == "dft-class-weight":
+        opts["class_weight"] = torch.rand(96, generator=torch.Generator().manual_seed(3)) + 0.5
+    if case == "metrics":  # the loss beside the metric (``run`` takes a plain loss)
+        out = vpce.linear_cross_entropy(leaf(p.hidden.to(DEV)), leaf(p.weight.to(DEV)), p.target.to(DEV),
+                                        reduction="sum", backend="triton", **opts)
+        got = [out.loss.detach().cpu(), None, None, None]
+    else:
+        got = run(p, memory_budget="auto", reduction="sum", **opts)
+    ref = reference(p.hidden, p.weight, p.target, p.bias, grad=p.grad, vocab_size=p.vocab_size, reduction="sum",
+                    **{k: o for k, o in opts.items() if not k.startswith("return_")})
+    for name, g, r, tol in zip(("loss", "dX", "dW", "db"), got, (ref.loss, ref.dhidden, ref.dweight, ref.dbias),
+                               (1e-5, 2e-5, 2e-5, 2e-5)):
+        if r is not None and g is not None:
+            assert rel_err(g, r) <= tol, (case, name, describe(g, r))
+    used = case in ("plain", "z-loss-weights", "dft-class-weight", "confident")
+    assert bool(calls) == used, (case, calls)
+    if used:
+        assert calls == [(40, 96)], calls
+
+
+@pytest.mark.skipif(not _hopper_here(), reason="needs an sm_90 GPU and the hopper extra (quack-kernels)")
+@pytest.mark.parametrize("case", ["plain", "z-loss", "confident"])
+def test_gpu_statistics_in_the_logits_gemms_epilogue(monkeypatch, case):
+    """The real quack epilogue (bf16, V a multiple of 8, no bias): it runs (counted), and the loss and gradients
+    are no worse than torch eager's against the float64 oracle, ignored and confident tokens among them."""
+    from vpce import triton_backend
+
+    calls, real = [], triton_backend.logits_with_stats
+    monkeypatch.setattr(triton_backend, "logits_with_stats", lambda *a: calls.append(a[0].shape) or real(*a))
+    opts = {"z-loss": dict(z_loss=1e-3)}.get(case, {})
+    p = make_problem(3000, 256, 32000, dtype=torch.bfloat16, ignore_frac=0.1, reduction="mean",
+                     scale=30.0 if case == "confident" else 1.0, seed=21)
+    check(p, reduction="mean", **opts)
+    assert calls, "the epilogue GEMM ran"
+
+
 def test_held_grads_finish_a_deferred_dw_for_a_caller_that_scales_them():
     """``FastGrads.summed()`` (the ``torch.compile`` op scales the held gradients itself) does a deferred last dW
     GEMM (``last``, the hopper extra's) into the fp32 accumulator, or alone where there was one chunk."""

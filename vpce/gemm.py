@@ -17,12 +17,13 @@ on the Llama-3-8B head, one H100). Which library computes a rank's dW changes no
 from __future__ import annotations
 
 import functools
+import math
 import warnings
 
 import torch
 
 __all__ = ["mm_out", "mm_into", "addmm_out_", "add_product", "logits_into", "has_mixed_gemm", "hopper_dw_ready",
-           "scaled_weight_grad", "scaled_hidden_grad"]
+           "scaled_weight_grad", "scaled_hidden_grad", "stats_epilogue_ready", "logits_with_stats"]
 
 _UPCAST_ELEMS = 1 << 24  # elements of ``b`` upcast at a time on the fallback path
 
@@ -162,3 +163,56 @@ def scaled_hidden_grad(g: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, dt
     out = torch.empty(g.shape[0], w.shape[1], dtype=dtype, device=g.device)
     _quack().gemm_tuned.fn(g, w, out, alpha=s, config=GemmConfig(**DX_TILE, is_dynamic_persistent=False))
     return out
+
+
+# The logits GEMM with the statistics in its epilogue (``logits_with_stats``), at quack's config that was the fastest
+# plain logits GEMM on both bench heads (one H200, 2026-11-27, docs/results/gpu-2026-11-27e/call-2-qgemm.json:
+# Llama-3-8B 16384 rows 24.30 ms against cuBLAS's 24.58, Gemma-2-2B 8192 rows 13.84 against 14.07). The epilogue's
+# own cost at this config is not yet measured (branch stats-epilogue).
+LOGITS_TILE = dict(tile_m=256, tile_n=208, cluster_m=2, cluster_n=1, pingpong=False)
+
+
+def stats_epilogue_ready(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, cols: int) -> bool:
+    """Whether the fast route's logits GEMM can take the statistics in its epilogue (``logits_with_stats``): the
+    ``hopper`` extra on sm_90, bf16 operands (the epilogue rounds as a bf16 ``P`` stores), no bias, and ``P``'s
+    rows (``cols`` wide) 16-byte aligned."""
+    return b is None and h.dtype == torch.bfloat16 and cols % 8 == 0 and hopper_dw_ready(h, w)
+
+
+@functools.cache
+def _stats_epilogue():
+    """The epilogue (quack's epilogue DSL): ``D`` the logits; ``lse`` the per-row online log-sum-exp of the logits
+    as ``D`` holds them (bf16-rounded, so that ``exp(z - lse)`` over ``P`` sums to 1) with the target column left
+    out (pushed to -1e30), as the statistics pass leaves it out; ``target_logit`` the fp32 accumulator at the
+    target column, which the combine adds back (``kernels.reduce_tiles``)."""
+    from cutlass import BFloat16, Float32
+    from quack.epilogue.frontend import gemm_epilogue
+    from quack.epilogue.ops import ColVecLoad, ColVecSelect, OnlineLSEReduce, RowVecLoad
+
+    target = ColVecLoad("target")
+
+    @gemm_epilogue(ops={"tgtf": ColVecLoad("tgtf"), "col": RowVecLoad("col")},
+                   outs={"lse": OnlineLSEReduce("lse"), "target_logit": ColVecSelect("target_logit", idx_op=target)},
+                   extra_ops=(target,))
+    def vpce_stats(acc, tgtf, col):
+        z = acc.to(BFloat16).to(Float32)
+        hit = Float32(col == tgtf)
+        return {"D": acc, "lse": z - hit * Float32(1e30), "target_logit": acc}
+
+    return vpce_stats
+
+
+def logits_with_stats(p: torch.Tensor, h: torch.Tensor, w: torch.Tensor, t_local: torch.Tensor,
+                      zt: torch.Tensor) -> torch.Tensor:
+    """``p = h @ w.T`` (bf16) in one quack GEMM whose epilogue also takes what the statistics pass and
+    ``kernels.target_logits`` give (``stats_epilogue_ready``), without reading ``p`` again: returns per row the
+    log-sum-exp of ``p``'s logits but the target's ``[C]`` fp32, and writes the target's fp32 logit into ``zt``
+    (-inf where the target is not among these columns: ``t_local`` -1)."""
+    from quack.gemm_config import GemmConfig
+
+    zt.fill_(-math.inf)
+    col = torch.arange(p.shape[1], dtype=torch.float32, device=p.device)
+    res = _stats_epilogue()(h, w.t(), out={"D": p, "target_logit": zt}, tuned=False,
+                            config=GemmConfig(**LOGITS_TILE, is_dynamic_persistent=False),
+                            target=t_local, tgtf=t_local.float(), col=col)
+    return res["lse"]

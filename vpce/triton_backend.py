@@ -85,7 +85,7 @@ from .distill_stats import KL_HEAD, DistillRows, exchange_chunk_stats, heads, lo
 from .formulas import (Coefficients, RowStats, ce_coefficients, ce_token_outputs, evaluate_loss_fn,
                        logprob_coefficients, logprob_part_outputs, loss_fn_coefficients, loss_fn_metric_outputs,
                        store_metric_outputs)
-from .gemm import add_product, hopper_dw_ready, logits_into, mm_into
+from .gemm import add_product, hopper_dw_ready, logits_into, logits_with_stats, mm_into, stats_epilogue_ready
 from .grads import FastGrads, add_block, pad_rows, scaled, weight_grad, weight_grad_to_main, written_rows
 from .options import DistillOptions, LogProbLossOptions, LogProbOptions, LossOptions
 from .parallel import HiddenGradReduce, RankStats, gather_sequence, start_gather_sequence, start_stats_exchange
@@ -109,11 +109,14 @@ class _ChunkStats:
     """
 
     def __init__(self, rows: int, v: int, x: torch.Tensor, sum_z: bool, sum_ez: bool, class_weight=None,
-                 sum_sq: bool = False, before: torch.Tensor | None = None):
+                 sum_sq: bool = False, before: torch.Tensor | None = None, epilogue: bool = False):
         n_tiles = max(1, math.ceil(v / kernels.tile_n(x)))
         f32 = dict(dtype=torch.float32, device=x.device)
-        self.m = torch.empty(rows, n_tiles, **f32)
-        self.s = torch.empty(rows, n_tiles, **f32)
+        # ``epilogue``: the fast route's logits GEMM takes the statistics itself (``vpce.gemm.logits_with_stats``,
+        # the hopper extra): one log-sum-exp per row, which the reduction takes as one tile whose sum is 1
+        self.epilogue = epilogue
+        self.m = None if epilogue else torch.empty(rows, n_tiles, **f32)
+        self.s = torch.ones(rows, 1, **f32) if epilogue else torch.empty(rows, n_tiles, **f32)
         self.z = torch.empty(rows, n_tiles, **f32) if sum_z else None
         self.ez = torch.empty(rows, n_tiles, **f32) if sum_ez else None
         self.zt = torch.empty(rows, **f32)
@@ -131,7 +134,11 @@ class _ChunkStats:
         the logits of ``p`` are already written (``first_logits``)."""
         n_sums = 1 if self.z is not None else 0
         cut = lambda t: None if t is None else t[r]  # noqa: E731
-        if call.shard.valid_rows > 0:
+        if call.shard.valid_rows > 0 and self.epilogue:  # P, the statistics and the fp32 target logit: one GEMM
+            zt = self.zt[r]
+            lse = logits_with_stats(p, h[sl], w, tl_local[sl], zt)
+            packed = kernels.reduce_tiles(lse[:, None], self.s[r], None, None, zt)
+        elif call.shard.valid_rows > 0:
             zt, zs = self.zt[r], None
             stats = dict(softcap=softcap, inv_t=inv_t, tile_m=self.m[r], tile_s=self.s[r], tile_z=cut(self.z),
                          tile_ez=cut(self.ez), zt=zt, class_weight=self.class_weight, tile_sq=cut(self.sq),
@@ -375,15 +382,17 @@ def _softmax_step(hidden, w, b, tl_local, stats: _ChunkStats, p, call: Call, sof
     return step
 
 
-def _first_chunk(hidden, w, b, call: Call):
-    """``(P, chunk)`` of the fast and speculative routes, the first chunk's logits GEMM already launched."""
+def _first_chunk(hidden, w, b, call: Call, early: bool = True):
+    """``(P, chunk)`` of the fast and speculative routes, the first chunk's logits GEMM already launched
+    (``early``; not where the GEMM takes the statistics too, ``_ChunkStats(epilogue=True)``: it needs the
+    targets)."""
     n = hidden.shape[0]
     v = call.shard.valid_rows
     chunk = min(max(n, 1), call.plan.sizes.chunk)
     p = None
     if v > 0:
         p = torch.empty(chunk, v, dtype=hidden.dtype, device=hidden.device)
-        if n > 0:
+        if n > 0 and early:
             _ChunkStats.first_logits(p, hidden, w, b, chunk, call)
     return p, chunk
 
@@ -402,10 +411,14 @@ def cross_entropy(hidden, weight, bias, tg: TokenTargets, opts: LossOptions, cal
     w = weight[:v]
     b = None if bias is None else bias[:v]
     formed = plan.route in ("fast", "speculative")
-    if formed:
-        p, chunk = _first_chunk(hidden, w, b, call)
-    tl_local = tg.local_columns()
     smooth = opts.label_smoothing > 0
+    # the statistics in the logits GEMM's epilogue (the hopper extra), where the options need of them only the
+    # log-sum-exp and the target logit: no soft cap or logit scale, no smoothing, no metrics
+    epilogue = formed and v > 0 and opts.folded_cap() == (None, 1.0) and not smooth and not opts.metrics and \
+        stats_epilogue_ready(hidden, w, b, v)
+    if formed:
+        p, chunk = _first_chunk(hidden, w, b, call, early=not epilogue)
+    tl_local = tg.local_columns()
     cw = None if tg.class_weight is None else tg.class_weight.columns.float()
     loss_tok = torch.empty(n, dtype=torch.float32, device=dev)
     entropy = "entropy" in opts.metrics
@@ -429,7 +442,7 @@ def cross_entropy(hidden, weight, bias, tg: TokenTargets, opts: LossOptions, cal
 
     if not formed:  # stats-only launches
         p, chunk = None, min(max(n, 1), plan.sizes.chunk)
-    stats = _ChunkStats(chunk, v, hidden, smooth, entropy, cw, before=before)
+    stats = _ChunkStats(chunk, v, hidden, smooth, entropy, cw, before=before, epilogue=epilogue)
     step = _softmax_step(hidden, w, b, tl_local, stats, p, call, *opts.folded_cap(), cw, on_part)
     defer = plan.route == "fast" and not call.main_grad  # the speculative route's backward adds to the accumulator
     return loss_tok, rows, _chunk_loop(hidden, w, b, chunk, call, step, form=formed, defer_last=defer)
