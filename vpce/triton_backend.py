@@ -136,7 +136,7 @@ class _ChunkStats:
         cut = lambda t: None if t is None else t[r]  # noqa: E731
         if call.shard.valid_rows > 0 and self.epilogue:  # P, the statistics and the fp32 target logit: one GEMM
             zt = self.zt[r]
-            lse = logits_with_stats(p, h[sl], w, tl_local[sl], zt)
+            lse = logits_with_stats(p, h[sl], w, tl_local[sl], zt, softcap, inv_t)
             packed = kernels.reduce_tiles(lse[:, None], self.s[r], None, None, zt)
         elif call.shard.valid_rows > 0:
             zt, zs = self.zt[r], None
@@ -413,8 +413,9 @@ def cross_entropy(hidden, weight, bias, tg: TokenTargets, opts: LossOptions, cal
     formed = plan.route in ("fast", "speculative")
     smooth = opts.label_smoothing > 0
     # the statistics in the logits GEMM's epilogue (the hopper extra), where the options need of them only the
-    # log-sum-exp and the target logit: no soft cap or logit scale, no smoothing, no metrics
-    epilogue = formed and v > 0 and opts.folded_cap() == (None, 1.0) and not smooth and not opts.metrics and \
+    # log-sum-exp and the target logit: no smoothing, no metrics, and a logit scale only beside a soft cap
+    cap, inv_t = opts.folded_cap()
+    epilogue = formed and v > 0 and (cap is not None or inv_t == 1.0) and not smooth and not opts.metrics and \
         stats_epilogue_ready(hidden, w, b, v)
     if formed:
         p, chunk = _first_chunk(hidden, w, b, call, early=not epilogue)
