@@ -353,7 +353,7 @@ def test_one_chunk_dx_where_the_hopper_gemm_cannot_take_the_gradient(monkeypatch
 def _stats_epilogue_stand_in(calls):
     """What ``vpce.gemm.logits_with_stats`` computes (one quack GEMM with an epilogue on a GPU), in torch: P, the
     log-sum-exp of P's logits but the target's, the target's fp32 logit (-inf where it is not in these columns)."""
-    def run(p, h, w, t_local, zt, softcap=None, inv_t=1.0):
+    def run(p, h, w, t_local, zt, softcap=None, inv_t=1.0, sum_z=False, class_weight=None):
         calls.append(tuple(p.shape))
         torch.mm(h, w.t(), out=p)
         capped = (lambda x: x) if softcap is None else (lambda x: inv_t * softcap * torch.tanh(x / softcap))  # noqa
@@ -363,19 +363,23 @@ def _stats_epilogue_stand_in(calls):
         cols = t_local[here].long()
         exact = capped((h.double() * w[t_local.clamp(min=0).long()].double()).sum(1)).float()
         zt.copy_(torch.where(here, exact, -math.inf))
+        sums = None
+        if sum_z:  # every column's logit as P holds it, the target's too, times its class weight
+            sums = (z * (1.0 if class_weight is None else class_weight.float())).sum(1)
         z[rows, cols] = -1e30
-        return torch.logsumexp(z, 1)
+        return torch.logsumexp(z, 1), sums
     return run
 
 
 @pytest.mark.parametrize("case", ["plain", "z-loss-weights", "dft-class-weight", "confident", "softcap",
-                                  "softcap-scale", "bias", "smoothing", "scale", "metrics"])
+                                  "softcap-scale", "smoothing", "all-four", "bias", "scale", "metrics"])
 def test_statistics_in_the_logits_gemms_epilogue(monkeypatch, case):
     """With the hopper extra, where the options need of the statistics only the log-sum-exp and the target logit
-    (of the soft-capped and scaled logits where a soft cap is set), the fast route's logits GEMM takes them in its
-    epilogue (``vpce.gemm.logits_with_stats``: no statistics pass, no first GEMM launched before the targets are
-    known); elsewhere (smoothing, metrics, a logit scale alone, a bias) the statistics pass as before. Here a torch
-    stand-in plays the quack GEMM on any device, and the result matches the oracle either way."""
+    (of the soft-capped and scaled logits where a soft cap is set) and, with label smoothing, the class-weighted
+    sum of the logits, the fast route's logits GEMM takes them in its epilogue (``vpce.gemm.logits_with_stats``:
+    no statistics pass, no first GEMM launched before the targets are known); elsewhere (metrics, a logit scale
+    alone, a bias) the statistics pass as before. Here a torch stand-in plays the quack GEMM on any device, and the
+    result matches the oracle either way."""
     from vpce import triton_backend
 
     calls = []
@@ -384,12 +388,13 @@ def test_statistics_in_the_logits_gemms_epilogue(monkeypatch, case):
     opts = {"z-loss-weights": dict(z_loss=1e-3), "dft-class-weight": dict(token_scaling=True),
             "smoothing": dict(label_smoothing=0.1), "softcap": dict(softcap=3.0),
             "softcap-scale": dict(softcap=3.0, logit_scale=0.7), "scale": dict(logit_scale=0.7),
+            "all-four": dict(label_smoothing=0.1, z_loss=1e-3, softcap=3.0),
             "metrics": dict(return_token_accuracy=True)}.get(case, {})
     p = make_problem(40, 16, 96, dtype=torch.float32, bias=case == "bias", ignore_frac=0.2, reduction="sum",
                      scale=30.0 if case == "confident" else 1.0, seed=13)
     if case == "z-loss-weights":
         opts["token_weight"] = torch.rand(40, generator=torch.Generator().manual_seed(2)) + 0.5
-    if case == "dft-class-weight":
+    if case in ("dft-class-weight", "all-four"):
         opts["class_weight"] = torch.rand(96, generator=torch.Generator().manual_seed(3)) + 0.5
     if case == "metrics":  # the loss beside the metric (``run`` takes a plain loss)
         out = vpce.linear_cross_entropy(leaf(p.hidden.to(DEV)), leaf(p.weight.to(DEV)), p.target.to(DEV),
@@ -403,14 +408,14 @@ def test_statistics_in_the_logits_gemms_epilogue(monkeypatch, case):
                                (1e-5, 2e-5, 2e-5, 2e-5)):
         if r is not None and g is not None:
             assert rel_err(g, r) <= tol, (case, name, describe(g, r))
-    used = case in ("plain", "z-loss-weights", "dft-class-weight", "confident", "softcap", "softcap-scale")
+    used = case not in ("bias", "scale", "metrics")
     assert bool(calls) == used, (case, calls)
     if used:
         assert calls == [(40, 96)], calls
 
 
 @pytest.mark.skipif(not _hopper_here(), reason="needs an sm_90 GPU and the hopper extra (quack-kernels)")
-@pytest.mark.parametrize("case", ["plain", "z-loss", "confident", "softcap"])
+@pytest.mark.parametrize("case", ["plain", "z-loss", "confident", "softcap", "smoothing"])
 def test_gpu_statistics_in_the_logits_gemms_epilogue(monkeypatch, case):
     """The real quack epilogue (bf16, V a multiple of 8, no bias): it runs (counted), and the loss and gradients
     are no worse than torch eager's against the float64 oracle, ignored and confident tokens among them."""
@@ -418,7 +423,8 @@ def test_gpu_statistics_in_the_logits_gemms_epilogue(monkeypatch, case):
 
     calls, real = [], triton_backend.logits_with_stats
     monkeypatch.setattr(triton_backend, "logits_with_stats", lambda *a: calls.append(a[0].shape) or real(*a))
-    opts = {"z-loss": dict(z_loss=1e-3), "softcap": dict(softcap=30.0)}.get(case, {})
+    opts = {"z-loss": dict(z_loss=1e-3), "softcap": dict(softcap=30.0),
+            "smoothing": dict(label_smoothing=0.1, softcap=30.0)}.get(case, {})
     p = make_problem(3000, 256, 32000, dtype=torch.bfloat16, ignore_frac=0.1, reduction="mean",
                      scale=30.0 if case == "confident" else 1.0, seed=21)
     check(p, reduction="mean", **opts)

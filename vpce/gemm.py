@@ -180,54 +180,75 @@ def stats_epilogue_ready(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | Non
 
 
 @functools.cache
-def _stats_epilogue(capped: bool = False):
+def _stats_epilogue(capped: bool = False, sum_z: bool = False):
     """The epilogue (quack's epilogue DSL): ``D`` the logits; ``lse`` the per-row online log-sum-exp of the logits
     as ``D`` holds them (bf16-rounded, so that ``exp(z - lse)`` over ``P`` sums to 1) with the target column left
     out (pushed to -1e30), as the statistics pass leaves it out; ``target_logit`` the fp32 accumulator at the
-    target column, which the combine adds back (``kernels.reduce_tiles``). ``capped``: both taken of the soft-capped
-    and scaled logit ``t * c tanh(z / c)`` (``vpce.options.LossOptions.folded_cap``), in the form
+    target column, which the combine adds back (``kernels.reduce_tiles``). ``capped``: both taken of the
+    soft-capped and scaled logit ``t * c tanh(z / c)`` (``vpce.options.LossOptions.folded_cap``), in the form
     ``t (c - 2 c / (1 + 2^(k z)))``, ``k = 2 log2(e) / c``, as the statistics pass and ``kernels.target_logits``
-    take it."""
+    take it. ``sum_z`` (label smoothing): also ``sumz``, the per-row sum of those logits times the class weights
+    ``cw`` (ones without them), the target's included, as the statistics pass sums them."""
     from cutlass import BFloat16, Float32
     from quack.epilogue.frontend import gemm_epilogue
     from quack.epilogue.math import pexp2
-    from quack.epilogue.ops import ColVecLoad, ColVecSelect, OnlineLSEReduce, RowVecLoad, Scalar
+    from quack.epilogue.ops import ColVecLoad, ColVecReduce, ColVecSelect, OnlineLSEReduce, RowVecLoad, Scalar
 
     target = ColVecLoad("target")
-    outs = {"lse": OnlineLSEReduce("lse"), "target_logit": ColVecSelect("target_logit", idx_op=target)}
-    if not capped:
-        @gemm_epilogue(ops={"tgtf": ColVecLoad("tgtf"), "col": RowVecLoad("col")}, outs=outs, extra_ops=(target,))
-        def vpce_stats(acc, tgtf, col):
-            z = acc.to(BFloat16).to(Float32)
-            hit = Float32(col == tgtf)
-            return {"D": acc, "lse": z - hit * Float32(1e30), "target_logit": acc}
-        return vpce_stats
+    ops = {"tgtf": ColVecLoad("tgtf"), "col": RowVecLoad("col")}
+    if capped:
+        ops.update(cap=Scalar("cap"), k=Scalar("k"), scale=Scalar("scale"))
+    if sum_z:
+        ops["cw"] = RowVecLoad("cw")
+    spec = dict(ops=ops, outs={"lse": OnlineLSEReduce("lse"),
+                               "target_logit": ColVecSelect("target_logit", idx_op=target)},
+                reduces={"sumz": ColVecReduce("sumz")} if sum_z else {}, extra_ops=(target,))
 
-    @gemm_epilogue(ops={"tgtf": ColVecLoad("tgtf"), "col": RowVecLoad("col"), "cap": Scalar("cap"), "k": Scalar("k"),
-                        "scale": Scalar("scale")}, outs=outs, extra_ops=(target,))
-    def vpce_capped_stats(acc, tgtf, col, cap, k, scale):
-        z = acc.to(BFloat16).to(Float32)
-        s = scale * (cap - (cap + cap) / (Float32(1.0) + pexp2(z * k)))
-        st = scale * (cap - (cap + cap) / (Float32(1.0) + pexp2(acc * k)))
-        hit = Float32(col == tgtf)
-        return {"D": acc, "lse": s - hit * Float32(1e30), "target_logit": st}
-    return vpce_capped_stats
+    def out(acc, z, zt, tgtf, col):
+        return {"D": acc, "lse": z - Float32(col == tgtf) * Float32(1e30), "target_logit": zt}
+
+    if not capped and not sum_z:
+        @gemm_epilogue(**spec)
+        def vpce_stats(acc, tgtf, col):
+            return out(acc, acc.to(BFloat16).to(Float32), acc, tgtf, col)
+    elif not capped:
+        @gemm_epilogue(**spec)
+        def vpce_stats(acc, tgtf, col, cw):
+            z = acc.to(BFloat16).to(Float32)
+            return {**out(acc, z, acc, tgtf, col), "sumz": z * cw}
+    elif not sum_z:
+        @gemm_epilogue(**spec)
+        def vpce_stats(acc, tgtf, col, cap, k, scale):
+            z = scale * (cap - (cap + cap) / (Float32(1.0) + pexp2(acc.to(BFloat16).to(Float32) * k)))
+            return out(acc, z, scale * (cap - (cap + cap) / (Float32(1.0) + pexp2(acc * k))), tgtf, col)
+    else:
+        @gemm_epilogue(**spec)
+        def vpce_stats(acc, tgtf, col, cap, k, scale, cw):
+            z = scale * (cap - (cap + cap) / (Float32(1.0) + pexp2(acc.to(BFloat16).to(Float32) * k)))
+            zt = scale * (cap - (cap + cap) / (Float32(1.0) + pexp2(acc * k)))
+            return {**out(acc, z, zt, tgtf, col), "sumz": z * cw}
+    return vpce_stats
 
 
 def logits_with_stats(p: torch.Tensor, h: torch.Tensor, w: torch.Tensor, t_local: torch.Tensor, zt: torch.Tensor,
-                      softcap: float | None = None, inv_t: float = 1.0) -> torch.Tensor:
+                      softcap: float | None = None, inv_t: float = 1.0, sum_z: bool = False,
+                      class_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``p = h @ w.T`` (bf16) in one quack GEMM whose epilogue also takes what the statistics pass and
     ``kernels.target_logits`` give (``stats_epilogue_ready``), without reading ``p`` again: returns per row the
-    log-sum-exp of ``p``'s logits but the target's ``[C]`` fp32, and writes the target's fp32 logit into ``zt``
-    (-inf where the target is not among these columns: ``t_local`` -1); with ``softcap`` (and ``inv_t``, the
-    logit scale folded as ``LossOptions.folded_cap`` gives them) of the capped and scaled logits."""
+    log-sum-exp of ``p``'s logits but the target's ``[C]`` fp32, and (``sum_z``: label smoothing) the sum of the
+    logits times ``class_weight`` (ones where None), else None; writes the target's fp32 logit into ``zt`` (-inf
+    where the target is not among these columns: ``t_local`` -1). With ``softcap`` (and ``inv_t``, the logit scale,
+    folded as ``LossOptions.folded_cap`` gives them) all of the capped and scaled logits."""
     from quack.gemm_config import GemmConfig
 
     zt.fill_(-math.inf)
-    col = torch.arange(p.shape[1], dtype=torch.float32, device=p.device)
-    cap = {} if softcap is None else dict(cap=float(softcap), k=2 * math.log2(math.e) / float(softcap),
-                                          scale=float(inv_t))
-    res = _stats_epilogue(softcap is not None)(h, w.t(), out={"D": p, "target_logit": zt}, tuned=False,
-                                               config=GemmConfig(**LOGITS_TILE, is_dynamic_persistent=False),
-                                               target=t_local, tgtf=t_local.float(), col=col, **cap)
-    return res["lse"]
+    v = p.shape[1]
+    ops = dict(target=t_local, tgtf=t_local.float(), col=torch.arange(v, dtype=torch.float32, device=p.device))
+    if softcap is not None:
+        ops.update(cap=float(softcap), k=2 * math.log2(math.e) / float(softcap), scale=float(inv_t))
+    if sum_z:
+        ops["cw"] = class_weight if class_weight is not None else torch.ones(v, dtype=torch.float32, device=p.device)
+    res = _stats_epilogue(softcap is not None, sum_z)(h, w.t(), out={"D": p, "target_logit": zt}, tuned=False,
+                                                      config=GemmConfig(**LOGITS_TILE, is_dynamic_persistent=False),
+                                                      **ops)
+    return res["lse"], res.get("sumz")

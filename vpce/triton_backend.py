@@ -117,7 +117,7 @@ class _ChunkStats:
         self.epilogue = epilogue
         self.m = None if epilogue else torch.empty(rows, n_tiles, **f32)
         self.s = torch.ones(rows, 1, **f32) if epilogue else torch.empty(rows, n_tiles, **f32)
-        self.z = torch.empty(rows, n_tiles, **f32) if sum_z else None
+        self.z = torch.empty(rows, 1 if epilogue else n_tiles, **f32) if sum_z else None
         self.ez = torch.empty(rows, n_tiles, **f32) if sum_ez else None
         self.zt = torch.empty(rows, **f32)
         self.class_weight = class_weight if sum_z else None  # sum z becomes sum w_j z_j
@@ -136,8 +136,10 @@ class _ChunkStats:
         cut = lambda t: None if t is None else t[r]  # noqa: E731
         if call.shard.valid_rows > 0 and self.epilogue:  # P, the statistics and the fp32 target logit: one GEMM
             zt = self.zt[r]
-            lse = logits_with_stats(p, h[sl], w, tl_local[sl], zt, softcap, inv_t)
-            packed = kernels.reduce_tiles(lse[:, None], self.s[r], None, None, zt)
+            lse, sum_z = logits_with_stats(p, h[sl], w, tl_local[sl], zt, softcap, inv_t, self.z is not None,
+                                           self.class_weight)
+            packed = kernels.reduce_tiles(lse[:, None], self.s[r], None if sum_z is None else sum_z[:, None], None,
+                                          zt)
         elif call.shard.valid_rows > 0:
             zt, zs = self.zt[r], None
             stats = dict(softcap=softcap, inv_t=inv_t, tile_m=self.m[r], tile_s=self.s[r], tile_z=cut(self.z),
@@ -413,9 +415,10 @@ def cross_entropy(hidden, weight, bias, tg: TokenTargets, opts: LossOptions, cal
     formed = plan.route in ("fast", "speculative")
     smooth = opts.label_smoothing > 0
     # the statistics in the logits GEMM's epilogue (the hopper extra), where the options need of them only the
-    # log-sum-exp and the target logit: no smoothing, no metrics, and a logit scale only beside a soft cap
+    # log-sum-exp, the target logit and (smoothing) the sum of the logits: no metrics, and a logit scale only
+    # beside a soft cap
     cap, inv_t = opts.folded_cap()
-    epilogue = formed and v > 0 and (cap is not None or inv_t == 1.0) and not smooth and not opts.metrics and \
+    epilogue = formed and v > 0 and (cap is not None or inv_t == 1.0) and not opts.metrics and \
         stats_epilogue_ready(hidden, w, b, v)
     if formed:
         p, chunk = _first_chunk(hidden, w, b, call, early=not epilogue)
