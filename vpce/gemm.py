@@ -230,6 +230,15 @@ def _stats_epilogue(capped: bool = False, sum_z: bool = False):
     return vpce_stats
 
 
+@functools.cache
+def _logits_config():
+    """``LOGITS_TILE`` as one ``GemmConfig`` object for the process: quack's eager fast path keys a call's
+    recorded launch by the config's identity, so a new (equal) object per call would re-record every call."""
+    from quack.gemm_config import GemmConfig
+
+    return GemmConfig(**LOGITS_TILE, is_dynamic_persistent=False)
+
+
 def logits_with_stats(p: torch.Tensor, h: torch.Tensor, w: torch.Tensor, t_local: torch.Tensor, zt: torch.Tensor,
                       softcap: float | None = None, inv_t: float = 1.0, sum_z: bool = False,
                       class_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -239,8 +248,6 @@ def logits_with_stats(p: torch.Tensor, h: torch.Tensor, w: torch.Tensor, t_local
     logits times ``class_weight`` (ones where None), else None; writes the target's fp32 logit into ``zt`` (-inf
     where the target is not among these columns: ``t_local`` -1). With ``softcap`` (and ``inv_t``, the logit scale,
     folded as ``LossOptions.folded_cap`` gives them) all of the capped and scaled logits."""
-    from quack.gemm_config import GemmConfig
-
     zt.fill_(-math.inf)
     v = p.shape[1]
     ops = dict(target=t_local, tgtf=t_local.float(), col=torch.arange(v, dtype=torch.float32, device=p.device))
@@ -249,6 +256,5 @@ def logits_with_stats(p: torch.Tensor, h: torch.Tensor, w: torch.Tensor, t_local
     if sum_z:
         ops["cw"] = class_weight if class_weight is not None else torch.ones(v, dtype=torch.float32, device=p.device)
     res = _stats_epilogue(softcap is not None, sum_z)(h, w.t(), out={"D": p, "target_logit": zt}, tuned=False,
-                                                      config=GemmConfig(**LOGITS_TILE, is_dynamic_persistent=False),
-                                                      **ops)
+                                                      config=_logits_config(), **ops)
     return res["lse"], res.get("sumz")
