@@ -23,6 +23,7 @@ gpu_only = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 
 def run(p, backend="triton", **opts):
     h, w, b = (leaf(None if x is None else x.to(DEV)) for x in (p.hidden, p.weight, p.bias))
+    opts = {k: o.to(DEV) if isinstance(o, torch.Tensor) else o for k, o in opts.items()}  # token / class weights
     loss = vpce.linear_cross_entropy(h, w, p.target.to(DEV), b, backend=backend, vocab_size=p.vocab_size, **opts)
     (loss * p.grad.to(DEV, loss.dtype)).sum().backward()
     return [None if x is None else x.cpu() for x in (loss, h.grad, w.grad, None if b is None else b.grad)]
@@ -352,21 +353,19 @@ def test_one_chunk_dx_where_the_hopper_gemm_cannot_take_the_gradient(monkeypatch
 
 def _stats_epilogue_stand_in(calls):
     """What ``vpce.gemm.logits_with_stats`` computes (one quack GEMM with an epilogue on a GPU), in torch: P, the
-    log-sum-exp of P's logits but the target's, the target's fp32 logit (-inf where it is not in these columns)."""
+    log-sum-exp of every logit as P holds it (capped and scaled), the target's raw fp32 logit (-inf where it is
+    not in these columns)."""
     def run(p, h, w, t_local, zt, softcap=None, inv_t=1.0, sum_z=False, class_weight=None):
         calls.append(tuple(p.shape))
         torch.mm(h, w.t(), out=p)
         capped = (lambda x: x) if softcap is None else (lambda x: inv_t * softcap * torch.tanh(x / softcap))  # noqa
         z = capped(p.float())
         here = t_local >= 0
-        rows = torch.arange(t_local.shape[0], device=t_local.device)[here]
-        cols = t_local[here].long()
-        exact = capped((h.double() * w[t_local.clamp(min=0).long()].double()).sum(1)).float()
-        zt.copy_(torch.where(here, exact, -math.inf))
+        raw = (h.double() * w[t_local.clamp(min=0).long()].double()).sum(1).float()
+        zt.copy_(torch.where(here, raw, -math.inf))
         sums = None
         if sum_z:  # every column's logit as P holds it, the target's too, times its class weight
             sums = (z * (1.0 if class_weight is None else class_weight.float())).sum(1)
-        z[rows, cols] = -1e30
         return torch.logsumexp(z, 1), sums
     return run
 

@@ -165,11 +165,9 @@ def scaled_hidden_grad(g: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, dt
     return out
 
 
-# The logits GEMM with the statistics in its epilogue (``logits_with_stats``), at quack's config that was the fastest
-# plain logits GEMM on both bench heads (one H200, 2026-11-27, docs/results/gpu-2026-11-27e/call-2-qgemm.json:
-# Llama-3-8B 16384 rows 24.30 ms against cuBLAS's 24.58, Gemma-2-2B 8192 rows 13.84 against 14.07). The epilogue's
-# own cost at this config is not yet measured (branch stats-epilogue).
-LOGITS_TILE = dict(tile_m=256, tile_n=208, cluster_m=2, cluster_n=1, pingpong=False)
+# The logits GEMM with the statistics in its epilogue (``logits_with_stats``). The config: see the branch notes
+# (stats-epilogue); chosen by the device probe of the epilogue at several configs.
+LOGITS_TILE = dict(tile_m=128, tile_n=192, cluster_m=2, cluster_n=1, pingpong=True)
 
 
 def stats_epilogue_ready(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, cols: int) -> bool:
@@ -181,52 +179,50 @@ def stats_epilogue_ready(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | Non
 
 @functools.cache
 def _stats_epilogue(capped: bool = False, sum_z: bool = False):
-    """The epilogue (quack's epilogue DSL): ``D`` the logits; ``lse`` the per-row online log-sum-exp of the logits
-    as ``D`` holds them (bf16-rounded, so that ``exp(z - lse)`` over ``P`` sums to 1) with the target column left
-    out (pushed to -1e30), as the statistics pass leaves it out; ``target_logit`` the fp32 accumulator at the
-    target column, which the combine adds back (``kernels.reduce_tiles``). ``capped``: both taken of the
-    soft-capped and scaled logit ``t * c tanh(z / c)`` (``vpce.options.LossOptions.folded_cap``), in the form
-    ``t (c - 2 c / (1 + 2^(k z)))``, ``k = 2 log2(e) / c``, as the statistics pass and ``kernels.target_logits``
-    take it. ``sum_z`` (label smoothing): also ``sumz``, the per-row sum of those logits times the class weights
-    ``cw`` (ones without them), the target's included, as the statistics pass sums them."""
+    """The epilogue (quack's epilogue DSL), per element of the fp32 accumulator ``acc``: ``D`` the logits; ``lse``
+    the per-row online log-sum-exp of the logits as ``D`` holds them (bf16-rounded, so that ``exp(z - lse)`` over
+    ``P`` sums to 1), every column's; ``target_logit`` the raw fp32 accumulator at the target column
+    (``kernels.target_out_of_lse`` then takes the target's rounded logit out of the LSE and puts its exact one in,
+    as the statistics pass leaves the target column out and ``kernels.target_logits`` adds it). Nothing per element
+    but the rounding (and the cap): the target column is picked by quack's select, not by a compare per element.
+    ``capped``: the LSE of the soft-capped and scaled logit ``(r 2c - c) t``, ``r = 1 / (1 + 2^(kz))``, ``k = -2
+    log2(e) / c``, with the hardware's approximate ``exp2`` and reciprocal, as ``kernels.common._softcap_value``
+    takes it in the statistics pass. ``sum_z`` (label smoothing): also ``sumz``, the per-row sum of those logits
+    times the class weights ``cw`` (ones without them), the target's included, as the statistics pass sums them."""
+    import cutlass.cute as cute
     from cutlass import BFloat16, Float32
     from quack.epilogue.frontend import gemm_epilogue
     from quack.epilogue.math import pexp2
     from quack.epilogue.ops import ColVecLoad, ColVecReduce, ColVecSelect, OnlineLSEReduce, RowVecLoad, Scalar
 
     target = ColVecLoad("target")
-    ops = {"tgtf": ColVecLoad("tgtf"), "col": RowVecLoad("col")}
-    if capped:
-        ops.update(cap=Scalar("cap"), k=Scalar("k"), scale=Scalar("scale"))
+    ops = dict(k=Scalar("k"), cap=Scalar("cap"), scale=Scalar("scale")) if capped else {}
     if sum_z:
         ops["cw"] = RowVecLoad("cw")
     spec = dict(ops=ops, outs={"lse": OnlineLSEReduce("lse"),
                                "target_logit": ColVecSelect("target_logit", idx_op=target)},
                 reduces={"sumz": ColVecReduce("sumz")} if sum_z else {}, extra_ops=(target,))
 
-    def out(acc, z, zt, tgtf, col):
-        return {"D": acc, "lse": z - Float32(col == tgtf) * Float32(1e30), "target_logit": zt}
-
     if not capped and not sum_z:
         @gemm_epilogue(**spec)
-        def vpce_stats(acc, tgtf, col):
-            return out(acc, acc.to(BFloat16).to(Float32), acc, tgtf, col)
+        def vpce_stats(acc):
+            return {"D": acc, "lse": acc.to(BFloat16).to(Float32), "target_logit": acc}
     elif not capped:
         @gemm_epilogue(**spec)
-        def vpce_stats(acc, tgtf, col, cw):
+        def vpce_stats(acc, cw):
             z = acc.to(BFloat16).to(Float32)
-            return {**out(acc, z, acc, tgtf, col), "sumz": z * cw}
+            return {"D": acc, "lse": z, "target_logit": acc, "sumz": z * cw}
     elif not sum_z:
         @gemm_epilogue(**spec)
-        def vpce_stats(acc, tgtf, col, cap, k, scale):
-            z = scale * (cap - (cap + cap) / (Float32(1.0) + pexp2(acc.to(BFloat16).to(Float32) * k)))
-            return out(acc, z, scale * (cap - (cap + cap) / (Float32(1.0) + pexp2(acc * k))), tgtf, col)
+        def vpce_stats(acc, k, cap, scale):
+            r = cute.arch.rcp_approx(Float32(1.0) + pexp2(acc.to(BFloat16).to(Float32) * k))
+            return {"D": acc, "lse": (r * (cap + cap) - cap) * scale, "target_logit": acc}
     else:
         @gemm_epilogue(**spec)
-        def vpce_stats(acc, tgtf, col, cap, k, scale, cw):
-            z = scale * (cap - (cap + cap) / (Float32(1.0) + pexp2(acc.to(BFloat16).to(Float32) * k)))
-            zt = scale * (cap - (cap + cap) / (Float32(1.0) + pexp2(acc * k)))
-            return {**out(acc, z, zt, tgtf, col), "sumz": z * cw}
+        def vpce_stats(acc, k, cap, scale, cw):
+            r = cute.arch.rcp_approx(Float32(1.0) + pexp2(acc.to(BFloat16).to(Float32) * k))
+            z = (r * (cap + cap) - cap) * scale
+            return {"D": acc, "lse": z, "target_logit": acc, "sumz": z * cw}
     return vpce_stats
 
 
@@ -242,19 +238,19 @@ def _logits_config():
 def logits_with_stats(p: torch.Tensor, h: torch.Tensor, w: torch.Tensor, t_local: torch.Tensor, zt: torch.Tensor,
                       softcap: float | None = None, inv_t: float = 1.0, sum_z: bool = False,
                       class_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``p = h @ w.T`` (bf16) in one quack GEMM whose epilogue also takes what the statistics pass and
-    ``kernels.target_logits`` give (``stats_epilogue_ready``), without reading ``p`` again: returns per row the
-    log-sum-exp of ``p``'s logits but the target's ``[C]`` fp32, and (``sum_z``: label smoothing) the sum of the
-    logits times ``class_weight`` (ones where None), else None; writes the target's fp32 logit into ``zt`` (-inf
-    where the target is not among these columns: ``t_local`` -1). With ``softcap`` (and ``inv_t``, the logit scale,
-    folded as ``LossOptions.folded_cap`` gives them) all of the capped and scaled logits."""
-    zt.fill_(-math.inf)
+    """``p = h @ w.T`` (bf16) in one quack GEMM whose epilogue also takes the row statistics
+    (``stats_epilogue_ready``), without reading ``p`` again. Returns per row the log-sum-exp ``[C]`` fp32 of all of
+    ``p``'s logits as ``p`` holds them (soft-capped and scaled, ``LossOptions.folded_cap``, where ``softcap`` is
+    set), and (``sum_z``: label smoothing) the sum of those logits times ``class_weight`` (ones where None), else
+    None; writes the target column's raw fp32 logit into ``zt`` (-inf where the target is not among these
+    columns: ``t_local`` -1). ``kernels.target_out_of_lse`` turns these into the statistics pass's."""
+    zt.fill_(-math.inf)  # quack's select writes only the rows whose target is here
     v = p.shape[1]
-    ops = dict(target=t_local, tgtf=t_local.float(), col=torch.arange(v, dtype=torch.float32, device=p.device))
+    ops = dict(target=t_local, target_logit=zt)  # the select's buffer as an operand: quack writes into it
     if softcap is not None:
-        ops.update(cap=float(softcap), k=2 * math.log2(math.e) / float(softcap), scale=float(inv_t))
+        ops.update(k=-2 * math.log2(math.e) / float(softcap), cap=float(softcap), scale=float(inv_t))
     if sum_z:
         ops["cw"] = class_weight if class_weight is not None else torch.ones(v, dtype=torch.float32, device=p.device)
-    res = _stats_epilogue(softcap is not None, sum_z)(h, w.t(), out={"D": p, "target_logit": zt}, tuned=False,
-                                                      config=_logits_config(), **ops)
+    res = _stats_epilogue(softcap is not None, sum_z)(h, w.t(), out={"D": p}, tuned=False, config=_logits_config(),
+                                                      **ops)
     return res["lse"], res.get("sumz")

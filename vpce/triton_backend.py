@@ -113,10 +113,11 @@ class _ChunkStats:
         n_tiles = max(1, math.ceil(v / kernels.tile_n(x)))
         f32 = dict(dtype=torch.float32, device=x.device)
         # ``epilogue``: the fast route's logits GEMM takes the statistics itself (``vpce.gemm.logits_with_stats``,
-        # the hopper extra): one log-sum-exp per row, which the reduction takes as one tile whose sum is 1
+        # the hopper extra): one log-sum-exp per row and the share of it outside the target column
+        # (``kernels.target_out_of_lse``), which the reduction takes as one tile
         self.epilogue = epilogue
         self.m = None if epilogue else torch.empty(rows, n_tiles, **f32)
-        self.s = torch.ones(rows, 1, **f32) if epilogue else torch.empty(rows, n_tiles, **f32)
+        self.s = torch.empty(rows, 1 if epilogue else n_tiles, **f32)
         self.z = torch.empty(rows, 1 if epilogue else n_tiles, **f32) if sum_z else None
         self.ez = torch.empty(rows, n_tiles, **f32) if sum_ez else None
         self.zt = torch.empty(rows, **f32)
@@ -138,6 +139,7 @@ class _ChunkStats:
             zt = self.zt[r]
             lse, sum_z = logits_with_stats(p, h[sl], w, tl_local[sl], zt, softcap, inv_t, self.z is not None,
                                            self.class_weight)
+            kernels.target_out_of_lse(lse, zt, self.s[r].view(-1), p.dtype, softcap=softcap, inv_t=inv_t)
             packed = kernels.reduce_tiles(lse[:, None], self.s[r], None if sum_z is None else sum_z[:, None], None,
                                           zt)
         elif call.shard.valid_rows > 0:

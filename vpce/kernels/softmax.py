@@ -313,6 +313,36 @@ def _target_logits_kernel(X, W, BIAS, TL, ZT, L, ZS, M, D, stride_xm, stride_xk,
 
 
 @triton.jit
+def _target_out_of_lse_kernel(LSE, ZT, S, C, softcap, inv_t, SOFTCAP: tl.constexpr, TEMPERATURE: tl.constexpr,
+                              ROUND: tl.constexpr, BLOCK: tl.constexpr):
+    """Per row: ``S = 1 - e^(zs - LSE)``, the share of the row's softmax mass (``LSE`` over every column as the
+    logits buffer holds them) outside the target column, whose logit as stored is ``zs`` (``ZT`` rounded to the
+    buffer's dtype, ``ROUND``: 1 bf16, 2 fp16, 0 none; capped and scaled as the statistics pass takes it); then
+    ``ZT`` becomes the exact (capped and scaled) fp32 target logit. ``-inf`` in ``ZT`` (no target here) gives
+    ``S = 1``; a NaN stays NaN; a share rounded above 1 gives 0 (the empty rest)."""
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = rows < C
+    m = tl.load(LSE + rows, mask=ok, other=0.0)
+    z = tl.load(ZT + rows, mask=ok, other=float("-inf"))
+    here = z != float("-inf")
+    if ROUND == 1:
+        zs = z.to(tl.bfloat16).to(tl.float32)
+    elif ROUND == 2:
+        zs = z.to(tl.float16).to(tl.float32)
+    else:
+        zs = z
+    if SOFTCAP:
+        z = _softcap_value(z, softcap)
+        zs = _softcap_value(zs, softcap)
+    if TEMPERATURE:
+        z = z * inv_t
+        zs = zs * inv_t
+    share = tl.where(here, _exp(zs - m), 0.0)
+    tl.store(S + rows, tl.where(share > 1.0, 0.0, 1.0 - share), mask=ok)
+    tl.store(ZT + rows, tl.where(here, z, float("-inf")), mask=ok)
+
+
+@triton.jit
 def _reduce_tiles_kernel(TM, TS, TZ, TEZ, ZT, OUT, C, T, SUM_Z: tl.constexpr, SUM_EZ: tl.constexpr,
                          BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr, TSQ, TMB, SUM_SQ: tl.constexpr,
                          TOP1: tl.constexpr, ROW_SQ: tl.constexpr, ROW_MB: tl.constexpr, TTS):
@@ -567,6 +597,24 @@ def target_logits(x, w, b, t_local, zt, *, softcap=None, inv_t=1.0, logits=None,
         w.stride(0), w.stride(1), ls.stride(0), ls.stride(1), float(softcap or 1.0), float(inv_t),
         HAS_BIAS=b is not None, SOFTCAP=softcap is not None, TEMPERATURE=inv_t != 1.0, STORED=stored,
         BLOCK_M=block_m, BLOCK_K=block_k, num_warps=4)
+
+
+def target_out_of_lse(lse, zt, s, stored_dtype, *, softcap=None, inv_t=1.0):
+    """For the statistics a logits GEMM's epilogue took (``vpce.gemm.logits_with_stats``): ``lse [C]``, the
+    log-sum-exp of every column's logit as the buffer holds them (``stored_dtype``), and ``zt [C]``, the target
+    column's raw fp32 logit (``-inf`` where the target is elsewhere). Writes ``s [C]``, the share of the row's
+    mass outside the target column, and caps and scales ``zt`` in place: ``(lse, s)`` is then one tile of the
+    statistics pass (the target column left out) and ``zt`` what ``target_logits`` gives, for ``reduce_tiles``.
+    One launch. Where the target holds nearly all of the row's mass, ``s`` keeps an absolute error of the LSE's
+    own rounding (about 1e-7 of the row's sum), not of the rest alone; far below the rounding of the bf16 logits."""
+    c = lse.shape[0]
+    if c == 0:
+        return
+    block = 256 if lse.is_cuda and not INTERPRET else 64
+    rnd = {torch.bfloat16: 1, torch.float16: 2}.get(stored_dtype, 0)
+    _target_out_of_lse_kernel[(triton.cdiv(c, block),)](
+        lse, zt, s, c, float(softcap or 1.0), float(inv_t), SOFTCAP=softcap is not None, TEMPERATURE=inv_t != 1.0,
+        ROUND=rnd, BLOCK=block, num_warps=4)
 
 
 def reduce_tiles(tile_m, tile_s, tile_z, tile_ez, zt, tile_sq=None, tile_mb=None, zt_stored=None) -> torch.Tensor:
