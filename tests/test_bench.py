@@ -360,6 +360,7 @@ def test_profile_phases():
         "_logits_tiles_kernel": "logits tiles (fused GEMM + softmax stats)",
         "_stored_logits_kernel": "stored logits -> stats / grad",
         "_target_logits_kernel": "stored logits -> stats / grad",
+        "_target_out_of_lse_kernel": "stored logits -> stats / grad",
         "_distill_grad_kernel": "distillation passes",
         "_scale_cast_kernel": "casts / copies",
         "Memcpy DtoD (Device -> Device)": "casts / copies",

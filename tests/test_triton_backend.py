@@ -413,6 +413,34 @@ def test_statistics_in_the_logits_gemms_epilogue(monkeypatch, case):
         assert calls == [(40, 96)], calls
 
 
+def _epilogue_under_group_main(rank, world):
+    import torch.distributed as dist
+    from vpce import triton_backend
+
+    calls = []  # a rank's own process: the stand-in as in the test above, without monkeypatch
+    triton_backend.stats_epilogue_ready = lambda h, w, b, cols: b is None and cols % 8 == 0
+    triton_backend.logits_with_stats = _stats_epilogue_stand_in(calls)
+    sizes = [48, 40]
+    p = make_problem(24, 16, sum(sizes), dtype=torch.float32, ignore_frac=0.2, reduction="sum", seed=4)
+    start = sum(sizes[:rank])
+    h, w = leaf(p.hidden), leaf(p.weight[start:start + sizes[rank]])
+    loss = vpce.linear_cross_entropy(h, w, p.target, group=dist.group.WORLD, backend="triton", reduction="sum",
+                                     memory_budget="auto")
+    loss.backward(p.grad.float())
+    ref = reference(p.hidden, p.weight, p.target, grad=p.grad, reduction="sum")
+    return calls, rel_err(loss, ref.loss), rel_err(h.grad, ref.dhidden), rel_err(w.grad,
+                                                                                   ref.dweight[start:start + sizes[rank]])
+
+
+@pytest.mark.skipif(CUDA, reason="the gloo runs use the CPU interpreter; NCCL runs are in launch/")
+def test_statistics_epilogue_is_one_process_only():
+    """Under a group the fast route keeps cuBLAS's first GEMM (launched before the set-up) and the statistics pass:
+    the epilogue GEMM is measured on one GPU only."""
+    for rank, (calls, *errs) in enumerate(run_ranks(_epilogue_under_group_main, 2)):
+        assert calls == [], (rank, calls)
+        assert max(errs) < 2e-5, (rank, errs)
+
+
 @pytest.mark.skipif(not _hopper_here(), reason="needs an sm_90 GPU and the hopper extra (quack-kernels)")
 @pytest.mark.parametrize("case", ["plain", "z-loss", "confident", "softcap", "smoothing"])
 def test_gpu_statistics_in_the_logits_gemms_epilogue(monkeypatch, case):

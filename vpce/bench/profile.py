@@ -48,7 +48,7 @@ __all__ = ["PHASES", "OTHER", "phase_of", "profile_method", "format_profile", "r
 #: specific pattern goes above a general one. New kernels are added here.
 PHASES = (
     ("logits tiles (fused GEMM + softmax stats)", r"_logits_tiles_kernel"),
-    ("stored logits -> stats / grad", r"_stored_logits_kernel|_target_logits_kernel"),
+    ("stored logits -> stats / grad", r"_stored_logits_kernel|_target_logits_kernel|_target_out_of_lse_kernel"),
     ("distillation passes", r"_distill_\w+_kernel"),
     ("speculative fallback (gated)", r"_gated_\w+_kernel"),
     ("casts / copies", r"_scale_cast_kernel|memcpy|^aten::(copy_|_to_copy)$"),
