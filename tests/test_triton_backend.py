@@ -428,8 +428,8 @@ def _epilogue_under_group_main(rank, world):
                                      memory_budget="auto")
     loss.backward(p.grad.float())
     ref = reference(p.hidden, p.weight, p.target, grad=p.grad, reduction="sum")
-    return calls, rel_err(loss, ref.loss), rel_err(h.grad, ref.dhidden), rel_err(w.grad,
-                                                                                   ref.dweight[start:start + sizes[rank]])
+    return (calls, rel_err(loss, ref.loss), rel_err(h.grad, ref.dhidden),
+            rel_err(w.grad, ref.dweight[start:start + sizes[rank]]))
 
 
 @pytest.mark.skipif(CUDA, reason="the gloo runs use the CPU interpreter; NCCL runs are in launch/")

@@ -170,8 +170,8 @@ def scaled_hidden_grad(g: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, dt
 # plain and soft-capped, on both bench heads (one H200, 2026-11-27, docs/results/gpu-2026-11-27f/qlse2.json):
 # Llama-3-8B 16384 rows 25.03 ms plain / 25.09 capped against cuBLAS's logits + target logit + statistics pass
 # 25.28 / 26.23; Gemma-2-2B 8192 rows 13.65 / 14.01 against 15.52 / 16.35. A ping-pong schedule: one warp group's
-# epilogue (an exp per logit; with the cap an exp2 and a reciprocal more) runs under the other's main loop; the cooperative configs ran it
-# exposed (up to 1.9 ms slower).
+# epilogue (an exp per logit; with the cap an exp2 and a reciprocal more) runs under the other's main loop; the
+# cooperative configs ran it exposed (up to 1.9 ms slower).
 LOGITS_TILE = dict(tile_m=128, tile_n=192, cluster_m=2, cluster_n=1, pingpong=True)
 
 
