@@ -407,10 +407,64 @@ def test_statistics_in_the_logits_gemms_epilogue(monkeypatch, case):
                                (1e-5, 2e-5, 2e-5, 2e-5)):
         if r is not None and g is not None:
             assert rel_err(g, r) <= tol, (case, name, describe(g, r))
-    used = case not in ("bias", "scale", "metrics")
+    used = case not in ("bias", "scale")
     assert bool(calls) == used, (case, calls)
     if used:
         assert calls == [(40, 96)], calls
+
+
+@pytest.mark.parametrize("case", ["random", "ties", "ties-softcap", "smoothing-zloss"])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])  # the fast route (``"none"`` takes the lean one)
+def test_metrics_from_the_gradient_pass_beside_the_epilogue(monkeypatch, case, reduction):
+    """Where the logits GEMM's epilogue takes the statistics (a stand-in for quack's here), the entropy and the
+    argmax test come from the gradient pass (``kernels.grad_metrics``): against the float64 oracle, the accuracy
+    exactly, with ties everywhere going to the lowest id; the z-loss metric, the loss and the gradients as
+    before."""
+    from vpce import triton_backend
+    from vpce.reference import reference_metrics
+
+    calls = []
+    monkeypatch.setattr(triton_backend, "stats_epilogue_ready", lambda h, w, b, cols: b is None and cols % 8 == 0)
+    monkeypatch.setattr(triton_backend, "logits_with_stats", _stats_epilogue_stand_in(calls))
+    gen = torch.Generator().manual_seed(17)
+    n, d, v = 70, 6, 88
+    if case.startswith("ties"):  # integer logits: ties everywhere; targets the lowest, highest or a middle tied id
+        hidden = torch.randint(-1, 2, (n, d), generator=gen).float()
+        weight = torch.randint(-1, 2, (v, d), generator=gen).float()
+        z = hidden.double() @ weight.double().t()
+        target = torch.randint(0, v, (n,), generator=gen)
+        for i in range(n):
+            tied = (z[i] == z[i].max()).nonzero().flatten()
+            pick = int(torch.randint(0, 4, (), generator=gen))
+            if pick < 3:
+                target[i] = tied[[0, -1, len(tied) // 2][pick]]
+    else:  # random logits, about half the targets the argmax
+        hidden, weight = torch.randn(n, d, generator=gen) * 2, torch.randn(v, d, generator=gen)
+        z = hidden.double() @ weight.double().t()
+        target = torch.where(torch.rand(n, generator=gen) < 0.5, z.argmax(-1), torch.randint(0, v, (n,), generator=gen))
+    target = torch.where(torch.rand(n, generator=gen) < 0.15, -100, target)
+    opts = {"ties-softcap": dict(softcap=2.0), "smoothing-zloss": dict(label_smoothing=0.1, z_loss=1e-2,
+                                                                       softcap=6.0)}.get(case, {})
+    h, w = leaf(hidden.to(DEV)), leaf(weight.to(DEV))
+    out = vpce.linear_cross_entropy(h, w, target.to(DEV), backend="triton", reduction=reduction,
+                                    return_z_loss=True, return_token_accuracy=True, return_entropy=True, **opts)
+    assert calls == [(n, v)], calls
+    ref = reference(hidden, weight, target, reduction=reduction, **opts)
+    want = reference_metrics(hidden, weight, target, softcap=opts.get("softcap"), z_loss=opts.get("z_loss", 0.0))
+    keep = target != -100
+    if case.startswith("ties"):
+        assert 0.2 < want["top1"][keep].mean() < 0.8  # both outcomes exercised
+    assert rel_err(out.loss, ref.loss) <= 1e-5
+    for field, key in (("z_loss", "z_loss"), ("token_accuracy", "top1"), ("entropy", "entropy")):
+        got, r = getattr(out, field).cpu().double(), want[key][keep]
+        r = r.mean() if reduction == "mean" else r.sum()
+        if key == "top1":  # a count of matches
+            assert abs(got.item() - r.item()) <= 1e-6 * max(1.0, r.item()), (field, got, r)
+        else:
+            assert rel_err(got, r) <= 2e-5, (field, rel_err(got, r))
+    (out.loss * 1.3).backward()
+    ref = reference(hidden, weight, target, reduction=reduction, grad=torch.tensor(1.3, dtype=torch.float64), **opts)
+    assert rel_err(h.grad, ref.dhidden) <= 2e-5 and rel_err(w.grad, ref.dweight) <= 2e-5
 
 
 def _epilogue_under_group_main(rank, world):
@@ -456,6 +510,37 @@ def test_gpu_statistics_in_the_logits_gemms_epilogue(monkeypatch, case):
                      scale=30.0 if case == "confident" else 1.0, seed=21)
     check(p, reduction="mean", **opts)
     assert calls, "the epilogue GEMM ran"
+
+
+@pytest.mark.skipif(not _hopper_here(), reason="needs an sm_90 GPU and the hopper extra (quack-kernels)")
+@pytest.mark.parametrize("softcap", [None, 30.0], ids=["plain", "softcap"])
+def test_gpu_metrics_beside_the_epilogue_match_the_two_passes(monkeypatch, softcap):
+    """The real quack epilogue with the metrics (from the gradient pass) against the same call through the
+    statistics pass (the epilogue turned off): the accuracy to the count, the entropy and the z-loss to fp32
+    rounding, the loss and gradients alike."""
+    from vpce import triton_backend
+
+    p = make_problem(3000, 256, 32000, dtype=torch.bfloat16, ignore_frac=0.1, reduction="mean", scale=3.0, seed=23)
+    z = p.hidden.double() @ p.weight.double().t()
+    p.target = torch.where(torch.rand(3000, generator=torch.Generator().manual_seed(1)) < 0.5, z.argmax(-1), p.target)
+    outs = []
+    for on in (True, False):
+        if not on:
+            monkeypatch.setattr(triton_backend, "stats_epilogue_ready", lambda *a: False)
+        calls, real = [], triton_backend.logits_with_stats
+        monkeypatch.setattr(triton_backend, "logits_with_stats", lambda *a: calls.append(1) or real(*a))
+        h, w = leaf(p.hidden.to(DEV)), leaf(p.weight.to(DEV))
+        out = vpce.linear_cross_entropy(h, w, p.target.to(DEV), backend="triton", softcap=softcap, z_loss=1e-4,
+                                        return_z_loss=True, return_token_accuracy=True, return_entropy=True)
+        out.loss.backward()
+        assert bool(calls) == on
+        outs.append((out.loss, out.z_loss, out.token_accuracy, out.entropy, h.grad, w.grad))
+        monkeypatch.setattr(triton_backend, "logits_with_stats", real)
+    # the accuracy: the same stored logits compared (with the cap, the two passes compare capped values, which
+    # rounding can tie); the gradients: a bf16 rounding of P may fall the other way where the LSEs differ by 1e-6
+    tol = {"accuracy": 0.0 if softcap is None else 1e-3, "dX": 1e-3, "dW": 1e-3}
+    for name, a, b in zip(("loss", "z_loss", "accuracy", "entropy", "dX", "dW"), *outs):
+        assert rel_err(a.float(), b.float()) <= tol.get(name, 1e-5), (name, rel_err(a.float(), b.float()))
 
 
 def test_held_grads_finish_a_deferred_dw_for_a_caller_that_scales_them():
