@@ -12,7 +12,7 @@ import torch
 import vpce
 from distributed import run_ranks
 from vpce.reference import describe, reference, rel_err, torch_eager
-from problems import VARIANTS, leaf, make_problem
+from problems import VARIANTS, leaf, make_problem, tie_problem
 
 triton = pytest.importorskip("triton")
 CUDA = torch.cuda.is_available()
@@ -426,23 +426,16 @@ def test_metrics_from_the_gradient_pass_beside_the_epilogue(monkeypatch, case, r
     calls = []
     monkeypatch.setattr(triton_backend, "stats_epilogue_ready", lambda h, w, b, cols: b is None and cols % 8 == 0)
     monkeypatch.setattr(triton_backend, "logits_with_stats", _stats_epilogue_stand_in(calls))
-    gen = torch.Generator().manual_seed(17)
     n, d, v = 70, 6, 88
     if case.startswith("ties"):  # integer logits: ties everywhere; targets the lowest, highest or a middle tied id
-        hidden = torch.randint(-1, 2, (n, d), generator=gen).float()
-        weight = torch.randint(-1, 2, (v, d), generator=gen).float()
-        z = hidden.double() @ weight.double().t()
-        target = torch.randint(0, v, (n,), generator=gen)
-        for i in range(n):
-            tied = (z[i] == z[i].max()).nonzero().flatten()
-            pick = int(torch.randint(0, 4, (), generator=gen))
-            if pick < 3:
-                target[i] = tied[[0, -1, len(tied) // 2][pick]]
+        p = tie_problem(n, d, v, dtype=torch.float32, seed=17, ignore_frac=0.15, bias=False)
+        hidden, weight, target = p.hidden, p.weight, p.target
     else:  # random logits, about half the targets the argmax
+        gen = torch.Generator().manual_seed(17)
         hidden, weight = torch.randn(n, d, generator=gen) * 2, torch.randn(v, d, generator=gen)
         z = hidden.double() @ weight.double().t()
         target = torch.where(torch.rand(n, generator=gen) < 0.5, z.argmax(-1), torch.randint(0, v, (n,), generator=gen))
-    target = torch.where(torch.rand(n, generator=gen) < 0.15, -100, target)
+        target = torch.where(torch.rand(n, generator=gen) < 0.15, -100, target)
     opts = {"ties-softcap": dict(softcap=2.0), "smoothing-zloss": dict(label_smoothing=0.1, z_loss=1e-2,
                                                                        softcap=6.0)}.get(case, {})
     h, w = leaf(hidden.to(DEV)), leaf(weight.to(DEV))
