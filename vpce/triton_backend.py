@@ -444,13 +444,13 @@ def cross_entropy(hidden, weight, bias, tg: TokenTargets, opts: LossOptions, cal
     smooth = opts.label_smoothing > 0
     # the statistics in the logits GEMM's epilogue (the hopper extra), where the options need of them only the
     # log-sum-exp, the target logit and (smoothing) the sum of the logits: no metrics, and a logit scale only
-    # beside a soft cap; the entropy and the argmax test then come from the gradient pass (``_ChunkStats.late``).
-    # One process only, as measured (docs/benchmarks.md): under a group cuBLAS's first GEMM starts before the
-    # set-up, which this GEMM cannot (it needs the targets), and it is not yet timed on a rank's shard. Either way
-    # the statistics exchanged are the same tensor, so the choice is no collective's.
+    # beside a soft cap; with one process the entropy and the argmax test then come from the gradient pass
+    # (``_ChunkStats.late``), under a group they keep the statistics pass (their sums are over the ranks). Under a
+    # group this GEMM starts after the set-up (it needs the targets), not before it as cuBLAS's first GEMM does.
+    # The statistics exchanged are the same tensor either way, so the choice is no collective's.
     cap, inv_t = opts.folded_cap()
-    epilogue = formed and v > 0 and not shard.sharded and (cap is not None or inv_t == 1.0) and \
-        stats_epilogue_ready(hidden, w, b, v)
+    epilogue = formed and v > 0 and (cap is not None or inv_t == 1.0) and \
+        not (opts.metrics and shard.sharded) and stats_epilogue_ready(hidden, w, b, v)
     if formed:
         p, chunk = _first_chunk(hidden, w, b, call, early=not epilogue)
     tl_local = tg.local_columns()
