@@ -11,7 +11,7 @@ import torch
 
 import vpce
 from distributed import run_ranks
-from vpce.reference import describe, reference, rel_err, torch_eager
+from vpce.reference import describe, reference, reference_metrics, rel_err, torch_eager
 from problems import VARIANTS, leaf, make_problem, tie_problem
 
 triton = pytest.importorskip("triton")
@@ -475,15 +475,23 @@ def _epilogue_under_group_main(rank, world):
                                      memory_budget="auto")
     loss.backward(p.grad.float())
     ref = reference(p.hidden, p.weight, p.target, grad=p.grad, reduction="sum")
-    return (calls, rel_err(loss, ref.loss), rel_err(h.grad, ref.dhidden),
-            rel_err(w.grad, ref.dweight[start:start + sizes[rank]]))
+    errs = [rel_err(loss, ref.loss), rel_err(h.grad, ref.dhidden),
+            rel_err(w.grad, ref.dweight[start:start + sizes[rank]])]
+    got = list(calls)
+    # the metrics under a group keep the statistics pass (their sums are over the ranks)
+    out = vpce.linear_cross_entropy(h, w, p.target, group=dist.group.WORLD, backend="triton", reduction="sum",
+                                    return_entropy=True)
+    want = reference_metrics(p.hidden, p.weight, p.target)["entropy"][p.target != -100].sum()
+    errs.append(rel_err(out.entropy, want))
+    return got, calls[len(got):], *errs
 
 
 @pytest.mark.skipif(CUDA, reason="the gloo runs use the CPU interpreter; NCCL runs are in launch/")
 def test_statistics_epilogue_under_a_group():
     """Under a group each rank's logits GEMM takes its shard's statistics in the epilogue (the two half launches of
     the chunk that overlap the exchange, each its own GEMM), and the exact loss and gradients come out."""
-    for rank, (calls, *errs) in enumerate(run_ranks(_epilogue_under_group_main, 2)):
+    for rank, (calls, with_metrics, *errs) in enumerate(run_ranks(_epilogue_under_group_main, 2)):
+        assert with_metrics == [], (rank, with_metrics)
         assert calls and sum(c[0] for c in calls) == 24 and {c[1] for c in calls} == {[48, 40][rank]}, (rank, calls)
         assert max(errs) < 2e-5, (rank, errs)
 
