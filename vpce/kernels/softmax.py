@@ -389,14 +389,15 @@ def _grad_metrics_kernel(TEZ, TM, TMB, LSE, ZT, ZS, ENT, TOP, C, T, ENTROPY: tl.
         if TOP1:
             mx = tl.maximum(mx, tl.load(TM + offs, mask=msk, other=float("-inf")))
             mb = tl.maximum(mb, tl.load(TMB + offs, mask=msk, other=float("-inf")))
+    lse = tl.load(LSE + rows, mask=ok, other=0.0)
     if ENTROPY:
-        lse = tl.load(LSE + rows, mask=ok, other=0.0)
         zt = tl.load(ZT + rows, mask=ok, other=float("-inf"))
         e_t = _exp(zt - lse)
         tl.store(ENT + rows, lse - (tl.sum(ez, 1) + tl.where(e_t == 0.0, 0.0, e_t * zt)), mask=ok)
-    if TOP1:
+    if TOP1:  # a NaN LSE (the agreement's poison) gives 0, as the combine's compare with a poisoned max does
         zs = tl.load(ZS + rows, mask=ok, other=float("-inf"))
-        tl.store(TOP + rows, tl.where((zs >= tl.max(mx, 1)) & (zs > tl.max(mb, 1)), 1.0, 0.0), mask=ok)
+        hit = (zs >= tl.max(mx, 1)) & (zs > tl.max(mb, 1)) & (lse == lse)
+        tl.store(TOP + rows, tl.where(hit, 1.0, 0.0), mask=ok)
 
 
 @triton.jit
