@@ -443,8 +443,8 @@ def cross_entropy(hidden, weight, bias, tg: TokenTargets, opts: LossOptions, cal
     formed = plan.route in ("fast", "speculative")
     smooth = opts.label_smoothing > 0
     # the statistics in the logits GEMM's epilogue (the hopper extra), where the options need of them only the
-    # log-sum-exp, the target logit and (smoothing) the sum of the logits: no metrics, and a logit scale only
-    # beside a soft cap; with one process the entropy and the argmax test then come from the gradient pass
+    # log-sum-exp, the target logit and (smoothing) the sum of the logits, a logit scale only beside a soft cap;
+    # with one process the entropy and the argmax test then come from the gradient pass
     # (``_ChunkStats.late``), under a group they keep the statistics pass (their sums are over the ranks). Under a
     # group this GEMM starts after the set-up (it needs the targets), not before it as cuBLAS's first GEMM does.
     # The statistics exchanged are the same tensor either way, so the choice is no collective's.
