@@ -48,5 +48,27 @@ def make_problem(n: int | tuple, d: int, rows: int, *, dtype=torch.float32, voca
     return Problem(cast(hidden), cast(weight), target, cast(b), grad, v)
 
 
+def tie_problem(n, d, rows, *, dtype, vocab_size=None, seed=0, ignore_frac=0.2, bias=True) -> Problem:
+    """Integer-valued hidden, weight and bias (``bias``; else none): the logits are small exact integers in every
+    dtype and summation order, so ties are everywhere. Targets: a tied maximum (the lowest, the highest or a middle
+    id of the tie) for most tokens, else random; some ignored."""
+    gen = torch.Generator().manual_seed(seed)
+    v = rows if vocab_size is None else vocab_size
+    hidden = torch.randint(-1, 2, (n, d), generator=gen).double()
+    weight = torch.randint(-1, 2, (rows, d), generator=gen).double()
+    b = torch.randint(-1, 2, (rows,), generator=gen).double()
+    z = hidden @ weight[:v].t() + (b[:v] if bias else 0.0)
+    target = torch.randint(0, v, (n,), generator=gen)
+    for i in range(n):
+        tied = (z[i] == z[i].max()).nonzero().flatten()
+        pick = int(torch.randint(0, 4, (), generator=gen))
+        if pick < 3:
+            target[i] = tied[[0, -1, len(tied) // 2][pick]]
+    drop = torch.rand(n, generator=gen) < ignore_frac
+    target = torch.where(drop, -100, target)
+    grad = torch.randn((), generator=gen, dtype=torch.float64) + 2.0
+    return Problem(hidden.to(dtype), weight.to(dtype), target, b.to(dtype) if bias else None, grad, v)
+
+
 def leaf(x: torch.Tensor | None) -> torch.Tensor | None:
     return None if x is None else x.detach().clone().requires_grad_()

@@ -369,6 +369,7 @@ def test_profile_phases():
         "nvjet_tst_256x128_64x4_1x2_h_bz_coopA_NTN": "GEMMs (cuBLAS / CUTLASS)",
         "_reduce_tiles_kernel": "reductions / combine",
         "_combine_rank_stats_kernel": "reductions / combine",
+        "_grad_metrics_kernel": "reductions / combine",
         "void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float>>": "reductions / combine",
         "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>": "elementwise / fills",
         "aten::addmm_": "GEMMs (cuBLAS / CUTLASS)",

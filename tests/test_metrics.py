@@ -15,35 +15,13 @@ import torch.distributed as dist
 
 import vpce
 from distributed import run_ranks
-from problems import VARIANTS, Problem, leaf, make_problem
+from problems import VARIANTS, Problem, leaf, make_problem, tie_problem
 from vpce.reference import reference, reference_log_probs, reference_metrics, rel_err
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
 BACKENDS = [("torch", torch.float64, 1e-12), ("triton", torch.float32, 3e-5)]
 ALL = dict(return_z_loss=True, return_token_accuracy=True, return_entropy=True)
-
-
-def tie_problem(n, d, rows, *, dtype, vocab_size=None, seed=0, ignore_frac=0.2) -> Problem:
-    """Integer-valued hidden, weight and bias: the logits are small exact integers in every dtype and summation
-    order, so ties are everywhere. Targets: a tied maximum (the lowest, the highest or a middle id of the tie) for
-    most tokens, else random; some ignored."""
-    gen = torch.Generator().manual_seed(seed)
-    v = rows if vocab_size is None else vocab_size
-    hidden = torch.randint(-1, 2, (n, d), generator=gen).double()
-    weight = torch.randint(-1, 2, (rows, d), generator=gen).double()
-    bias = torch.randint(-1, 2, (rows,), generator=gen).double()
-    z = hidden @ weight[:v].t() + bias[:v]
-    target = torch.randint(0, v, (n,), generator=gen)
-    for i in range(n):
-        tied = (z[i] == z[i].max()).nonzero().flatten()
-        pick = int(torch.randint(0, 4, (), generator=gen))
-        if pick < 3:
-            target[i] = tied[[0, -1, len(tied) // 2][pick]]
-    drop = torch.rand(n, generator=gen) < ignore_frac
-    target = torch.where(drop, -100, target)
-    grad = torch.randn((), generator=gen, dtype=torch.float64) + 2.0
-    return Problem(hidden.to(dtype), weight.to(dtype), target, bias.to(dtype), grad, v)
 
 
 def argmax_problem(n, d, rows, *, dtype, seed=0, reduction="mean", vocab_size=None, scale=3.0):

@@ -11,8 +11,8 @@ import torch
 
 import vpce
 from distributed import run_ranks
-from vpce.reference import describe, reference, rel_err, torch_eager
-from problems import VARIANTS, leaf, make_problem
+from vpce.reference import describe, reference, reference_metrics, rel_err, torch_eager
+from problems import VARIANTS, leaf, make_problem, tie_problem
 
 triton = pytest.importorskip("triton")
 CUDA = torch.cuda.is_available()
@@ -407,10 +407,57 @@ def test_statistics_in_the_logits_gemms_epilogue(monkeypatch, case):
                                (1e-5, 2e-5, 2e-5, 2e-5)):
         if r is not None and g is not None:
             assert rel_err(g, r) <= tol, (case, name, describe(g, r))
-    used = case not in ("bias", "scale", "metrics")
+    used = case not in ("bias", "scale")
     assert bool(calls) == used, (case, calls)
     if used:
         assert calls == [(40, 96)], calls
+
+
+@pytest.mark.parametrize("case", ["random", "ties", "ties-softcap", "smoothing-zloss"])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])  # the fast route (``"none"`` takes the lean one)
+def test_metrics_from_the_gradient_pass_beside_the_epilogue(monkeypatch, case, reduction):
+    """Where the logits GEMM's epilogue takes the statistics (a stand-in for quack's here), the entropy and the
+    argmax test come from the gradient pass (``kernels.grad_metrics``): against the float64 oracle, the accuracy
+    exactly, with ties everywhere going to the lowest id; the z-loss metric, the loss and the gradients as
+    before."""
+    from vpce import triton_backend
+    from vpce.reference import reference_metrics
+
+    calls = []
+    monkeypatch.setattr(triton_backend, "stats_epilogue_ready", lambda h, w, b, cols: b is None and cols % 8 == 0)
+    monkeypatch.setattr(triton_backend, "logits_with_stats", _stats_epilogue_stand_in(calls))
+    n, d, v = 70, 6, 88
+    if case.startswith("ties"):  # integer logits: ties everywhere; targets the lowest, highest or a middle tied id
+        p = tie_problem(n, d, v, dtype=torch.float32, seed=17, ignore_frac=0.15, bias=False)
+        hidden, weight, target = p.hidden, p.weight, p.target
+    else:  # random logits, about half the targets the argmax
+        gen = torch.Generator().manual_seed(17)
+        hidden, weight = torch.randn(n, d, generator=gen) * 2, torch.randn(v, d, generator=gen)
+        z = hidden.double() @ weight.double().t()
+        target = torch.where(torch.rand(n, generator=gen) < 0.5, z.argmax(-1), torch.randint(0, v, (n,), generator=gen))
+        target = torch.where(torch.rand(n, generator=gen) < 0.15, -100, target)
+    opts = {"ties-softcap": dict(softcap=2.0), "smoothing-zloss": dict(label_smoothing=0.1, z_loss=1e-2,
+                                                                       softcap=6.0)}.get(case, {})
+    h, w = leaf(hidden.to(DEV)), leaf(weight.to(DEV))
+    out = vpce.linear_cross_entropy(h, w, target.to(DEV), backend="triton", reduction=reduction,
+                                    return_z_loss=True, return_token_accuracy=True, return_entropy=True, **opts)
+    assert calls == [(n, v)], calls
+    ref = reference(hidden, weight, target, reduction=reduction, **opts)
+    want = reference_metrics(hidden, weight, target, softcap=opts.get("softcap"), z_loss=opts.get("z_loss", 0.0))
+    keep = target != -100
+    if case.startswith("ties"):
+        assert 0.2 < want["top1"][keep].mean() < 0.8  # both outcomes exercised
+    assert rel_err(out.loss, ref.loss) <= 1e-5
+    for field, key in (("z_loss", "z_loss"), ("token_accuracy", "top1"), ("entropy", "entropy")):
+        got, r = getattr(out, field).cpu().double(), want[key][keep]
+        r = r.mean() if reduction == "mean" else r.sum()
+        if key == "top1":  # a count of matches
+            assert abs(got.item() - r.item()) <= 1e-6 * max(1.0, r.item()), (field, got, r)
+        else:
+            assert rel_err(got, r) <= 2e-5, (field, rel_err(got, r))
+    (out.loss * 1.3).backward()
+    ref = reference(hidden, weight, target, reduction=reduction, grad=torch.tensor(1.3, dtype=torch.float64), **opts)
+    assert rel_err(h.grad, ref.dhidden) <= 2e-5 and rel_err(w.grad, ref.dweight) <= 2e-5
 
 
 def _epilogue_under_group_main(rank, world):
@@ -428,16 +475,24 @@ def _epilogue_under_group_main(rank, world):
                                      memory_budget="auto")
     loss.backward(p.grad.float())
     ref = reference(p.hidden, p.weight, p.target, grad=p.grad, reduction="sum")
-    return (calls, rel_err(loss, ref.loss), rel_err(h.grad, ref.dhidden),
-            rel_err(w.grad, ref.dweight[start:start + sizes[rank]]))
+    errs = [rel_err(loss, ref.loss), rel_err(h.grad, ref.dhidden),
+            rel_err(w.grad, ref.dweight[start:start + sizes[rank]])]
+    got = list(calls)
+    # the metrics under a group keep the statistics pass (their sums are over the ranks)
+    out = vpce.linear_cross_entropy(h, w, p.target, group=dist.group.WORLD, backend="triton", reduction="sum",
+                                    return_entropy=True)
+    want = reference_metrics(p.hidden, p.weight, p.target)["entropy"][p.target != -100].sum()
+    errs.append(rel_err(out.entropy, want))
+    return got, calls[len(got):], *errs
 
 
 @pytest.mark.skipif(CUDA, reason="the gloo runs use the CPU interpreter; NCCL runs are in launch/")
-def test_statistics_epilogue_is_one_process_only():
-    """Under a group the fast route keeps cuBLAS's first GEMM (launched before the set-up) and the statistics pass:
-    the epilogue GEMM is measured on one GPU only."""
-    for rank, (calls, *errs) in enumerate(run_ranks(_epilogue_under_group_main, 2)):
-        assert calls == [], (rank, calls)
+def test_statistics_epilogue_under_a_group():
+    """Under a group each rank's logits GEMM takes its shard's statistics in the epilogue (the two half launches of
+    the chunk that overlap the exchange, each its own GEMM), and the exact loss and gradients come out."""
+    for rank, (calls, with_metrics, *errs) in enumerate(run_ranks(_epilogue_under_group_main, 2)):
+        assert with_metrics == [], (rank, with_metrics)
+        assert calls and sum(c[0] for c in calls) == 24 and {c[1] for c in calls} == {[48, 40][rank]}, (rank, calls)
         assert max(errs) < 2e-5, (rank, errs)
 
 
@@ -456,6 +511,37 @@ def test_gpu_statistics_in_the_logits_gemms_epilogue(monkeypatch, case):
                      scale=30.0 if case == "confident" else 1.0, seed=21)
     check(p, reduction="mean", **opts)
     assert calls, "the epilogue GEMM ran"
+
+
+@pytest.mark.skipif(not _hopper_here(), reason="needs an sm_90 GPU and the hopper extra (quack-kernels)")
+@pytest.mark.parametrize("softcap", [None, 30.0], ids=["plain", "softcap"])
+def test_gpu_metrics_beside_the_epilogue_match_the_two_passes(monkeypatch, softcap):
+    """The real quack epilogue with the metrics (from the gradient pass) against the same call through the
+    statistics pass (the epilogue turned off): the accuracy to the count, the entropy and the z-loss to fp32
+    rounding, the loss and gradients alike."""
+    from vpce import triton_backend
+
+    p = make_problem(3000, 256, 32000, dtype=torch.bfloat16, ignore_frac=0.1, reduction="mean", scale=3.0, seed=23)
+    z = p.hidden.double() @ p.weight.double().t()
+    p.target = torch.where(torch.rand(3000, generator=torch.Generator().manual_seed(1)) < 0.5, z.argmax(-1), p.target)
+    outs = []
+    for on in (True, False):
+        if not on:
+            monkeypatch.setattr(triton_backend, "stats_epilogue_ready", lambda *a: False)
+        calls, real = [], triton_backend.logits_with_stats
+        monkeypatch.setattr(triton_backend, "logits_with_stats", lambda *a: calls.append(1) or real(*a))
+        h, w = leaf(p.hidden.to(DEV)), leaf(p.weight.to(DEV))
+        out = vpce.linear_cross_entropy(h, w, p.target.to(DEV), backend="triton", softcap=softcap, z_loss=1e-4,
+                                        return_z_loss=True, return_token_accuracy=True, return_entropy=True)
+        out.loss.backward()
+        assert bool(calls) == on
+        outs.append((out.loss, out.z_loss, out.token_accuracy, out.entropy, h.grad, w.grad))
+        monkeypatch.setattr(triton_backend, "logits_with_stats", real)
+    # the accuracy: the same stored logits compared (with the cap, the two passes compare capped values, which
+    # rounding can tie); the gradients: a bf16 rounding of P may fall the other way where the LSEs differ by 1e-6
+    tol = {"accuracy": 0.0 if softcap is None else 1e-3, "dX": 1e-3, "dW": 1e-3}
+    for name, a, b in zip(("loss", "z_loss", "accuracy", "entropy", "dX", "dW"), *outs):
+        assert rel_err(a.float(), b.float()) <= tol.get(name, 1e-5), (name, rel_err(a.float(), b.float()))
 
 
 def test_held_grads_finish_a_deferred_dw_for_a_caller_that_scales_them():

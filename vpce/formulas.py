@@ -104,29 +104,30 @@ def target_probability(st: RankStats) -> torch.Tensor:
     return torch.exp(-st.nll)
 
 
-def ce_metrics(st: RankStats, opts: LossOptions) -> dict[str, torch.Tensor]:
-    """The per-token metrics ``opts.metrics`` asks for (before masking): the z-loss term ``z_loss * lse^2``, the
-    argmax indicator (1.0 or 0.0), the entropy ``lse - E[z]``."""
+def ce_metrics(st: RankStats, opts: LossOptions, skip=()) -> dict[str, torch.Tensor]:
+    """The per-token metrics ``opts.metrics`` asks for (before masking) but those in ``skip``: the z-loss term
+    ``z_loss * lse^2``, the argmax indicator (1.0 or 0.0), the entropy ``lse - E[z]``."""
     out = {}
-    if "z_loss" in opts.metrics:
+    if "z_loss" in opts.metrics and "z_loss" not in skip:
         out["z_loss"] = opts.z_loss * st.lse * st.lse
-    if "token_accuracy" in opts.metrics:
+    if "token_accuracy" in opts.metrics and "token_accuracy" not in skip:
         out["token_accuracy"] = st.top1
-    if "entropy" in opts.metrics:
+    if "entropy" in opts.metrics and "entropy" not in skip:
         out["entropy"] = st.lse - st.expectations[0]
     return out
 
 
 def ce_token_outputs(st: RankStats, opts: LossOptions, vocab_size: int, tg: TokenTargets, part: slice,
-                     loss_tok: torch.Tensor, metrics: dict[str, torch.Tensor]):
+                     loss_tok: torch.Tensor, metrics: dict[str, torch.Tensor], skip=()):
     """Fill rows ``part`` of the per-token loss (class-weighted, times ``p_t`` with ``token_scaling``, whose factor
-    goes to ``tg.scaling``) and of the asked metrics, from the part's global statistics. Both backends call it."""
+    goes to ``tg.scaling``) and of the asked metrics but those in ``skip`` (filled elsewhere), from the part's
+    global statistics. Both backends call it."""
     loss = ce_loss(st, opts, vocab_size, tg.class_rows(part))
     if opts.token_scaling:
         tg.scaling[part] = target_probability(st)
         loss = loss * tg.scaling[part]
     loss_tok[part] = tg.token_loss(loss, part)
-    for k, value in ce_metrics(st, opts).items():
+    for k, value in ce_metrics(st, opts, skip).items():
         metrics[k][part] = tg.metric(value, part)
 
 

@@ -116,7 +116,10 @@ class _ChunkStats:
         # the hopper extra): one log-sum-exp per row and the share of it outside the target column
         # (``kernels.target_out_of_lse``), which the reduction takes as one tile
         self.epilogue = epilogue
-        self.m = None if epilogue else torch.empty(rows, n_tiles, **f32)
+        # there the entropy's sum and the argmax test's maxima come per tile from the gradient pass instead
+        # (``grad_outputs``, then ``kernels.grad_metrics``): one process only (the sums are this rank's)
+        self.late = epilogue and (sum_ez or before is not None)
+        self.m = torch.empty(rows, n_tiles, **f32) if not epilogue or before is not None else None
         self.s = torch.empty(rows, 1 if epilogue else n_tiles, **f32)
         self.z = torch.empty(rows, 1 if epilogue else n_tiles, **f32) if sum_z else None
         self.ez = torch.empty(rows, n_tiles, **f32) if sum_ez else None
@@ -139,10 +142,12 @@ class _ChunkStats:
             zt = self.zt[r]
             lse, sum_z = logits_with_stats(p, h[sl], w, tl_local[sl], zt, softcap, inv_t, self.z is not None,
                                            self.class_weight)
-            kernels.target_out_of_lse(lse, zt, self.s[r].view(-1), p.dtype, softcap=softcap, inv_t=inv_t)
+            kernels.target_out_of_lse(lse, zt, self.s[r].view(-1), p.dtype, softcap=softcap, inv_t=inv_t,
+                                      zs=None if self.zs is None else self.zs[r])
             packed = kernels.reduce_tiles(lse[:, None], self.s[r], None if sum_z is None else sum_z[:, None], None,
                                           zt)
-        elif call.shard.valid_rows > 0:
+            return start_stats_exchange(packed, n_sums, call.shard, call.poison, combine=kernels.combine_rank_stats)
+        if call.shard.valid_rows > 0:
             zt, zs = self.zt[r], None
             stats = dict(softcap=softcap, inv_t=inv_t, tile_m=self.m[r], tile_s=self.s[r], tile_z=cut(self.z),
                          tile_ez=cut(self.ez), zt=zt, class_weight=self.class_weight, tile_sq=cut(self.sq),
@@ -170,6 +175,23 @@ class _ChunkStats:
                 packed[-2:] = -math.inf
         return start_stats_exchange(packed, n_sums, call.shard, call.poison, combine=kernels.combine_rank_stats,
                                     sum_sq=self.sq is not None, max_before=self.mb is not None)
+
+    def grad_outputs(self, part: slice, r: slice) -> dict:
+        """What the gradient pass of tokens ``part`` (buffer rows ``r``) also fills where the metrics come from it
+        (``late``): per tile the entropy's sum and the argmax test's maxima; else nothing."""
+        if not self.late:
+            return {}
+        cut = lambda t: None if t is None else t[r]  # noqa: E731
+        return dict(tile_ez=cut(self.ez), tile_m=cut(self.m), tile_mb=cut(self.mb),
+                    before=None if self.before is None else self.before[part])
+
+    def grad_metrics(self, r: slice, st: RankStats):
+        """``(entropy, argmax indicator)`` of buffer rows ``r`` after their gradient pass (``late``), None for
+        what is not asked."""
+        cut = lambda t: None if t is None else t[r]  # noqa: E731
+        top1 = self.mb is not None
+        return kernels.grad_metrics(st.lse, self.zt[r], tile_ez=cut(self.ez), tile_m=self.m[r] if top1 else None,
+                                    tile_mb=cut(self.mb), zs=cut(self.zs))
 
     @staticmethod
     def _cuts(c: int, call: Call) -> list[int]:
@@ -359,7 +381,7 @@ def _chunk_loop(hidden, w, b, chunk: int, call: Call, step, form: bool = True,
 
 
 def _softmax_step(hidden, w, b, tl_local, stats: _ChunkStats, p, call: Call, softcap, inv_t, cw, on_part,
-                  on_chunk=None):
+                  on_chunk=None, on_grad=None):
     """The softmax losses' chunk step for ``_chunk_loop``: the chunk's statistics (``stats.parts``, in sub-chunks
     whose exchanges overlap), then per part ``on_part(part, stats)``, which stores the part's outputs and returns
     its gradient ``Coefficients`` (the per-loss seam: the cross-entropy's, the log-probs', or a loss of the
@@ -368,7 +390,8 @@ def _softmax_step(hidden, w, b, tl_local, stats: _ChunkStats, p, call: Call, sof
     of ``on_part``: every part's coefficients at once, once the whole chunk's statistics are in (a loss over whole
     rows of tokens, such as a sequence-level importance ratio). Without ``p`` (the lean route's and the no-grad
     forward's stats-only launches: ``_chunk_loop`` without ``form``), the fused GEMM takes the statistics and
-    ``on_part`` only stores the outputs."""
+    ``on_part`` only stores the outputs. ``on_grad(part, rows, stats)``: after each part's gradient pass (the
+    outputs that pass gives, ``_ChunkStats.grad_outputs``)."""
 
     def step(sl: slice, first: bool):
         pc = None if p is None else p[: sl.stop - sl.start]
@@ -381,7 +404,10 @@ def _softmax_step(hidden, w, b, tl_local, stats: _ChunkStats, p, call: Call, sof
         for part, r, st, co in ready:
             if pc is not None:
                 kernels.stored_logits(pc[r], None, tl_local[part], softcap=softcap, inv_t=inv_t,
-                                      rows=(st.m, st.lse, st.q), coef=co, class_weight=cw)  # in place
+                                      rows=(st.m, st.lse, st.q), coef=co, class_weight=cw,
+                                      **stats.grad_outputs(part, r))  # in place
+                if on_grad is not None:
+                    on_grad(part, r, st)
         return pc
     return step
 
@@ -417,13 +443,14 @@ def cross_entropy(hidden, weight, bias, tg: TokenTargets, opts: LossOptions, cal
     formed = plan.route in ("fast", "speculative")
     smooth = opts.label_smoothing > 0
     # the statistics in the logits GEMM's epilogue (the hopper extra), where the options need of them only the
-    # log-sum-exp, the target logit and (smoothing) the sum of the logits: no metrics, and a logit scale only
-    # beside a soft cap. One process only, as measured (docs/benchmarks.md): under a group cuBLAS's first GEMM
-    # starts before the set-up, which this GEMM cannot (it needs the targets), and it is not yet timed on a
-    # rank's shard. Either way the statistics exchanged are the same tensor, so the choice is no collective's.
+    # log-sum-exp, the target logit and (smoothing) the sum of the logits, a logit scale only beside a soft cap;
+    # with one process the entropy and the argmax test then come from the gradient pass
+    # (``_ChunkStats.late``), under a group they keep the statistics pass (their sums are over the ranks). Under a
+    # group this GEMM starts after the set-up (it needs the targets), not before it as cuBLAS's first GEMM does.
+    # The statistics exchanged are the same tensor either way, so the choice is no collective's.
     cap, inv_t = opts.folded_cap()
-    epilogue = formed and v > 0 and not shard.sharded and (cap is not None or inv_t == 1.0) and \
-        not opts.metrics and stats_epilogue_ready(hidden, w, b, v)
+    epilogue = formed and v > 0 and (cap is not None or inv_t == 1.0) and \
+        not (opts.metrics and shard.sharded) and stats_epilogue_ready(hidden, w, b, v)
     if formed:
         p, chunk = _first_chunk(hidden, w, b, call, early=not epilogue)
     tl_local = tg.local_columns()
@@ -439,8 +466,10 @@ def cross_entropy(hidden, weight, bias, tg: TokenTargets, opts: LossOptions, cal
     rows = RowStats.empty(n, torch.float32, dev) if keep else None
     unit = tg.row_scale(torch.ones((), device=dev).expand(n)) if formed else None
 
+    late = ("entropy", "token_accuracy") if epilogue else ()  # from the gradient pass (``on_grad``)
+
     def on_part(part, st):
-        ce_token_outputs(st, opts, shard.vocab_size, tg, part, loss_tok, metrics)
+        ce_token_outputs(st, opts, shard.vocab_size, tg, part, loss_tok, metrics, skip=late)
         if keep:
             rows.store(part, st)
         if not formed:
@@ -451,7 +480,14 @@ def cross_entropy(hidden, weight, bias, tg: TokenTargets, opts: LossOptions, cal
     if not formed:  # stats-only launches
         p, chunk = None, min(max(n, 1), plan.sizes.chunk)
     stats = _ChunkStats(chunk, v, hidden, smooth, entropy, cw, before=before, epilogue=epilogue)
-    step = _softmax_step(hidden, w, b, tl_local, stats, p, call, *opts.folded_cap(), cw, on_part)
+
+    def on_grad(part, r, st):
+        for k, value in zip(("entropy", "token_accuracy"), stats.grad_metrics(r, st)):
+            if value is not None:
+                metrics[k][part] = tg.metric(value, part)
+
+    step = _softmax_step(hidden, w, b, tl_local, stats, p, call, *opts.folded_cap(), cw, on_part,
+                         on_grad=on_grad if stats.late else None)
     defer = plan.route == "fast" and not call.main_grad  # the speculative route's backward adds to the accumulator
     return loss_tok, rows, _chunk_loop(hidden, w, b, chunk, call, step, form=formed, defer_last=defer)
 

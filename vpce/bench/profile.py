@@ -54,7 +54,8 @@ PHASES = (
     ("casts / copies", r"_scale_cast_kernel|memcpy|^aten::(copy_|_to_copy)$"),
     ("collectives", r"nccl|c10d::|gloo"),
     ("GEMMs (cuBLAS / CUTLASS)", r"gemm|sm90|cutlass|nvjet|^aten::(mm|addmm_?|bmm|baddbmm)$"),
-    ("reductions / combine", r"_reduce_tiles_kernel|_combine_\w+_kernel|reduce_kernel|softmax|nll_loss"
+    ("reductions / combine", r"_reduce_tiles_kernel|_combine_\w+_kernel|_grad_metrics_kernel|reduce_kernel"
+                             r"|softmax|nll_loss"
                              r"|triton_red_|triton_per_|^aten::(sum|amax|amin|max|min|logsumexp|mean)$"),
     ("elementwise / fills", r"elementwise|memset|fill|triton_poi_"
                             r"|^aten::(exp|sub|mul|add|div|neg|log|where|clamp|zero|fill)_?$"),

@@ -15,9 +15,9 @@ kernels import nothing of vpce but ``vpce.parallel.RankStats`` (what the combine
 from .common import INTERPRET
 from .distill import combine_distill_heads, distill_block_align, distill_grad_, distill_mixture, distill_stats
 from .gated import gated_scale_, gated_weight_grad_, row_scale_cast, scale_cast
-from .softmax import (combine_rank_stats, logits_tiles, reduce_tiles, stored_logits, target_logits, target_out_of_lse,
-                      tile_n)
+from .softmax import (combine_rank_stats, grad_metrics, logits_tiles, reduce_tiles, stored_logits, target_logits,
+                      target_out_of_lse, tile_n)
 
-__all__ = ["logits_tiles", "stored_logits", "target_logits", "target_out_of_lse", "reduce_tiles", "combine_rank_stats",
-           "scale_cast", "row_scale_cast", "gated_weight_grad_", "gated_scale_", "tile_n", "INTERPRET", "distill_stats",
+__all__ = ["logits_tiles", "stored_logits", "target_logits", "target_out_of_lse", "grad_metrics", "reduce_tiles",
+           "combine_rank_stats", "scale_cast", "row_scale_cast", "gated_weight_grad_", "gated_scale_", "tile_n", "INTERPRET", "distill_stats",
            "combine_distill_heads", "distill_mixture", "distill_grad_", "distill_block_align"]

@@ -68,6 +68,20 @@ def _dlogits(p, zc, hit, ca, cb, cc, cd, q, dcap, HAS_CB: tl.constexpr, HAS_CD: 
 
 
 @triton.jit
+def _max_before(acc, m_t, rm, rn, row_ok, TB, pid_n, BLOCK_N: tl.constexpr):
+    """Per row of a tile, the max of the logits ``acc`` over the columns of a lower id than the target's (``TB``:
+    how many of this shard's columns lie before it); ``m_t``: the tile's max over every column but the target's."""
+    before = tl.load(TB + rm, mask=row_ok, other=0)
+    start = pid_n * BLOCK_N
+    # a tile wholly before the target's column holds neither the target nor padding: its max is m_t
+    mb = tl.where(before >= start + BLOCK_N, m_t, float("-inf"))
+    cut = (before > start) & (before < start + BLOCK_N)
+    if tl.max(cut.to(tl.int32), axis=0) > 0:  # only a tile the target's column splits needs the masked max
+        mb = tl.where(cut, tl.max(tl.where(rn[None, :] < before[:, None], acc, float("-inf")), axis=1), mb)
+    return mb
+
+
+@triton.jit
 def _epilogue(
     acc, rm, rn, pid_n,
     # pointers
@@ -89,6 +103,7 @@ def _epilogue(
     if ROUND:  # the logit as cuBLAS writes it: fp32 accumulation, the bias, one rounding to the inputs' dtype
         acc = acc.to(P.dtype.element_ty).to(tl.float32)
     dcap = acc
+    stored = acc  # the logit as P holds it, before the cap and scale (the gradient pass's argmax test)
     if SOFTCAP:
         if GRAD:  # the cap and its derivative, the reciprocal on the FMA pipe (_softcap says why)
             acc, dcap = _softcap(acc, softcap, True)
@@ -125,6 +140,19 @@ def _epilogue(
             zc = acc - tl.load(RM + rm, mask=row_ok, other=0.0)[:, None]
         g = _dlogits(p, zc, hit, ca, cb, cc, cd, q_row, dcap, HAS_CB, HAS_CD, SOFTCAP, cw, HAS_CW)
         tl.store(P + p_offs, g.to(P.dtype.element_ty), mask=p_mask)
+        if SUM_EZ or TOP1:  # the metrics, where the logits GEMM's epilogue took the statistics (no statistics
+            # pass): per tile sum_j p_j z_j and the maxima, every column but the target's (``grad_metrics``). The
+            # maxima of the logits as stored: the cap and the scale keep their order and add no ties of rounding
+            stat = rm.to(tl.int64) * n_tiles + pid_n
+            off = hit
+            if not EVEN_N:
+                off = off | (rn >= V)[None, :]
+            if SUM_EZ:
+                tl.store(TILE_EZ + stat, tl.sum(tl.where(off, 0.0, p * acc), axis=1), mask=row_ok)
+            if TOP1:
+                m_t = tl.max(tl.where(off, float("-inf"), stored), axis=1)
+                tl.store(TILE_M + stat, m_t, mask=row_ok)
+                tl.store(TILE_MB + stat, _max_before(stored, m_t, rm, rn, row_ok, TB, pid_n, BLOCK_N), mask=row_ok)
     else:
         # -- online-softmax statistics of this tile: the max over every column, the sum of exp over every column
         # but the target's (its logit is kept apart in ZT) --
@@ -154,14 +182,7 @@ def _epilogue(
         if SUM_SQ:  # sum of exp(2 (z - m_t)) but the target's (log sum p^2)
             tl.store(TILE_SQ + stat, tl.sum(tl.where(off_t, 0.0, e * e), axis=1), mask=row_ok)
         if TOP1:  # max over the columns of a lower id than the target's (TB: how many of this shard's columns)
-            before = tl.load(TB + rm, mask=row_ok, other=0)
-            start = pid_n * BLOCK_N
-            # a tile wholly before the target's column holds neither the target nor padding: its max is m_t
-            mb = tl.where(before >= start + BLOCK_N, m_t, float("-inf"))
-            cut = (before > start) & (before < start + BLOCK_N)
-            if tl.max(cut.to(tl.int32), axis=0) > 0:  # only a tile the target's column splits needs the masked max
-                mb = tl.where(cut, tl.max(tl.where(rn[None, :] < before[:, None], acc, float("-inf")), axis=1), mb)
-            tl.store(TILE_MB + stat, mb, mask=row_ok)
+            tl.store(TILE_MB + stat, _max_before(acc, m_t, rm, rn, row_ok, TB, pid_n, BLOCK_N), mask=row_ok)
         if not TARGET_APART:
             zt = tl.sum(tl.where(hit, acc, 0.0), axis=1)
             mine = row_ok & (t >= pid_n * BLOCK_N) & (t < pid_n * BLOCK_N + BLOCK_N)
@@ -313,13 +334,14 @@ def _target_logits_kernel(X, W, BIAS, TL, ZT, L, ZS, M, D, stride_xm, stride_xk,
 
 
 @triton.jit
-def _target_out_of_lse_kernel(LSE, ZT, S, C, softcap, inv_t, SOFTCAP: tl.constexpr, TEMPERATURE: tl.constexpr,
-                              ROUND: tl.constexpr, BLOCK: tl.constexpr):
+def _target_out_of_lse_kernel(LSE, ZT, S, ZS, C, softcap, inv_t, SOFTCAP: tl.constexpr, TEMPERATURE: tl.constexpr,
+                              ROUND: tl.constexpr, STORED: tl.constexpr, BLOCK: tl.constexpr):
     """Per row: ``S = 1 - e^(zs - LSE)``, the share of the row's softmax mass (``LSE`` over every column as the
     logits buffer holds them) outside the target column, whose logit as stored is ``zs`` (``ZT`` rounded to the
     buffer's dtype, ``ROUND``: 1 bf16, 2 fp16, 0 none; capped and scaled as the statistics pass takes it); then
-    ``ZT`` becomes the exact (capped and scaled) fp32 target logit. ``-inf`` in ``ZT`` (no target here) gives
-    ``S = 1``; a NaN stays NaN; a share rounded above 1 gives 0 (the empty rest)."""
+    ``ZT`` becomes the exact (capped and scaled) fp32 target logit; ``STORED``: ``ZS`` the target logit as stored,
+    before the cap and scale (``-inf`` where none), for the gradient pass's argmax test. ``-inf`` in ``ZT`` (no target here) gives ``S = 1``; a NaN stays
+    NaN; a share rounded above 1 gives 0 (the empty rest)."""
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = rows < C
     m = tl.load(LSE + rows, mask=ok, other=0.0)
@@ -331,6 +353,8 @@ def _target_out_of_lse_kernel(LSE, ZT, S, C, softcap, inv_t, SOFTCAP: tl.constex
         zs = z.to(tl.float16).to(tl.float32)
     else:
         zs = z
+    if STORED:
+        tl.store(ZS + rows, tl.where(here, zs, float("-inf")), mask=ok)
     if SOFTCAP:
         z = _softcap_value(z, softcap)
         zs = _softcap_value(zs, softcap)
@@ -340,6 +364,40 @@ def _target_out_of_lse_kernel(LSE, ZT, S, C, softcap, inv_t, SOFTCAP: tl.constex
     share = tl.where(here, _exp(zs - m), 0.0)
     tl.store(S + rows, tl.where(share > 1.0, 0.0, 1.0 - share), mask=ok)
     tl.store(ZT + rows, tl.where(here, z, float("-inf")), mask=ok)
+
+
+@triton.jit
+def _grad_metrics_kernel(TEZ, TM, TMB, LSE, ZT, ZS, ENT, TOP, C, T, ENTROPY: tl.constexpr, TOP1: tl.constexpr,
+                         BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Per row, over the gradient pass's ``T`` tiles: ``ENT = lse - sum_j p_j z_j`` (the tiles' sums, every column
+    but the target's, plus the target's exact term ``p_t zt``), and ``TOP`` 1.0 where the target's logit as stored
+    is the argmax with ties to the lowest id (``>=`` every other column's max, ``>`` the max before it), else 0.0,
+    all of them the logits as stored (before the cap and scale, which keep the order): the formulas of
+    ``combine_rank_stats`` for one process."""
+    rows = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    ok = rows < C
+    base = rows.to(tl.int64) * T
+    ez = tl.zeros([BLOCK_C, BLOCK_T], tl.float32)
+    mx = tl.full([BLOCK_C, BLOCK_T], float("-inf"), tl.float32)
+    mb = tl.full([BLOCK_C, BLOCK_T], float("-inf"), tl.float32)
+    for t0 in range(0, T, BLOCK_T):
+        cols = t0 + tl.arange(0, BLOCK_T)
+        msk = ok[:, None] & (cols < T)[None, :]
+        offs = base[:, None] + cols[None, :]
+        if ENTROPY:
+            ez += tl.load(TEZ + offs, mask=msk, other=0.0)
+        if TOP1:
+            mx = tl.maximum(mx, tl.load(TM + offs, mask=msk, other=float("-inf")))
+            mb = tl.maximum(mb, tl.load(TMB + offs, mask=msk, other=float("-inf")))
+    lse = tl.load(LSE + rows, mask=ok, other=0.0)
+    if ENTROPY:
+        zt = tl.load(ZT + rows, mask=ok, other=float("-inf"))
+        e_t = _exp(zt - lse)
+        tl.store(ENT + rows, lse - (tl.sum(ez, 1) + tl.where(e_t == 0.0, 0.0, e_t * zt)), mask=ok)
+    if TOP1:  # a NaN LSE (the agreement's poison) gives 0, as the combine's compare with a poisoned max does
+        zs = tl.load(ZS + rows, mask=ok, other=float("-inf"))
+        hit = (zs >= tl.max(mx, 1)) & (zs > tl.max(mb, 1)) & (lse == lse)
+        tl.store(TOP + rows, tl.where(hit, 1.0, 0.0), mask=ok)
 
 
 @triton.jit
@@ -599,22 +657,41 @@ def target_logits(x, w, b, t_local, zt, *, softcap=None, inv_t=1.0, logits=None,
         BLOCK_M=block_m, BLOCK_K=block_k, num_warps=4)
 
 
-def target_out_of_lse(lse, zt, s, stored_dtype, *, softcap=None, inv_t=1.0):
+def target_out_of_lse(lse, zt, s, stored_dtype, *, softcap=None, inv_t=1.0, zs=None):
     """For the statistics a logits GEMM's epilogue took (``vpce.gemm.logits_with_stats``): ``lse [C]``, the
     log-sum-exp of every column's logit as the buffer holds them (``stored_dtype``), and ``zt [C]``, the target
     column's raw fp32 logit (``-inf`` where the target is elsewhere). Writes ``s [C]``, the share of the row's
     mass outside the target column, and caps and scales ``zt`` in place: ``(lse, s)`` is then one tile of the
     statistics pass (the target column left out) and ``zt`` what ``target_logits`` gives, for ``reduce_tiles``.
     One launch. Where the target holds nearly all of the row's mass, ``s`` keeps an absolute error of the LSE's
-    own rounding (about 1e-7 of the row's sum), not of the rest alone; far below the rounding of the bf16 logits."""
+    own rounding (about 1e-7 of the row's sum), not of the rest alone; far below the rounding of the bf16 logits.
+    ``zs``: also the target logit as stored, before the cap and scale, for ``grad_metrics``' argmax test."""
     c = lse.shape[0]
     if c == 0:
         return
     block = 256 if lse.is_cuda and not INTERPRET else 64
     rnd = {torch.bfloat16: 1, torch.float16: 2}.get(stored_dtype, 0)
     _target_out_of_lse_kernel[(triton.cdiv(c, block),)](
-        lse, zt, s, c, float(softcap or 1.0), float(inv_t), SOFTCAP=softcap is not None, TEMPERATURE=inv_t != 1.0,
-        ROUND=rnd, BLOCK=block, num_warps=4)
+        lse, zt, s, s if zs is None else zs, c, float(softcap or 1.0), float(inv_t), SOFTCAP=softcap is not None,
+        TEMPERATURE=inv_t != 1.0, ROUND=rnd, STORED=zs is not None, BLOCK=block, num_warps=4)
+
+
+def grad_metrics(lse, zt, *, tile_ez=None, tile_m=None, tile_mb=None, zs=None):
+    """The entropy ``[C]`` (with ``tile_ez``) and the argmax indicator ``[C]`` (with ``tile_m``, ``tile_mb``,
+    ``zs``) of rows whose statistics the logits GEMM's epilogue took, from the tiles ``stored_logits``' gradient
+    pass filled (its ``tile_ez``, ``tile_m``, ``tile_mb``, ``before``), the final ``lse`` and the exact target
+    logit ``zt``; None for what is not asked. One launch, one process (the sums are this rank's)."""
+    c = lse.shape[0]
+    ent = torch.empty(c, dtype=torch.float32, device=lse.device) if tile_ez is not None else None
+    top = torch.empty(c, dtype=torch.float32, device=lse.device) if tile_mb is not None else None
+    some = tile_ez if tile_ez is not None else tile_m
+    if c and some is not None:
+        block_c = 16 if INTERPRET or not lse.is_cuda else 64
+        pick = lambda x: some if x is None else x  # noqa: E731
+        _grad_metrics_kernel[(triton.cdiv(c, block_c),)](
+            pick(tile_ez), pick(tile_m), pick(tile_mb), lse, zt, pick(zs), pick(ent), pick(top), c, some.shape[1],
+            ENTROPY=tile_ez is not None, TOP1=tile_mb is not None, BLOCK_C=block_c, BLOCK_T=32, num_warps=4)
+    return ent, top
 
 
 def reduce_tiles(tile_m, tile_s, tile_z, tile_ez, zt, tile_sq=None, tile_mb=None, zt_stored=None) -> torch.Tensor:
