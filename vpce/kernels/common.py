@@ -27,27 +27,23 @@ def _exp(x):
 
 
 @triton.jit
-def _softcap(x, softcap, FMA_RCP: tl.constexpr = False):
+def _softcap(x, softcap, HW_RCP: tl.constexpr = False):
     """``softcap * tanh(x / softcap)`` and its derivative ``sech^2``, both from ``e = exp(-2|u|)``: no
     cancellation in the derivative where the cap saturates (``1 - tanh^2`` would lose it all). One reciprocal,
     ``1 / (1 + e)``, serves both, and ``x / softcap`` is a multiply: three divisions per element made the soft cap
     the slowest option of the bandwidth passes.
 
-    The reciprocal: Triton's fp32 ``/`` (the two-ulp ``div.full``, on the special-function unit) by default;
-    ``FMA_RCP``: three Newton steps from a linear guess on the FMA pipe (within an ulp: ``y = 1 + e`` lies in
-    [1, 2], where ``24/17 - 8/17 y`` is within 1/17 of ``1 / y``). The gradient passes take it: their
-    special-function unit also serves the softmax's ``exp`` and is their limit with the cap, and without that
-    division the Llama-3-8B chunk's gradient pass (8192 x 128256) ran as fast as without a cap (one H100,
-    2026-11-27: 1.50 ms against 1.71, the plain pass 1.49). The statistics pass is short of issue slots instead,
-    and ran slower with it (1.27 ms against 1.20), so it keeps the division."""
+    The reciprocal: Triton's fp32 ``/`` (the two-ulp ``div.full``: a range test, a select and two multiplies around
+    the special-function unit's reciprocal) by default; ``HW_RCP``: ``_rcp``, the reciprocal alone (within an ulp;
+    ``1 + e`` lies in [1, 2]). The gradient pass takes it: one instruction where three Newton steps on the FMA
+    pipe were seven. On an H100 those Newton steps had made the capped pass as fast as the plain one (2026-11-27:
+    1.50 ms against 1.71 with ``/``, the plain pass 1.49). On an H200 the capped pass still took 3.65 ms against
+    the plain one's 2.26 with them (Llama-3-8B, 16384 rows, 2026-11-27); over three A/B runs there the soft cap
+    took 0.5 ms (Llama) and 0.1 ms (Gemma-2-2B) less with ``_rcp``, within the runs' spread (docs/benchmarks.md)."""
     u = x * (1.0 / softcap)
     e = _exp(-2.0 * tl.abs(u))
-    if FMA_RCP:
-        y = 1.0 + e
-        r = 1.4117647058823528 - 0.47058823529411764 * y  # 24/17 - 8/17 y
-        r = r + r * (1.0 - y * r)
-        r = r + r * (1.0 - y * r)
-        r = r + r * (1.0 - y * r)
+    if HW_RCP:
+        r = _rcp(1.0 + e)
     else:
         r = 1.0 / (1.0 + e)
     th = (1.0 - e) * r

@@ -105,8 +105,8 @@ def _epilogue(
     dcap = acc
     stored = acc  # the logit as P holds it, before the cap and scale (the gradient pass's argmax test)
     if SOFTCAP:
-        if GRAD:  # the cap and its derivative, the reciprocal on the FMA pipe (_softcap says why)
-            acc, dcap = _softcap(acc, softcap, True)
+        if GRAD:  # the cap and its derivative, the hardware reciprocal (_softcap says why)
+            acc, dcap = _softcap(acc, softcap, HW_RCP=True)
         else:  # the statistics need the value alone: its shortest form
             acc = _softcap_value(acc, softcap)
     if TEMPERATURE:
