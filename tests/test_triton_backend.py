@@ -333,6 +333,22 @@ def test_gpu_hopper_dw_finishes_in_one_gemm(monkeypatch, sizing, n, reduction):
     assert rel_err(got[2], base[2]) < 2 ** -8 and rel_err(got[3], base[3]) < 1e-6
 
 
+@pytest.mark.parametrize("name, want", [("NVIDIA H200", "DX_TILE_H200"), ("NVIDIA H100 80GB HBM3", "DX_TILE"),
+                                         ("NVIDIA H800", "DX_TILE")])
+def test_one_chunk_dx_config_is_chosen_by_the_device(monkeypatch, name, want):
+    """The pinned dX config of ``scaled_hidden_grad`` is the one measured on that device: the H200 has its own, any
+    other sm_90 part takes the H100's (the two differ: each was the fastest on its device, not on the other)."""
+    from vpce import gemm
+
+    assert gemm.DX_TILE != gemm.DX_TILE_H200
+    gemm._dx_tile.cache_clear()
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: name)
+    try:
+        assert gemm._dx_tile(0) is getattr(gemm, want)
+    finally:
+        gemm._dx_tile.cache_clear()
+
+
 @pytest.mark.parametrize("v", [75, 80], ids=["unaligned-rows", "aligned-rows"])
 def test_one_chunk_dx_where_the_hopper_gemm_cannot_take_the_gradient(monkeypatch, v):
     """One chunk, no group, hopper extra present: dX's GEMM waits for backward only where one quack GEMM can read

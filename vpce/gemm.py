@@ -129,10 +129,21 @@ def hopper_dw_ready(g: torch.Tensor, x: torch.Tensor) -> bool:
 #   ``DW_TILE`` took 16.94 and 9.73.
 DW_TILE = dict(tile_m=256, tile_n=192, cluster_m=1, cluster_n=2, pingpong=False)
 DW_ADD_TILE = dict(tile_m=128, tile_n=256, cluster_m=2, cluster_n=1, pingpong=False)
-# dX of one whole chunk (``scaled_hidden_grad``; one H100, 2026-11-27, 6 configs): on Llama-3-8B (16384 x 4096 over
-# K = 128256) 128 x 256, cooperative, 2 x 1 took 23.35 ms against cuBLAS's fp32 GEMM 25.10 + scale_cast 0.15, with
-# the same bits; DW_TILE's config 24.62, the others 26.3-33.5
+# dX of one whole chunk (``scaled_hidden_grad``), per device, each with the same bits as cuBLAS + cast:
+# - one H100, 2026-11-27 (6 configs): on Llama-3-8B (16384 x 4096 over K = 128256) 128 x 256, cooperative, 2 x 1
+#   took 23.35 ms against cuBLAS's fp32 GEMM 25.10 + scale_cast 0.15; DW_TILE's config 24.62, the others 26.3-33.5;
+# - one H200, 2026-11-27 (16 configs, docs/results/gpu-2026-11-27g): DW_TILE's config was the fastest on both heads,
+#   Llama 24.98 ms and Gemma-2-2B (8192 x 2304 over K = 256000) 13.35, against 25.92 and 15.77 for 128 x 256 2 x 1
+#   and cuBLAS's bf16 GEMM 25.79 and 13.60; the bench's Gemma step took 1.1-2.1 ms less with it.
+# An sm_90 part that is not an H200 takes the H100's.
 DX_TILE = DW_ADD_TILE
+DX_TILE_H200 = DW_TILE
+
+
+@functools.lru_cache(maxsize=None)
+def _dx_tile(device_index: int) -> dict:
+    """The pinned dX config for the GPU ``device_index`` (by its name: the H200's differs from the H100's)."""
+    return DX_TILE_H200 if "H200" in torch.cuda.get_device_name(device_index) else DX_TILE
 
 
 def scaled_weight_grad(acc: torch.Tensor | None, g: torch.Tensor, x: torch.Tensor, scale: torch.Tensor,
@@ -161,7 +172,8 @@ def scaled_hidden_grad(g: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, dt
 
     s = scale.detach().to(torch.float32).reshape(1).contiguous()  # read on the device: no host sync
     out = torch.empty(g.shape[0], w.shape[1], dtype=dtype, device=g.device)
-    _quack().gemm_tuned.fn(g, w, out, alpha=s, config=GemmConfig(**DX_TILE, is_dynamic_persistent=False))
+    tile = _dx_tile(g.device.index if g.device.index is not None else torch.cuda.current_device())
+    _quack().gemm_tuned.fn(g, w, out, alpha=s, config=GemmConfig(**tile, is_dynamic_persistent=False))
     return out
 
 
