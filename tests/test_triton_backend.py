@@ -588,7 +588,7 @@ def _both_caps(X, OUT, n, softcap, BLOCK: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(X + i, mask=i < n, other=0.0)
     z0, d0 = _softcap(x, softcap)
-    z1, d1 = _softcap(x, softcap, True)
+    z1, d1 = _softcap(x, softcap, HW_RCP=True)
     tl.store(OUT + i, z0, mask=i < n)
     tl.store(OUT + n + i, d0, mask=i < n)
     tl.store(OUT + 2 * n + i, z1, mask=i < n)
@@ -597,10 +597,10 @@ def _both_caps(X, OUT, n, softcap, BLOCK: tl.constexpr):
 
 
 def test_the_soft_cap_forms_agree_within_ulps():
-    """The gradient passes' soft cap takes ``1 / (1 + e)`` by Newton steps on the FMA pipe (``_softcap(...,
-    FMA_RCP=True)``), the statistics pass the value alone in its shortest form (``_softcap_value``): the capped
+    """The gradient passes' soft cap takes ``1 / (1 + e)`` by the hardware reciprocal (``_softcap(...,
+    HW_RCP=True)``), the statistics pass the value alone in its shortest form (``_softcap_value``): the capped
     logit and its derivative stay within an ulp or two of the division form's, and of float64, from tiny through
-    saturated logits of either sign."""
+    saturated logits of either sign (in the interpreter both reciprocals divide)."""
     x = torch.cat([torch.linspace(-400, 400, 8001), torch.logspace(-30, 3, 500), -torch.logspace(-30, 3, 500),
                    torch.tensor([2000.0, -2000.0, 1e30, -1e30])])
     x = x.to(DEV, torch.float32)
