@@ -189,9 +189,8 @@ class _ChunkStats:
         """``(entropy, argmax indicator)`` of buffer rows ``r`` after their gradient pass (``late``), None for
         what is not asked."""
         cut = lambda t: None if t is None else t[r]  # noqa: E731
-        top1 = self.mb is not None
-        return kernels.grad_metrics(st.lse, self.zt[r], tile_ez=cut(self.ez), tile_m=self.m[r] if top1 else None,
-                                    tile_mb=cut(self.mb), zs=cut(self.zs))
+        return kernels.grad_metrics(st.lse, self.zt[r], tile_ez=cut(self.ez), tile_m=cut(self.m),
+                                    tile_mb=cut(self.mb), zs=cut(self.zs))  # ``m`` is held only for the argmax
 
     @staticmethod
     def _cuts(c: int, call: Call) -> list[int]:
@@ -486,7 +485,7 @@ def cross_entropy(hidden, weight, bias, tg: TokenTargets, opts: LossOptions, cal
             if value is not None:
                 metrics[k][part] = tg.metric(value, part)
 
-    step = _softmax_step(hidden, w, b, tl_local, stats, p, call, *opts.folded_cap(), cw, on_part,
+    step = _softmax_step(hidden, w, b, tl_local, stats, p, call, cap, inv_t, cw, on_part,
                          on_grad=on_grad if stats.late else None)
     defer = plan.route == "fast" and not call.main_grad  # the speculative route's backward adds to the accumulator
     return loss_tok, rows, _chunk_loop(hidden, w, b, chunk, call, step, form=formed, defer_last=defer)

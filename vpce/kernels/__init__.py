@@ -19,5 +19,6 @@ from .softmax import (combine_rank_stats, grad_metrics, logits_tiles, reduce_til
                       target_out_of_lse, tile_n)
 
 __all__ = ["logits_tiles", "stored_logits", "target_logits", "target_out_of_lse", "grad_metrics", "reduce_tiles",
-           "combine_rank_stats", "scale_cast", "row_scale_cast", "gated_weight_grad_", "gated_scale_", "tile_n", "INTERPRET", "distill_stats",
-           "combine_distill_heads", "distill_mixture", "distill_grad_", "distill_block_align"]
+           "combine_rank_stats", "scale_cast", "row_scale_cast", "gated_weight_grad_", "gated_scale_", "tile_n",
+           "INTERPRET", "distill_stats", "combine_distill_heads", "distill_mixture", "distill_grad_",
+           "distill_block_align"]
