@@ -27,38 +27,36 @@ def _exp(x):
 
 
 @triton.jit
-def _softcap(x, softcap, HW_RCP: tl.constexpr = False):
-    """``softcap * tanh(x / softcap)`` and its derivative ``sech^2``, both from ``e = exp(-2|u|)``: no
-    cancellation in the derivative where the cap saturates (``1 - tanh^2`` would lose it all). One reciprocal,
-    ``1 / (1 + e)``, serves both, and ``x / softcap`` is a multiply: three divisions per element made the soft cap
-    the slowest option of the bandwidth passes.
-
-    The reciprocal: Triton's fp32 ``/`` (the two-ulp ``div.full``: a range test, a select and two multiplies around
-    the special-function unit's reciprocal) by default; ``HW_RCP``: ``_rcp``, the reciprocal alone (within an ulp;
-    ``1 + e`` lies in [1, 2]). The gradient pass takes it: one instruction where three Newton steps on the FMA
-    pipe were seven. On an H100 those Newton steps had made the capped pass as fast as the plain one (2026-11-27:
-    1.50 ms against 1.71 with ``/``, the plain pass 1.49). On an H200 the capped pass still took 3.65 ms against
-    the plain one's 2.26 with them (Llama-3-8B, 16384 rows, 2026-11-27); over three A/B runs there the soft cap
-    took 0.5 ms (Llama) and 0.1 ms (Gemma-2-2B) less with ``_rcp``, within the runs' spread (docs/benchmarks.md)."""
-    u = x * (1.0 / softcap)
-    e = _exp(-2.0 * tl.abs(u))
-    if HW_RCP:
-        r = _rcp(1.0 + e)
-    else:
-        r = 1.0 / (1.0 + e)
-    th = (1.0 - e) * r
-    return softcap * tl.where(u >= 0, th, -th), 4.0 * e * (r * r)
+def _softcap_value(x, softcap):
+    """``softcap * tanh(x / softcap)``: ``tanh(u) = 2 r - 1`` with ``r = 1 / (1 + exp(-2u))``, one multiply into the
+    hardware ``exp2``, the hardware reciprocal (``_rcp``) and one FMA, no sign select. ``exp(-2u)`` overflows to inf
+    for ``x < -44 softcap``, where the reciprocal gives 0 and the cap its limit ``-softcap``. It loses ``tanh``'s
+    relative precision for tiny ``u`` (the softmax sees the absolute error, a few ulps of ``softcap``), as any form
+    from ``exp(-2|u|)`` does. Every pass caps with this formula (the GEMM's statistics epilogue too), so the
+    gradient pass's ``exp(z - lse)`` is the softmax of the logits the LSE summed."""
+    r = _rcp(1.0 + tl.exp2(x * (-2.0 * LOG2E / softcap)))
+    return r * (2.0 * softcap) - softcap
 
 
 @triton.jit
-def _softcap_value(x, softcap):
-    """``softcap * tanh(x / softcap)`` alone, for the passes that need no derivative (the statistics, the target
-    logit): ``tanh(u) = 2 / (1 + exp(-2u)) - 1``, no sign select, and the final scale and shift one FMA.
-    ``exp(-2u)`` overflows to inf for ``x < -44 softcap``, where the reciprocal gives 0 and the cap its limit
-    ``-softcap``. Within a few ulps of ``softcap`` of ``_softcap``'s value (both lose ``tanh``'s relative precision
-    for tiny ``u``; the softmax sees the absolute error)."""
-    r = _rcp(1.0 + tl.exp2(x * (-2.0 * LOG2E / softcap)))
-    return r * (2.0 * softcap) - softcap
+def _softcap_quarter_slope(x, softcap):
+    """``_softcap_value(x)`` and a quarter of its derivative, ``sech^2(u) / 4 = (E r) r`` with ``E = exp(-2u)``,
+    ``r = 1 / (1 + E)``: ``E r = 1 - r``, so there is no cancellation where the cap saturates, on either side, and
+    no underflow of ``r^2`` before the slope's own. ``E`` is clamped at ``2^126`` (not inf, whose ``inf * 0``
+    would be NaN): below ``x = -44 softcap`` the quarter slope stays ``2^-126`` instead of falling further, an
+    absolute error under ``1.2e-38``. A NaN ``x`` stays NaN. Eight instructions per element on sm_90 (the gradient
+    pass takes the factor 4 into its per-row coefficients), where the earlier form from ``exp(-2|u|)`` with a sign
+    select took sixteen."""
+    E = tl.exp2(tl.minimum(x * (-2.0 * LOG2E / softcap), 126.0, propagate_nan=tl.PropagateNan.ALL))
+    r = _rcp(1.0 + E)
+    return r * (2.0 * softcap) - softcap, (E * r) * r
+
+
+@triton.jit
+def _softcap(x, softcap):
+    """``_softcap_value(x)`` and its derivative ``sech^2(x / softcap)`` (``_softcap_quarter_slope``)."""
+    v, q = _softcap_quarter_slope(x, softcap)
+    return v, 4.0 * q
 
 
 @triton.jit

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import INTERPRET, LN2, LOG2E, _exp, _program_tile, _softcap, _tiles_max
+from .common import INTERPRET, LN2, LOG2E, _exp, _program_tile, _softcap, _softcap_value, _tiles_max
 
 __all__ = ["distill_stats", "combine_distill_heads", "distill_mixture", "distill_grad_", "distill_block_align"]
 
@@ -105,7 +105,7 @@ def _distill_load(Z, Y, rm, rn, mask, stride_zm, stride_ym, softcap, t_softcap, 
     if SOFTCAP:
         z1, dcap = _softcap(x, softcap)
     if T_SOFTCAP:
-        y, _ = _softcap(y, t_softcap)
+        y = _softcap_value(y, t_softcap)
     z = z1
     if TEMPERATURE:
         z = z1 * inv_t

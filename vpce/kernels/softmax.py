@@ -34,7 +34,8 @@ import triton
 import triton.language as tl
 
 from ..parallel import RankStats
-from .common import INTERPRET, _exp, _log1p, _persistent, _program_tile, _softcap, _softcap_value, _tiles_max
+from .common import (INTERPRET, _exp, _log1p, _persistent, _program_tile, _softcap_quarter_slope, _softcap_value,
+                     _tiles_max)
 
 try:  # host-side TMA descriptors (Triton >= 3.3)
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -105,8 +106,8 @@ def _epilogue(
     dcap = acc
     stored = acc  # the logit as P holds it, before the cap and scale (the gradient pass's argmax test)
     if SOFTCAP:
-        if GRAD:  # the cap and its derivative, the hardware reciprocal (_softcap says why)
-            acc, dcap = _softcap(acc, softcap, HW_RCP=True)
+        if GRAD:  # the cap and a quarter of its slope; the 4 goes into the row's coefficients below
+            acc, dcap = _softcap_quarter_slope(acc, softcap)
         else:  # the statistics need the value alone: its shortest form
             acc = _softcap_value(acc, softcap)
     if TEMPERATURE:
@@ -133,6 +134,8 @@ def _epilogue(
             cb = tl.load(CB + rm, mask=row_ok, other=0.0)
         if HAS_CD:
             cd = tl.load(CD + rm, mask=row_ok, other=0.0)
+        if SOFTCAP:  # dcap is a quarter of the slope: four times every coefficient, per row (exact: a power of 2)
+            ca, cb, cc, cd = 4.0 * ca, 4.0 * cb, 4.0 * cc, 4.0 * cd
         # off the target p needs no more than z's own precision; the target's entry comes from q (_dlogits)
         p = _exp(acc - lse_row[:, None])
         zc = p
