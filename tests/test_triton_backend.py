@@ -429,13 +429,16 @@ def test_statistics_in_the_logits_gemms_epilogue(monkeypatch, case):
         assert calls == [(40, 96)], calls
 
 
-@pytest.mark.parametrize("case", ["random", "ties", "ties-softcap", "smoothing-zloss"])
+@pytest.mark.parametrize("case", ["random", "ties", "ties-softcap", "smoothing-zloss", "clustered",
+                                  "clustered-smoothing-zloss"])
 @pytest.mark.parametrize("reduction", ["mean", "sum"])  # the fast route (``"none"`` takes the lean one)
 def test_metrics_from_the_gradient_pass_beside_the_epilogue(monkeypatch, case, reduction):
     """Where the logits GEMM's epilogue takes the statistics (a stand-in for quack's here), the entropy and the
     argmax test come from the gradient pass (``kernels.grad_metrics``): against the float64 oracle, the accuracy
     exactly, with ties everywhere going to the lowest id; the z-loss metric, the loss and the gradients as
-    before."""
+    before. ``clustered``: every target among the first 10 of 200 columns, so that most of the gradient pass's
+    tiles hold no target (the pass's branch without the target compare) and the last, with padding, takes the
+    other."""
     from vpce import triton_backend
     from vpce.reference import reference_metrics
 
@@ -443,7 +446,16 @@ def test_metrics_from_the_gradient_pass_beside_the_epilogue(monkeypatch, case, r
     monkeypatch.setattr(triton_backend, "stats_epilogue_ready", lambda h, w, b, cols: b is None and cols % 8 == 0)
     monkeypatch.setattr(triton_backend, "logits_with_stats", _stats_epilogue_stand_in(calls))
     n, d, v = 70, 6, 88
-    if case.startswith("ties"):  # integer logits: ties everywhere; targets the lowest, highest or a middle tied id
+    if case.startswith("clustered"):
+        n, v = 70, 200
+        gen = torch.Generator().manual_seed(19)
+        hidden, weight = torch.randn(n, d, generator=gen) * 2, torch.randn(v, d, generator=gen)
+        weight[:10] *= 3  # the argmax mostly among the target columns
+        z = hidden.double() @ weight.double().t()
+        target = torch.where(torch.rand(n, generator=gen) < 0.5, z[:, :10].argmax(-1),
+                             torch.randint(0, 10, (n,), generator=gen))
+        target = torch.where(torch.rand(n, generator=gen) < 0.15, -100, target)
+    elif case.startswith("ties"):  # integer logits: ties everywhere; targets the lowest, highest or a middle tied id
         p = tie_problem(n, d, v, dtype=torch.float32, seed=17, ignore_frac=0.15, bias=False)
         hidden, weight, target = p.hidden, p.weight, p.target
     else:  # random logits, about half the targets the argmax
@@ -452,8 +464,9 @@ def test_metrics_from_the_gradient_pass_beside_the_epilogue(monkeypatch, case, r
         z = hidden.double() @ weight.double().t()
         target = torch.where(torch.rand(n, generator=gen) < 0.5, z.argmax(-1), torch.randint(0, v, (n,), generator=gen))
         target = torch.where(torch.rand(n, generator=gen) < 0.15, -100, target)
-    opts = {"ties-softcap": dict(softcap=2.0), "smoothing-zloss": dict(label_smoothing=0.1, z_loss=1e-2,
-                                                                       softcap=6.0)}.get(case, {})
+    both = dict(label_smoothing=0.1, z_loss=1e-2, softcap=6.0)
+    opts = {"ties-softcap": dict(softcap=2.0), "smoothing-zloss": both,
+            "clustered-smoothing-zloss": both}.get(case, {})
     h, w = leaf(hidden.to(DEV)), leaf(weight.to(DEV))
     out = vpce.linear_cross_entropy(h, w, target.to(DEV), backend="triton", reduction=reduction,
                                     return_z_loss=True, return_token_accuracy=True, return_entropy=True, **opts)

@@ -47,17 +47,19 @@ __all__ = ["logits_tiles", "stored_logits", "target_logits", "reduce_tiles", "co
 
 @triton.jit
 def _dlogits(p, zc, hit, ca, cb, cc, cd, q, dcap, HAS_CB: tl.constexpr, HAS_CD: tl.constexpr,
-             SOFTCAP: tl.constexpr, cw, HAS_CW: tl.constexpr):
+             SOFTCAP: tl.constexpr, cw, HAS_CW: tl.constexpr, HIT: tl.constexpr):
     """The gradient of ``vpce.formulas`` for a tile: ``p (a + b zc) + d`` off the target, ``(a + c) - a q
     + b zc p + d`` at it (``zc = z - M``, ``q = 1 - p_t``), times ``dcap``; with class weights ``d`` is times the
-    column's weight ``cw``."""
-    at_t = ca + cc - ca * q
+    column's weight ``cw``. ``HIT`` False: the tile holds no row's target column (``hit`` is not read)."""
     if HAS_CB:
         bz = cb[:, None] * zc
         g = tl.where(p == 0.0, 0.0, p * (ca[:, None] + bz))  # p = 0 at z = -inf: no 0 * inf
-        g = tl.where(hit, at_t[:, None] + tl.where(p == 0.0, 0.0, bz * p), g)
+        if HIT:
+            g = tl.where(hit, (ca + cc - ca * q)[:, None] + tl.where(p == 0.0, 0.0, bz * p), g)
+    elif HIT:
+        g = tl.where(hit, (ca + cc - ca * q)[:, None], p * ca[:, None])
     else:
-        g = tl.where(hit, at_t[:, None], p * ca[:, None])
+        g = p * ca[:, None]
     if HAS_CD:
         if HAS_CW:
             g = g + cd[:, None] * cw[None, :]
@@ -83,6 +85,55 @@ def _max_before(acc, m_t, rm, rn, row_ok, TB, pid_n, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _grad_tile(stored, t, rm, rn, row_ok, pid_n, P, stride_pm, stride_pn, lse_row, q_row, m_row, ca, cb, cc, cd, cw,
+               softcap, inv_t, TILE_EZ, TILE_M, TILE_MB, TB, V, n_tiles, SOFTCAP: tl.constexpr,
+               TEMPERATURE: tl.constexpr, HAS_CB: tl.constexpr, HAS_CD: tl.constexpr, HAS_CW: tl.constexpr,
+               EVEN_N: tl.constexpr, SUM_EZ: tl.constexpr, TOP1: tl.constexpr, BLOCK_N: tl.constexpr,
+               HIT: tl.constexpr):
+    """The gradient pass over one tile of the logits as stored (``stored``): the gradient into ``P``, and with the
+    metrics their per-tile terms. ``HIT`` False: no row's target column and no padding lies in the tile. Every
+    tile-sized value is made here, after the caller's branch on ``HIT``: made before it, it would stay live across
+    the branch and take its registers."""
+    acc = stored
+    dcap = stored
+    if SOFTCAP:  # the cap and a quarter of its slope; the 4 is in the row's coefficients
+        acc, dcap = _softcap_quarter_slope(stored, softcap)
+    if TEMPERATURE:
+        acc = acc * inv_t
+    hit = rn[None, :] == t[:, None]  # read where HIT only
+    # off the target p needs no more than z's own precision; the target's entry comes from q (_dlogits)
+    p = _exp(acc - lse_row[:, None])
+    zc = acc  # read with the smoothing term (HAS_CB) only
+    if HAS_CB:
+        zc = acc - m_row[:, None]
+    g = _dlogits(p, zc, hit, ca, cb, cc, cd, q_row, dcap, HAS_CB, HAS_CD, SOFTCAP, cw, HAS_CW, HIT)
+    p_offs = rm.to(tl.int64)[:, None] * stride_pm + rn.to(tl.int64)[None, :] * stride_pn
+    if EVEN_N:  # every column is a vocab entry: no column mask anywhere (each 2-D op costs in this epilogue)
+        p_mask = row_ok[:, None]
+    else:  # padding columns are computed like the others and never stored
+        p_mask = row_ok[:, None] & (rn < V)[None, :]
+    tl.store(P + p_offs, g.to(P.dtype.element_ty), mask=p_mask)
+    if SUM_EZ or TOP1:  # the metrics, where the logits GEMM's epilogue took the statistics (no statistics
+        # pass): per tile sum_j p_j z_j and the maxima, every column but the target's (``grad_metrics``). The
+        # maxima of the logits as stored: the cap and the scale keep their order and add no ties of rounding
+        stat = rm.to(tl.int64) * n_tiles + pid_n
+        pz = p * acc
+        m_in = stored
+        if HIT:
+            off = hit
+            if not EVEN_N:
+                off = off | (rn >= V)[None, :]
+            pz = tl.where(off, 0.0, pz)
+            m_in = tl.where(off, float("-inf"), m_in)
+        if SUM_EZ:
+            tl.store(TILE_EZ + stat, tl.sum(pz, axis=1), mask=row_ok)
+        if TOP1:
+            m_t = tl.max(m_in, axis=1)
+            tl.store(TILE_M + stat, m_t, mask=row_ok)
+            tl.store(TILE_MB + stat, _max_before(stored, m_t, rm, rn, row_ok, TB, pid_n, BLOCK_N), mask=row_ok)
+
+
+@triton.jit
 def _epilogue(
     acc, rm, rn, pid_n,
     # pointers
@@ -103,60 +154,45 @@ def _epilogue(
         acc += tl.load(BIAS + rn, mask=rn < V, other=0.0).to(tl.float32)[None, :]
     if ROUND:  # the logit as cuBLAS writes it: fp32 accumulation, the bias, one rounding to the inputs' dtype
         acc = acc.to(P.dtype.element_ty).to(tl.float32)
-    dcap = acc
-    stored = acc  # the logit as P holds it, before the cap and scale (the gradient pass's argmax test)
-    if SOFTCAP:
-        if GRAD:  # the cap and a quarter of its slope; the 4 goes into the row's coefficients below
-            acc, dcap = _softcap_quarter_slope(acc, softcap)
-        else:  # the statistics need the value alone: its shortest form
-            acc = _softcap_value(acc, softcap)
-    if TEMPERATURE:
-        acc = acc * inv_t
     t = tl.load(TL + rm, mask=row_ok, other=-1)
-    hit = rn[None, :] == t[:, None]
     cw = tl.zeros([BLOCK_N], dtype=tl.float32)
     if HAS_CW:  # per-class weights: the label-smoothing sum and gradient term weight each column
         cw = tl.load(CW + rn, mask=rn < V, other=0.0)
     if GRAD:
-        p_offs = rm.to(tl.int64)[:, None] * stride_pm + rn.to(tl.int64)[None, :] * stride_pn
-        if EVEN_N:  # every column is a vocab entry: no column mask anywhere (each 2-D op costs in this epilogue)
-            p_mask = row_ok[:, None]
-        else:
-            p_mask = row_ok[:, None] & (rn < V)[None, :]
-        # padding columns are computed like the others and never stored
         lse_row = tl.load(RLSE + rm, mask=row_ok, other=0.0)
         q_row = tl.load(RQ + rm, mask=row_ok, other=0.0)
         ca = tl.load(CA + rm, mask=row_ok, other=0.0)
         cc = tl.load(CC + rm, mask=row_ok, other=0.0)
         cb = ca
         cd = ca
+        m_row = ca
         if HAS_CB:
             cb = tl.load(CB + rm, mask=row_ok, other=0.0)
+            m_row = tl.load(RM + rm, mask=row_ok, other=0.0)
         if HAS_CD:
             cd = tl.load(CD + rm, mask=row_ok, other=0.0)
-        if SOFTCAP:  # dcap is a quarter of the slope: four times every coefficient, per row (exact: a power of 2)
+        if SOFTCAP:  # the pass takes a quarter of the cap's slope: four times every coefficient (exact: a power of 2)
             ca, cb, cc, cd = 4.0 * ca, 4.0 * cb, 4.0 * cc, 4.0 * cd
-        # off the target p needs no more than z's own precision; the target's entry comes from q (_dlogits)
-        p = _exp(acc - lse_row[:, None])
-        zc = p
-        if HAS_CB:
-            zc = acc - tl.load(RM + rm, mask=row_ok, other=0.0)[:, None]
-        g = _dlogits(p, zc, hit, ca, cb, cc, cd, q_row, dcap, HAS_CB, HAS_CD, SOFTCAP, cw, HAS_CW)
-        tl.store(P + p_offs, g.to(P.dtype.element_ty), mask=p_mask)
-        if SUM_EZ or TOP1:  # the metrics, where the logits GEMM's epilogue took the statistics (no statistics
-            # pass): per tile sum_j p_j z_j and the maxima, every column but the target's (``grad_metrics``). The
-            # maxima of the logits as stored: the cap and the scale keep their order and add no ties of rounding
-            stat = rm.to(tl.int64) * n_tiles + pid_n
-            off = hit
-            if not EVEN_N:
-                off = off | (rn >= V)[None, :]
-            if SUM_EZ:
-                tl.store(TILE_EZ + stat, tl.sum(tl.where(off, 0.0, p * acc), axis=1), mask=row_ok)
-            if TOP1:
-                m_t = tl.max(tl.where(off, float("-inf"), stored), axis=1)
-                tl.store(TILE_M + stat, m_t, mask=row_ok)
-                tl.store(TILE_MB + stat, _max_before(stored, m_t, rm, rn, row_ok, TB, pid_n, BLOCK_N), mask=row_ok)
+        # Most tiles hold none of their rows' target columns and no padding: their version of the tile's code has
+        # no per-element compare with the target and no selects for the metrics (a branch uniform over the program)
+        start = pid_n * BLOCK_N
+        clear = tl.max((row_ok & (t >= start) & (t < start + BLOCK_N)).to(tl.int32), axis=0) == 0
+        if not EVEN_N:
+            clear = clear & (pid_n < n_tiles - 1)
+        if clear:
+            _grad_tile(acc, t, rm, rn, row_ok, pid_n, P, stride_pm, stride_pn, lse_row, q_row, m_row, ca, cb, cc, cd,
+                       cw, softcap, inv_t, TILE_EZ, TILE_M, TILE_MB, TB, V, n_tiles, SOFTCAP, TEMPERATURE, HAS_CB,
+                       HAS_CD, HAS_CW, EVEN_N, SUM_EZ, TOP1, BLOCK_N, False)
+        else:
+            _grad_tile(acc, t, rm, rn, row_ok, pid_n, P, stride_pm, stride_pn, lse_row, q_row, m_row, ca, cb, cc, cd,
+                       cw, softcap, inv_t, TILE_EZ, TILE_M, TILE_MB, TB, V, n_tiles, SOFTCAP, TEMPERATURE, HAS_CB,
+                       HAS_CD, HAS_CW, EVEN_N, SUM_EZ, TOP1, BLOCK_N, True)
     else:
+        if SOFTCAP:  # the statistics need the value alone: its shortest form
+            acc = _softcap_value(acc, softcap)
+        if TEMPERATURE:
+            acc = acc * inv_t
+        hit = rn[None, :] == t[:, None]
         # -- online-softmax statistics of this tile: the max over every column, the sum of exp over every column
         # but the target's (its logit is kept apart in ZT) --
         z = acc
@@ -626,9 +662,11 @@ def stored_logits(logits, b, t_local, *, softcap=None, inv_t=1.0, tile_m=None, t
     grad = rows is not None
     pick, (rm, rls, rq), (ca, cb, cc, cd) = _epilogue_operands(logits, rows, coef)
     gpu = logits.is_cuda and not INTERPRET
-    # 16 rows x 256 columns per program, 4 warps: 2.6 TB/s (stats) and 3.8 TB/s (gradient, read + write) on an H200
-    # (launch/tune_kernels.py, 2026-11-23); 8 warps or 8-64 rows were slower
-    block_m = block_m or (16 if gpu else 32)  # the interpreter: fewer, larger programs
+    # 256 columns per program, 4 warps. Stats: 16 rows, 2.6 TB/s on an H200 (launch/tune_kernels.py, 2026-11-23;
+    # 8 warps or 8-64 rows were slower). Gradient: 8 rows, as fast as 16 plain (2.19 ms per Llama-3-8B chunk,
+    # 3.8 TB/s read + write) and with the metrics, 7 % faster with the soft cap and 6 % with the soft cap, z-loss,
+    # smoothing and class weights, whose register count 16 rows raise past the plain pass's (2 x H200, 2026-11-27)
+    block_m = block_m or ((8 if grad else 16) if gpu else 32)  # the interpreter: fewer, larger programs
     _stored_logits_kernel[(triton.cdiv(m, block_m), n_tiles)](
         logits, pick(b), t_local, pick(tile_m), pick(tile_s), pick(tile_z), pick(tile_ez), pick(zt),
         pick(rm), pick(rls), pick(rq), pick(ca), pick(cb), pick(cc), pick(cd), pick(class_weight), pick(tile_sq),
