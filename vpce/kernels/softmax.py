@@ -646,13 +646,13 @@ def _epilogue_operands(like: torch.Tensor, rows, coef):
 
 def stored_logits(logits, b, t_local, *, softcap=None, inv_t=1.0, tile_m=None, tile_s=None, tile_z=None,
                   tile_ez=None, zt=None, rows=None, coef=None, class_weight=None, tile_sq=None, tile_mb=None,
-                  before=None, block_n=None, block_m=None, num_warps=None, maxnreg=None):
+                  before=None, block_n=None, block_m=None, num_warps=None):
     """``logits_tiles``'s epilogue over ``logits [M, V]`` that a GEMM already wrote (the inputs' dtype; ``b`` is
     added here, None if the GEMM added it): stats mode fills the same buffers as ``logits_tiles`` but ``zt``, and
     leaves the target column out of the tile max too (``target_logits`` gives its exact logit, and the logit as
     stored for the argmax test), grad mode
     (``rows``, ``coef``) overwrites ``logits`` with the gradient. One bandwidth-bound pass; ``block_n`` is the stats
-    tile width (``tile_n``); ``block_m`` / ``num_warps`` / ``maxnreg`` (registers per thread, on a GPU) override the
+    tile width (``tile_n``); ``block_m`` / ``num_warps`` override the
     launch shape (``launch/tune_kernels.py``)."""
     m, v = logits.shape
     if m == 0 or v == 0:
@@ -676,7 +676,7 @@ def stored_logits(logits, b, t_local, *, softcap=None, inv_t=1.0, tile_m=None, t
         SUM_Z=tile_z is not None, SUM_EZ=tile_ez is not None, HAS_CB=cb is not None, HAS_CD=cd is not None,
         HAS_CW=class_weight is not None and (tile_z is not None or (grad and cd is not None)),
         SUM_SQ=tile_sq is not None, TOP1=tile_mb is not None, BLOCK_M=block_m, BLOCK_N=bn,
-        num_warps=num_warps or 4, **({"maxnreg": maxnreg} if maxnreg and gpu else {}),
+        num_warps=num_warps or 4,
     )
 
 
