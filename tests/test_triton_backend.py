@@ -437,8 +437,8 @@ def test_metrics_from_the_gradient_pass_beside_the_epilogue(monkeypatch, case, r
     argmax test come from the gradient pass (``kernels.grad_metrics``): against the float64 oracle, the accuracy
     exactly, with ties everywhere going to the lowest id; the z-loss metric, the loss and the gradients as
     before. ``clustered``: every target among the first 10 of 200 columns, so that most of the gradient pass's
-    tiles hold no target (the pass's branch without the target compare) and the last, with padding, takes the
-    other."""
+    tiles hold no target and lie wholly after it (their maxima count for the argmax test, none for the columns
+    before the target), and the last holds padding."""
     from vpce import triton_backend
     from vpce.reference import reference_metrics
 

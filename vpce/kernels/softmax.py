@@ -91,9 +91,9 @@ def _grad_tile(stored, t, rm, rn, row_ok, pid_n, P, stride_pm, stride_pn, lse_ro
                EVEN_N: tl.constexpr, SUM_EZ: tl.constexpr, TOP1: tl.constexpr, BLOCK_N: tl.constexpr,
                HIT: tl.constexpr):
     """The gradient pass over one tile of the logits as stored (``stored``): the gradient into ``P``, and with the
-    metrics their per-tile terms. ``HIT`` False: no row's target column and no padding lies in the tile. Every
-    tile-sized value is made here, after the caller's branch on ``HIT``: made before it, it would stay live across
-    the branch and take its registers."""
+    metrics their per-tile terms. ``HIT`` False (never with the metrics): no row's target column and no padding
+    lies in the tile. Every tile-sized value is made here, after the caller's branch on ``HIT``: made before it, it
+    would stay live across the branch and take its registers."""
     acc = stored
     dcap = stored
     if SOFTCAP:  # the cap and a quarter of its slope; the 4 is in the row's coefficients
@@ -115,20 +115,16 @@ def _grad_tile(stored, t, rm, rn, row_ok, pid_n, P, stride_pm, stride_pn, lse_ro
     tl.store(P + p_offs, g.to(P.dtype.element_ty), mask=p_mask)
     if SUM_EZ or TOP1:  # the metrics, where the logits GEMM's epilogue took the statistics (no statistics
         # pass): per tile sum_j p_j z_j and the maxima, every column but the target's (``grad_metrics``). The
-        # maxima of the logits as stored: the cap and the scale keep their order and add no ties of rounding
+        # maxima of the logits as stored: the cap and the scale keep their order and add no ties of rounding.
+        # (Always with HIT: the metrics take no branch, ``_epilogue``.)
         stat = rm.to(tl.int64) * n_tiles + pid_n
-        pz = p * acc
-        m_in = stored
-        if HIT:
-            off = hit
-            if not EVEN_N:
-                off = off | (rn >= V)[None, :]
-            pz = tl.where(off, 0.0, pz)
-            m_in = tl.where(off, float("-inf"), m_in)
+        off = hit
+        if not EVEN_N:
+            off = off | (rn >= V)[None, :]
         if SUM_EZ:
-            tl.store(TILE_EZ + stat, tl.sum(pz, axis=1), mask=row_ok)
+            tl.store(TILE_EZ + stat, tl.sum(tl.where(off, 0.0, p * acc), axis=1), mask=row_ok)
         if TOP1:
-            m_t = tl.max(m_in, axis=1)
+            m_t = tl.max(tl.where(off, float("-inf"), stored), axis=1)
             tl.store(TILE_M + stat, m_t, mask=row_ok)
             tl.store(TILE_MB + stat, _max_before(stored, m_t, rm, rn, row_ok, TB, pid_n, BLOCK_N), mask=row_ok)
 
@@ -174,11 +170,15 @@ def _epilogue(
         if SOFTCAP:  # the pass takes a quarter of the cap's slope: four times every coefficient (exact: a power of 2)
             ca, cb, cc, cd = 4.0 * ca, 4.0 * cb, 4.0 * cc, 4.0 * cd
         # Most tiles hold none of their rows' target columns and no padding: their version of the tile's code has
-        # no per-element compare with the target and no selects for the metrics (a branch uniform over the program)
+        # no per-element compare with the target (a branch uniform over the program). Not with the metrics: there
+        # the two versions' registers cost more than the selects saved (one H100: 3.96 ms against 3.89 per
+        # Llama-3-8B chunk, 3.78 against 3.70 Gemma-2-2B; docs/results/gpu-2026-11-27h)
         start = pid_n * BLOCK_N
         clear = tl.max((row_ok & (t >= start) & (t < start + BLOCK_N)).to(tl.int32), axis=0) == 0
         if not EVEN_N:
             clear = clear & (pid_n < n_tiles - 1)
+        if SUM_EZ or TOP1:
+            clear = False
         if clear:
             _grad_tile(acc, t, rm, rn, row_ok, pid_n, P, stride_pm, stride_pn, lse_row, q_row, m_row, ca, cb, cc, cd,
                        cw, softcap, inv_t, TILE_EZ, TILE_M, TILE_MB, TB, V, n_tiles, SOFTCAP, TEMPERATURE, HAS_CB,
