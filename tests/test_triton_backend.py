@@ -573,6 +573,55 @@ def test_gpu_metrics_beside_the_epilogue_match_the_two_passes(monkeypatch, softc
         assert rel_err(a.float(), b.float()) <= tol.get(name, 1e-5), (name, rel_err(a.float(), b.float()))
 
 
+@pytest.mark.parametrize("v", [320, 300], ids=["even", "padded"])
+@pytest.mark.parametrize("opts", ["plain", "entropy-term", "softcap-scale-d-weights"])
+def test_gradient_pass_over_tiles_with_and_without_a_target(v, opts):
+    """``kernels.stored_logits`` in grad mode against float64, every coefficient set, where most tiles hold no
+    row's target column (the targets among the first 20 columns, some elsewhere: -1): those tiles take the pass's
+    version without the target compare, the others (and a last tile with padding) the full one. The formula of
+    ``_dlogits``: ``cap'(x) (p (a + b (z - M)) + d w)`` off the target, ``cap'(x) ((a + c) - a q + b (z - M) p
+    + d w)`` at it, with ``z = cap(x) / T``."""
+    from vpce import kernels
+
+    m = 40
+    gen = torch.Generator().manual_seed(23)
+    x = (torch.randn(m, v, generator=gen) * 3).to(DEV)
+    t = torch.randint(0, 20, (m,), generator=gen)
+    t[::7] = -1  # the target in another shard
+    t = t.to(torch.int32).to(DEV)
+    cap = 5.0 if "softcap" in opts else None
+    inv_t = 1 / 0.8 if "scale" in opts else 1.0
+    xd = x.double()
+    z = (cap * torch.tanh(xd / cap) if cap else xd) * inv_t
+    slope = 1 / torch.cosh(xd / cap) ** 2 if cap else torch.ones_like(xd)
+    lse = torch.logsumexp(z, 1)
+    mrow = z.amax(1)
+    p = torch.exp(z - lse[:, None])
+    here = t >= 0
+    pt = torch.where(here, p.gather(1, t.clamp(min=0).long()[:, None])[:, 0], torch.zeros_like(lse))
+    q = 1 - pt
+
+    def rnd(scale=1.0):
+        return (torch.randn(m, generator=gen, dtype=torch.float64) * scale).to(DEV)
+    a, c = rnd(), rnd()
+    b = rnd(0.3) if opts == "entropy-term" else None
+    d = rnd(1e-3) if "-d" in opts else None
+    cw = (torch.rand(v, generator=gen, dtype=torch.float64) + 0.5).to(DEV) if "weights" in opts else None
+    zc = z - mrow[:, None]
+    g = p * (a[:, None] + (0 if b is None else b[:, None] * zc))
+    hit = torch.arange(v, device=DEV)[None, :] == t.long()[:, None]
+    at = (a + c - a * q)[:, None] + (0 if b is None else b[:, None] * zc * p)
+    g = torch.where(hit, at, g)
+    if d is not None:
+        g = g + d[:, None] * (1.0 if cw is None else cw[None, :])
+    want = g * slope
+    f32 = lambda u: None if u is None else u.float().contiguous()  # noqa: E731
+    buf = x.clone()
+    kernels.stored_logits(buf, None, t, softcap=cap, inv_t=inv_t, rows=(f32(mrow), f32(lse), f32(q)),
+                          coef=(f32(a), f32(b), f32(c), f32(d)), class_weight=f32(cw))
+    assert rel_err(buf, want) <= 2e-6, (opts, v, describe(buf, want))
+
+
 def test_held_grads_finish_a_deferred_dw_for_a_caller_that_scales_them():
     """``FastGrads.summed()`` (the ``torch.compile`` op scales the held gradients itself) does a deferred last dW
     GEMM (``last``, the hopper extra's) into the fp32 accumulator, or alone where there was one chunk."""

@@ -140,7 +140,7 @@ def _epilogue(
     HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, TEMPERATURE: tl.constexpr, GRAD: tl.constexpr,
     SUM_Z: tl.constexpr, SUM_EZ: tl.constexpr, HAS_CB: tl.constexpr,
     HAS_CD: tl.constexpr, HAS_CW: tl.constexpr, EVEN_N: tl.constexpr, SUM_SQ: tl.constexpr, TOP1: tl.constexpr,
-    BLOCK_N: tl.constexpr, TARGET_APART: tl.constexpr, ROUND: tl.constexpr,
+    BLOCK_N: tl.constexpr, TARGET_APART: tl.constexpr, ROUND: tl.constexpr, SPLIT: tl.constexpr,
 ):
     """The softmax epilogue of one fp32 logits tile ``acc`` (rows ``rm``, columns ``rn``, stats tile ``pid_n``),
     whether the tile comes from the GEMM or from logits already in memory."""
@@ -169,15 +169,17 @@ def _epilogue(
             cd = tl.load(CD + rm, mask=row_ok, other=0.0)
         if SOFTCAP:  # the pass takes a quarter of the cap's slope: four times every coefficient (exact: a power of 2)
             ca, cb, cc, cd = 4.0 * ca, 4.0 * cb, 4.0 * cc, 4.0 * cd
-        # Most tiles hold none of their rows' target columns and no padding: their version of the tile's code has
-        # no per-element compare with the target (a branch uniform over the program). Not with the metrics: there
-        # the two versions' registers cost more than the selects saved (one H100: 3.96 ms against 3.89 per
-        # Llama-3-8B chunk, 3.78 against 3.70 Gemma-2-2B; docs/results/gpu-2026-11-27h)
+        # ``SPLIT`` (over logits in memory, ``stored_logits``): most tiles hold none of their rows' target columns
+        # and no padding, and take a version of the tile's code with no per-element compare with the target (a
+        # branch uniform over the program). Not with the metrics: there the two versions' registers cost more than
+        # the selects saved (one H100: 3.96 ms against 3.89 per Llama-3-8B chunk, 3.78 against 3.70 Gemma-2-2B;
+        # docs/results/gpu-2026-11-27h); nor in the fused GEMM's epilogue (``logits_tiles``), whose accumulator
+        # already holds most of the registers
         start = pid_n * BLOCK_N
         clear = tl.max((row_ok & (t >= start) & (t < start + BLOCK_N)).to(tl.int32), axis=0) == 0
         if not EVEN_N:
             clear = clear & (pid_n < n_tiles - 1)
-        if SUM_EZ or TOP1:
+        if SUM_EZ or TOP1 or not SPLIT:
             clear = False
         if clear:
             _grad_tile(acc, t, rm, rn, row_ok, pid_n, P, stride_pm, stride_pn, lse_row, q_row, m_row, ca, cb, cc, cd,
@@ -302,7 +304,8 @@ def _logits_tiles_kernel(
 
         _epilogue(acc, rm, rn, pid_n, BIAS, TL, TILE_M, TILE_S, TILE_Z, TILE_EZ, ZT, P, RM, RLSE, RQ, CA, CB, CC, CD,
                   CW, TILE_SQ, TILE_MB, TB, M, V, n_tiles, stride_pm, stride_pn, softcap, inv_t, HAS_BIAS, SOFTCAP,
-                  TEMPERATURE, GRAD, SUM_Z, SUM_EZ, HAS_CB, HAS_CD, HAS_CW, EVEN_N, SUM_SQ, TOP1, BLOCK_N, False, ROUND)
+                  TEMPERATURE, GRAD, SUM_Z, SUM_EZ, HAS_CB, HAS_CD, HAS_CW, EVEN_N, SUM_SQ, TOP1, BLOCK_N, False, ROUND,
+                  False)
 
 
 @triton.heuristics({"EVEN_N": lambda a: a["V"] % a["BLOCK_N"] == 0})
@@ -328,7 +331,8 @@ def _stored_logits_kernel(
     acc = tl.load(L + offs, mask=mask, other=0.0).to(tl.float32)
     _epilogue(acc, rm, rn, tl.program_id(1), BIAS, TL, TILE_M, TILE_S, TILE_Z, TILE_EZ, ZT, L, RM, RLSE, RQ, CA, CB,
               CC, CD, CW, TILE_SQ, TILE_MB, TB, M, V, n_tiles, stride_lm, stride_ln, softcap, inv_t, HAS_BIAS, SOFTCAP,
-              TEMPERATURE, GRAD, SUM_Z, SUM_EZ, HAS_CB, HAS_CD, HAS_CW, EVEN_N, SUM_SQ, TOP1, BLOCK_N, True, False)
+              TEMPERATURE, GRAD, SUM_Z, SUM_EZ, HAS_CB, HAS_CD, HAS_CW, EVEN_N, SUM_SQ, TOP1, BLOCK_N, True, False,
+              True)
 
 
 @triton.jit
@@ -652,8 +656,7 @@ def stored_logits(logits, b, t_local, *, softcap=None, inv_t=1.0, tile_m=None, t
     leaves the target column out of the tile max too (``target_logits`` gives its exact logit, and the logit as
     stored for the argmax test), grad mode
     (``rows``, ``coef``) overwrites ``logits`` with the gradient. One bandwidth-bound pass; ``block_n`` is the stats
-    tile width (``tile_n``); ``block_m`` / ``num_warps`` override the
-    launch shape (``launch/tune_kernels.py``)."""
+    tile width (``tile_n``); ``block_m`` / ``num_warps`` override the launch shape (``launch/tune_kernels.py``)."""
     m, v = logits.shape
     if m == 0 or v == 0:
         return
