@@ -175,12 +175,12 @@ def _epilogue(
         # the selects saved (one H100: 3.96 ms against 3.89 per Llama-3-8B chunk, 3.78 against 3.70 Gemma-2-2B;
         # docs/results/gpu-2026-11-27h); nor in the fused GEMM's epilogue (``logits_tiles``), whose accumulator
         # already holds most of the registers
-        start = pid_n * BLOCK_N
-        clear = tl.max((row_ok & (t >= start) & (t < start + BLOCK_N)).to(tl.int32), axis=0) == 0
-        if not EVEN_N:
-            clear = clear & (pid_n < n_tiles - 1)
-        if SUM_EZ or TOP1 or not SPLIT:
-            clear = False
+        clear = False
+        if SPLIT and not (SUM_EZ or TOP1):
+            start = pid_n * BLOCK_N
+            clear = tl.max((row_ok & (t >= start) & (t < start + BLOCK_N)).to(tl.int32), axis=0) == 0
+            if not EVEN_N:
+                clear = clear & (pid_n < n_tiles - 1)
         if clear:
             _grad_tile(acc, t, rm, rn, row_ok, pid_n, P, stride_pm, stride_pn, lse_row, q_row, m_row, ca, cb, cc, cd,
                        cw, softcap, inv_t, TILE_EZ, TILE_M, TILE_MB, TB, V, n_tiles, SOFTCAP, TEMPERATURE, HAS_CB,
