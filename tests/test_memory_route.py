@@ -12,13 +12,14 @@ import pytest
 import torch
 
 import vpce
-from distributed import run_ranks
+from distributed import cpu_triton, run_ranks
 from vpce import parallel, routing
 from vpce.options import LossOptions
-from vpce.reference import rel_err
+from vpce.reference import reference, rel_err
 from problems import leaf, make_problem
 
 CUDA = torch.cuda.is_available()
+TIMEOUT = 180  # seconds: a hung collective fails the test
 
 
 def test_p_chunk_and_the_weights_cast_copy_share_the_accumulators_size():
@@ -182,3 +183,81 @@ def test_gpu_auto_runs_one_chunk_where_it_fits(monkeypatch):
     finally:
         torch.use_deterministic_algorithms(False)
     assert chunks[2] == 8320, chunks
+
+
+def test_one_dw_gemm_under_a_group_where_the_extra_finishes_dw():
+    """Under a group the fast route keeps every token's gradient in one ``P`` and computes dW in one GEMM only with
+    ``memory_budget="auto"``, where the hopper extra finishes dW (no fp32 accumulator), dW is not added into
+    ``main_grad``, there is more than one chunk, and that ``P`` is at most the default ``P`` plus the fp32 dW
+    accumulator: the Llama-3-8B head at tp=2, N=16384 (two chunks of 8192 tokens)."""
+    d, rows, world = 4096, 128256, 2
+    shard = parallel.VocabShard(None, 0, world, 0, rows // world, rows)
+
+    def takes(tokens=16384, opts=LossOptions(), hopper=True, defer=True, sharded=True, whole=False):
+        plan = routing.settle(routing.plan_cross_entropy(opts, (True, True, False), "triton", sharded, False),
+                              routing.FIT_WHOLE if whole else routing.FIT_FAST)
+        plan = routing.size_cross_entropy(plan, opts, shard, d, torch.bfloat16)
+        return routing.one_weight_grad_gemm(plan, opts, tokens, d, torch.bfloat16, hopper, defer)
+
+    assert routing.size_cross_entropy(routing.settle(routing.plan_cross_entropy(
+        LossOptions(), (True, True, False), "triton", True, False), routing.FIT_FAST), LossOptions(), shard, d,
+        torch.bfloat16).sizes.chunk == 8192
+    assert takes()
+    assert not takes(tokens=16384 + 128)  # P would exceed the default's + the accumulator
+    assert not takes(tokens=8192)  # one chunk already
+    assert not takes(hopper=False)  # cuBLAS would need the fp32 dW buffer beside the larger P
+    assert not takes(defer=False)  # dW into main_grad (or not needed)
+    assert not takes(sharded=False)  # one process: one chunk only where free memory allows (``_fit``)
+    assert not takes(whole=True)  # the group agreed on one chunk
+    assert not takes(opts=LossOptions(memory_budget="fast"))  # the documented default chunks
+    assert not takes(opts=LossOptions(memory_budget=0.5))
+
+
+def _one_dw_gemm_main(rank, world, takes, sp):
+    """Rank ``r`` keeps every token's gradient in one ``P`` where ``takes[r]``: the hopper extra's readiness stood
+    in, since this CPU has no sm_90 GPU (an fp32 dW is then finished by cuBLAS's GEMM, as on a GPU). Every dW GEMM's
+    token count is recorded. 128-token chunks, each split in two for its exchanges."""
+    import dataclasses as dc
+
+    import torch.distributed as dist
+
+    from vpce import grads, triton_backend
+
+    routing.SIZING = dc.replace(routing.SIZING, fast_p_gib=1e-9, min_p_gib=1e-9)  # P chunks of 128 tokens
+    triton_backend.ROW_ALIGN = 32  # sub-chunks of 64 (the interpreter's row blocks)
+    gemms = []
+    for module in (triton_backend, grads):  # forward's dW GEMMs, and backward's of a deferred last chunk
+        real = module.add_product
+        module.add_product = lambda acc, a, b, real=real: gemms.append(a.shape[1]) or real(acc, a, b)
+    if takes[rank]:
+        triton_backend.hopper_dw_ready = lambda g, x: True
+    sizes = [64, 48][:world]  # valid rows a multiple of 8 (P's rows 16-byte aligned for the GEMM)
+    n, d = 232, 104  # chunks [128 = 64 + 64, 104]; P of 232 tokens: (232 - 128) * 4 bytes = 4 d
+    vsize = sum(sizes) - 8
+    p = make_problem(n, d, sum(sizes), dtype=torch.float32, vocab_size=vsize, bias=True, ignore_frac=0.2,
+                     seed=11)
+    lo = sum(sizes[:rank])
+    w, b = leaf(p.weight[lo:lo + sizes[rank]]), leaf(p.bias[lo:lo + sizes[rank]])
+    tok = slice(rank * n // world, (rank + 1) * n // world)
+    h = leaf(p.hidden[tok] if sp else p.hidden)
+    loss = vpce.linear_cross_entropy(h, w, p.target, b, group=dist.group.WORLD, vocab_size=vsize,
+                                     sequence_parallel=sp, label_smoothing=0.1, backend="triton")
+    (loss * 0.75).backward()
+    ref = reference(p.hidden, p.weight, p.target, p.bias, vocab_size=vsize, label_smoothing=0.1)
+    mine = slice(lo, lo + sizes[rank])
+    errs = (rel_err(loss, ref.loss), rel_err(h.grad, 0.75 * (ref.dhidden[tok] if sp else ref.dhidden)),
+            rel_err(w.grad, 0.75 * ref.dweight[mine]), rel_err(b.grad, 0.75 * ref.dbias[mine]))
+    return gemms, errs
+
+
+@cpu_triton
+@pytest.mark.parametrize("takes,sp", [((True, True), False), ((True, False), False), ((False, True), True)],
+                         ids=["both", "rank0-only", "rank1-only-sp"])
+def test_one_dw_gemm_changes_no_collective(takes, sp):
+    """A rank that keeps every token's gradient in one ``P`` issues the same exchanges and dX sums as one that does
+    not (the choice is each rank's own, from its own extra): ranks that differ finish together, within the
+    timeout, each exact against float64; the one that takes it runs one dW GEMM over every token."""
+    per_rank = run_ranks(_one_dw_gemm_main, 2, takes, sp, timeout=TIMEOUT)
+    for rank, (gemms, errs) in enumerate(per_rank):
+        assert gemms == ([232] if takes[rank] else [128, 104]), (rank, gemms)
+        assert max(errs) < 2e-5, (rank, errs)

@@ -40,3 +40,37 @@ def test_nccl_sharded_equals_single_gpu(world, budget, sp):
         # dX partial sums are rounded to bf16 once more than tp=1: a few bf16 ulps at most
         for key, err in errs.items():
             assert err < tol[key], f"{where}: {key} differs from tp=1 by {err:.2e}"
+
+
+def _one_dw_gemm_main(rank, world):
+    """``check`` with ``P`` chunks of 2048 tokens at its 25000 columns per rank (4096 tokens at tp=2): ``"auto"``
+    keeps every token's gradient in one ``P`` and finishes dW in one quack GEMM (``routing.one_weight_grad_gemm``),
+    ``"fast"`` takes two chunks. Records each call's last dW GEMM: (no accumulator, tokens)."""
+    import dataclasses
+
+    from vpce import grads, routing
+
+    gib = 2048 * 25000 * 2 / 2**30
+    routing.SIZING = dataclasses.replace(routing.SIZING, fast_p_gib=gib, min_p_gib=gib)
+    seen = []
+    real = grads.scaled_weight_grad
+    grads.scaled_weight_grad = lambda acc, g, *a: seen.append((acc is None, g.shape[0])) or real(acc, g, *a)
+    out = {}
+    for budget in ("auto", "fast"):
+        seen.clear()
+        errs = _check_module().check(rank, world, budget, False, device=torch.device("cuda", rank))
+        out[budget] = (errs, seen[-1] if seen else None)
+    return out
+
+
+def test_nccl_one_dw_gemm_over_every_token():
+    from vpce import gemm
+
+    if torch.cuda.get_device_capability(0)[0] != 9 or gemm._quack() is None:
+        pytest.skip("needs the hopper extra on sm_90")
+    tol = _check_module().TOLERANCE
+    for rank, out in enumerate(run_ranks(_one_dw_gemm_main, 2, backend="nccl")):
+        assert out["auto"][1] == (True, 4096) and out["fast"][1] == (False, 2048), (rank, out)
+        for budget, (errs, _) in out.items():
+            for key, err in errs.items():
+                assert err < tol[key], f"rank {rank} budget={budget}: {key} differs from tp=1 by {err:.2e}"

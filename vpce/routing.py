@@ -14,6 +14,9 @@ chunk and buffer sizes the backends read (they size nothing themselves).
   Where free memory allows more, the cross-entropy's fast route takes every token in one chunk (``Plan.whole``,
   ``settle_by_memory``): no fp32 dW accumulator is read and rewritten chunk after chunk. Under a group that too is
   decided only where the agreement is read, as the smallest of every rank's fit (``vpce.parallel.agree``).
+  Under a group a rank may also keep every token's gradient in one ``P`` and finish dW in one GEMM while its
+  chunks, their exchanges and their dX sums stay those of ``Sizes.chunk`` (``one_weight_grad_gemm``): a choice
+  of this rank's alone, since it changes no collective.
   ``"speculative"`` (Triton, one process; ``reduction="none"`` and ``linear_log_probs``, whose per-token outputs
   the caller reduces): the fast route's forward at unit upstream scale, exact in backward for any upstream gradient,
   as cheap as the fast route when that gradient is uniform over the non-ignored tokens. The API asks
@@ -45,7 +48,7 @@ from .parallel import VocabShard
 __all__ = ["Plan", "Sizes", "Call", "resolve_backend", "plan_cross_entropy", "plan_log_probs", "plan_distillation",
            "settle_by_memory", "settle", "FIT_LEAN", "FIT_FAST", "FIT_WHOLE", "size_cross_entropy", "size_log_probs",
            "size_log_prob_loss",
-           "size_distillation", "fast_route_bytes", "SIZING", "Sizing"]
+           "size_distillation", "fast_route_bytes", "one_weight_grad_gemm", "SIZING", "Sizing"]
 
 ROW_ALIGN = 128      # chunk and sub-chunk boundaries are multiples of the kernel's largest BLOCK_M
 FAST_HEADROOM = 0.9      # the fast route's buffers may take at most this share of the free device memory
@@ -368,6 +371,30 @@ def size_cross_entropy(plan: Plan, opts: LossOptions, shard: VocabShard, d: int,
             chunk = WHOLE_CHUNK
         sizes = Sizes(chunk, SIZING.lean_token_block, SIZING.lean_block_gib)
     return dataclasses.replace(plan, sizes=sizes)
+
+
+def one_weight_grad_gemm(plan: Plan, opts: LossOptions, tokens: int, d: int, dtype: torch.dtype,
+                         hopper_dw: bool, defer: bool) -> bool:
+    """Whether the cross-entropy's fast route under a group keeps every token's gradient in one ``P`` (``tokens``
+    rows) and computes this rank's dW in one GEMM over it, where it would otherwise take ``Sizes.chunk`` tokens per
+    ``P`` and one dW GEMM per chunk into an fp32 accumulator. The chunks stay as they are: each chunk's statistics
+    are exchanged, its gradient written (in its rows of the larger ``P``) and its dX summed over the group in the
+    same order, so this changes no collective and each rank may decide it alone, from its own facts.
+
+    Taken with ``memory_budget="auto"`` where the ``hopper`` extra finishes dW (``hopper_dw``:
+    ``vpce.gemm.hopper_dw_ready``; ``defer``: dW needed, not into ``main_grad``), so that one quack GEMM writes the
+    weight's dtype and no fp32 accumulator is allocated, and where that ``P`` holds no more than the default ``P``
+    and the accumulator it replaces (so the peak stays the default's: ``P`` lives into backward either way). Why:
+    at tp=2 on the Llama-3-8B head (N=16384, two chunks) the first chunk's dW was a cuBLAS GEMM into fp32 (5.99 ms)
+    and the last quack's with the accumulator as C (6.73 ms); one GEMM over both reads and writes no accumulator
+    (docs/benchmarks.md). Under a group with one chunk already (``Plan.whole``, or few tokens) there is nothing to
+    merge."""
+    if not (plan.backend == "triton" and plan.route == "fast" and plan.dx_reduce == "forward" and not plan.whole
+            and opts.memory_budget == "auto" and hopper_dw and defer):
+        return False
+    chunk = plan.sizes.chunk
+    elem = torch.empty((), dtype=dtype).element_size()
+    return chunk < tokens and (tokens - chunk) * elem <= 4 * d  # P: at most the default's + the fp32 dW rows
 
 
 def size_log_probs(plan: Plan, lp: LogProbOptions, shard: VocabShard, d: int, dtype: torch.dtype,

@@ -89,7 +89,7 @@ from .gemm import add_product, hopper_dw_ready, logits_into, logits_with_stats, 
 from .grads import FastGrads, add_block, pad_rows, scaled, weight_grad, weight_grad_to_main, written_rows
 from .options import DistillOptions, LogProbLossOptions, LogProbOptions, LossOptions
 from .parallel import HiddenGradReduce, RankStats, gather_sequence, start_gather_sequence, start_stats_exchange
-from .routing import ROW_ALIGN, Call, round_to
+from .routing import ROW_ALIGN, Call, one_weight_grad_gemm, round_to
 from .speculation import block_flags, split_upstream
 from .targets import TokenTargets
 
@@ -326,7 +326,7 @@ def recompute_grads(hidden, weight, bias, tg: TokenTargets, rows: RowStats, coef
 
 
 def _chunk_loop(hidden, w, b, chunk: int, call: Call, step, form: bool = True,
-                defer_last: bool = False) -> FastGrads | None:
+                defer_last: bool = False, whole_p: torch.Tensor | None = None) -> FastGrads | None:
     """The forward chunk loop, every loss and route: per chunk ``sl`` of ``chunk`` tokens the per-loss
     ``step(sl, first)`` takes the chunk's statistics and outputs (from its logits buffer where the route holds one,
     ``first``: the first chunk's logits already written, launched before the forward's set-up) and, where ``form``,
@@ -334,7 +334,9 @@ def _chunk_loop(hidden, w, b, chunk: int, call: Call, step, form: bool = True,
     an all-padding shard); the chunk's dX rows and dW (db) then go into fp32 (with ``dx_reduce == "forward"``, dX
     summed over the group, overlapped with the dW GEMM and the next chunk). ``defer_last``: leave the last chunk's
     dW GEMM to backward where one quack GEMM can finish dW (``FastGrads.last``, ``vpce.gemm.hopper_dw_ready``), and
-    with one chunk and no group the dX GEMM too (``FastGrads.dx_last``).
+    with one chunk and no group the dX GEMM too (``FastGrads.dx_last``). ``whole_p``: ``P`` of every token
+    (``routing.one_weight_grad_gemm``), where each chunk's step leaves its gradient in that chunk's rows; dW is then
+    one GEMM over all of it after the last chunk (left to backward with ``defer_last``), none per chunk.
     Returns the unscaled ``FastGrads``, or None without ``form``."""
     n, d = hidden.shape
     if not form:
@@ -368,10 +370,14 @@ def _chunk_loop(hidden, w, b, chunk: int, call: Call, step, form: bool = True,
             reduce_dx.add(sl)
         if v == 0:
             continue
-        if needs[1] and defer_last and sl.stop == n and hopper_dw_ready(g, hidden[sl]):
-            last = (g, hidden[sl])
-        elif needs[1]:
-            dw = add_product(dw, g.t(), hidden[sl])
+        # dW of this chunk, or with whole_p of every chunk's rows at once after the last
+        gw, x = (g, hidden[sl]) if whole_p is None else (whole_p, hidden) if sl.stop == n else (None, None)
+        if not needs[1] or gw is None:
+            pass
+        elif defer_last and sl.stop == n and hopper_dw_ready(gw, x):
+            last = (gw, x)
+        else:
+            dw = add_product(dw, gw.t(), x)
         if db is not None:
             db += g.sum(0, dtype=torch.float32)
     if needs[1] and dw is None and last is None:  # no chunk ran (no tokens, or an all-padding shard)
@@ -393,7 +399,9 @@ def _softmax_step(hidden, w, b, tl_local, stats: _ChunkStats, p, call: Call, sof
     outputs that pass gives, ``_ChunkStats.grad_outputs``)."""
 
     def step(sl: slice, first: bool):
-        pc = None if p is None else p[: sl.stop - sl.start]
+        # the chunk's rows of P: its own rows where P holds every token (``routing.one_weight_grad_gemm``), else the
+        # first rows of a P of one chunk
+        pc = None if p is None else p[sl] if p.shape[0] >= sl.stop else p[: sl.stop - sl.start]
         parts = stats.parts(hidden, w, b, tl_local, sl, call, softcap, inv_t, p=pc, ready=first)
         if on_chunk is None:  # each part's coefficients as its statistics come (lazily: in order)
             ready = ((part, r, st, on_part(part, st)) for part, r, st in parts)
@@ -411,16 +419,16 @@ def _softmax_step(hidden, w, b, tl_local, stats: _ChunkStats, p, call: Call, sof
     return step
 
 
-def _first_chunk(hidden, w, b, call: Call, early: bool = True):
+def _first_chunk(hidden, w, b, call: Call, early: bool = True, every_token: bool = False):
     """``(P, chunk)`` of the fast and speculative routes, the first chunk's logits GEMM already launched
     (``early``; not where the GEMM takes the statistics too, ``_ChunkStats(epilogue=True)``: it needs the
-    targets)."""
+    targets). ``every_token``: P holds every token's row, not one chunk's (``routing.one_weight_grad_gemm``)."""
     n = hidden.shape[0]
     v = call.shard.valid_rows
     chunk = min(max(n, 1), call.plan.sizes.chunk)
     p = None
     if v > 0:
-        p = torch.empty(chunk, v, dtype=hidden.dtype, device=hidden.device)
+        p = torch.empty(n if every_token else chunk, v, dtype=hidden.dtype, device=hidden.device)
         if n > 0 and early:
             _ChunkStats.first_logits(p, hidden, w, b, chunk, call)
     return p, chunk
@@ -450,8 +458,12 @@ def cross_entropy(hidden, weight, bias, tg: TokenTargets, opts: LossOptions, cal
     cap, inv_t = opts.folded_cap()
     epilogue = formed and v > 0 and (cap is not None or inv_t == 1.0) and \
         not (opts.metrics and shard.sharded) and stats_epilogue_ready(hidden, w, b, v)
+    defer = plan.route == "fast" and not call.main_grad  # the speculative route's backward adds to the accumulator
+    # under a group: every token's gradient in one P, this rank's dW in one quack GEMM (changes no collective)
+    one_dw = v > 0 and call.needs_grad[1] and one_weight_grad_gemm(
+        plan, opts, n, d, hidden.dtype, v % 8 == 0 and hopper_dw_ready(hidden, w), defer)
     if formed:
-        p, chunk = _first_chunk(hidden, w, b, call, early=not epilogue)
+        p, chunk = _first_chunk(hidden, w, b, call, early=not epilogue, every_token=one_dw)
     tl_local = tg.local_columns()
     cw = None if tg.class_weight is None else tg.class_weight.columns.float()
     loss_tok = torch.empty(n, dtype=torch.float32, device=dev)
@@ -487,8 +499,8 @@ def cross_entropy(hidden, weight, bias, tg: TokenTargets, opts: LossOptions, cal
 
     step = _softmax_step(hidden, w, b, tl_local, stats, p, call, cap, inv_t, cw, on_part,
                          on_grad=on_grad if stats.late else None)
-    defer = plan.route == "fast" and not call.main_grad  # the speculative route's backward adds to the accumulator
-    return loss_tok, rows, _chunk_loop(hidden, w, b, chunk, call, step, form=formed, defer_last=defer)
+    return loss_tok, rows, _chunk_loop(hidden, w, b, chunk, call, step, form=formed, defer_last=defer,
+                                       whole_p=p if one_dw else None)
 
 
 def log_probs(hidden, weight, bias, tg: TokenTargets, lp: LogProbOptions, call: Call) -> RankStats:
