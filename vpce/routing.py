@@ -384,11 +384,12 @@ def one_weight_grad_gemm(plan: Plan, opts: LossOptions, tokens: int, d: int, dty
     Taken with ``memory_budget="auto"`` where the ``hopper`` extra finishes dW (``hopper_dw``:
     ``vpce.gemm.hopper_dw_ready``; ``defer``: dW needed, not into ``main_grad``), so that one quack GEMM writes the
     weight's dtype and no fp32 accumulator is allocated, and where that ``P`` holds no more than the default ``P``
-    and the accumulator it replaces (so the peak stays the default's: ``P`` lives into backward either way). Why:
-    at tp=2 on the Llama-3-8B head (N=16384, two chunks) the first chunk's dW was a cuBLAS GEMM into fp32 (5.99 ms)
-    and the last quack's with the accumulator as C (6.73 ms); one GEMM over both reads and writes no accumulator
-    (docs/benchmarks.md). Under a group with one chunk already (``Plan.whole``, or few tokens) there is nothing to
-    merge."""
+    and the accumulator it replaces (so the peak stays the default's: ``P`` lives into backward either way). In
+    default chunks the first chunk's dW GEMM writes that fp32 accumulator and each later one reads and rewrites it
+    (the last as quack's C); one GEMM over every token moves none of it. Two H100s, 2026-11-27: the Llama-3-8B head
+    at tp=2 (N=16384, two default chunks) at the same 2.82 GiB per rank, 1.050-1.076x the floor against main's
+    1.062-1.075x, within the spread (docs/benchmarks.md). Under a group with one chunk already (``Plan.whole``, or
+    few tokens) there is nothing to merge."""
     if not (plan.backend == "triton" and plan.route == "fast" and plan.dx_reduce == "forward" and not plan.whole
             and opts.memory_budget == "auto" and hopper_dw and defer):
         return False
