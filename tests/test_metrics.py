@@ -289,15 +289,24 @@ def boundary_tie_problem(sizes, *, dtype, n=64, d=257, seed=5) -> tuple[Problem,
     """Random logits with two equal lm_head rows (weight and bias) on each side of every shard boundary, large
     enough to be the argmax of most tokens: a tie across ranks that the lower id must win (new special tokens are
     often initialised to one vector). Targets: the lower id of the tie, the upper one, the argmax, or random; some
-    ignored. Returns the problem and the boundary's lower ids."""
+    ignored. Returns the problem and the boundary's lower ids.
+
+    The values are random but on a coarse dyadic grid (sixteenths of the hidden states, 128ths of the weights),
+    so that every logit is exact in fp32 and fp64 whatever order the GEMM sums in: the tie is a tie on every
+    machine. With real-valued random inputs a CPU BLAS that blocks the two ranks' GEMMs differently (an AMD EPYC
+    machine, 2026-11-27) rounded the two equal rows' logits one ulp apart, and the float64 argmax followed."""
     gen = torch.Generator().manual_seed(seed)
     v = sum(sizes)
-    hidden = torch.randn(n, d, generator=gen, dtype=torch.float64)
-    weight = torch.randn(v, d, generator=gen, dtype=torch.float64) * 0.1
-    bias = torch.randn(v, generator=gen, dtype=torch.float64) * 0.1
+
+    def grid(*shape, denominator):  # |value| <= 2 in steps of 1 / denominator: at most 19 bits in any logit here
+        return torch.randint(-32, 33, shape, generator=gen, dtype=torch.float64) * (2.0 / denominator)
+
+    hidden = grid(n, d, denominator=32)
+    weight = grid(v, d, denominator=256)
+    bias = grid(v, denominator=256)
     lower = torch.tensor(sizes).cumsum(0)[:-1] - 1
     for i in lower.tolist():
-        weight[i] = weight[i + 1] = torch.randn(d, generator=gen, dtype=torch.float64)
+        weight[i] = weight[i + 1] = grid(d, denominator=32)
         bias[i] = bias[i + 1] = 0.5
     z = hidden @ weight.t() + bias
     top = z.argmax(-1)

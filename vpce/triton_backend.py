@@ -370,14 +370,12 @@ def _chunk_loop(hidden, w, b, chunk: int, call: Call, step, form: bool = True,
             reduce_dx.add(sl)
         if v == 0:
             continue
-        # dW of this chunk, or with whole_p of every chunk's rows at once after the last
-        gw, x = (g, hidden[sl]) if whole_p is None else (whole_p, hidden) if sl.stop == n else (None, None)
-        if not needs[1] or gw is None:
-            pass
-        elif defer_last and sl.stop == n and hopper_dw_ready(gw, x):
-            last = (gw, x)
-        else:
-            dw = add_product(dw, gw.t(), x)
+        if needs[1] and (whole_p is None or sl.stop == n):  # with whole_p: one dW GEMM, over every chunk's rows
+            gw, x = (g, hidden[sl]) if whole_p is None else (whole_p, hidden)
+            if defer_last and sl.stop == n and hopper_dw_ready(gw, x):
+                last = (gw, x)
+            else:
+                dw = add_product(dw, gw.t(), x)
         if db is not None:
             db += g.sum(0, dtype=torch.float32)
     if needs[1] and dw is None and last is None:  # no chunk ran (no tokens, or an all-padding shard)
