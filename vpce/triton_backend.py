@@ -458,8 +458,9 @@ def cross_entropy(hidden, weight, bias, tg: TokenTargets, opts: LossOptions, cal
         not (opts.metrics and shard.sharded) and stats_epilogue_ready(hidden, w, b, v)
     defer = plan.route == "fast" and not call.main_grad  # the speculative route's backward adds to the accumulator
     # under a group: every token's gradient in one P, this rank's dW in one quack GEMM (changes no collective)
-    one_dw = v > 0 and call.needs_grad[1] and one_weight_grad_gemm(
-        plan, opts, n, d, hidden.dtype, v % 8 == 0 and hopper_dw_ready(hidden, w), defer)
+    one_dw = v > 0 and one_weight_grad_gemm(
+        plan, opts, n, d, hidden.dtype, (v * hidden.element_size()) % 16 == 0 and hopper_dw_ready(hidden, w),
+        defer and call.needs_grad[1])
     if formed:
         p, chunk = _first_chunk(hidden, w, b, call, early=not epilogue, every_token=one_dw)
     tl_local = tg.local_columns()
