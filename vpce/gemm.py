@@ -146,21 +146,39 @@ def _dx_tile(device_index: int) -> dict:
     return DX_TILE_H200 if "H200" in torch.cuda.get_device_name(device_index) else DX_TILE
 
 
+# Every quack GEMM here takes its output tiles from a counter in global memory (quack's dynamic persistent
+# scheduler) instead of a fixed share per CTA. Under a group a collective's kernels (NCCL, on a high-priority
+# stream) take some SMs at the start of the GEMM queued after them; with fixed shares the CTAs left without an SM
+# did all of their tiles after the collective ended, so the GEMM ran about the collective's time longer: on two
+# H100s at tp=2 (Llama-3-8B head, 2026-11-27, docs/results/gpu-2026-11-27j) the dX all-reduce beside the next
+# chunk's statistics GEMM added 0.6-1.4 ms to it and beside the dW GEMM 0.9 ms, per step. With the counter the
+# other CTAs take those tiles (+0.1 ms). In one process, the A/B interleaved (``ab.py``): tp=2 40.84 -> 40.42 ms a
+# step, tp=1 77.89 -> 77.48 (the floor 37.71 and 76.27).
+@functools.cache
+def _config_of(tile: tuple):
+    from quack.gemm_config import GemmConfig
+
+    return GemmConfig(**dict(tile), is_dynamic_persistent=True)
+
+
+def _config(tile: dict):
+    """``tile`` as one ``GemmConfig`` object for the process, dynamically scheduled: quack's eager fast path keys a
+    call's recorded launch by the config's identity, so a new (equal) object per call would re-record every call."""
+    return _config_of(tuple(tile.items()))
+
+
 def scaled_weight_grad(acc: torch.Tensor | None, g: torch.Tensor, x: torch.Tensor, scale: torch.Tensor,
                        dtype: torch.dtype) -> torch.Tensor:
     """``scale * (acc + g^T x)`` in the 16-bit ``dtype``, accumulated in fp32 and rounded once, in one quack GEMM
     (``hopper_dw_ready``): ``acc`` is the fp32 accumulator of the earlier chunks (None: there were none), ``scale``
     the 0-d upstream gradient."""
-    from quack.gemm_config import GemmConfig
-
     q = _quack()
     s = scale.detach().to(torch.float32).reshape(1).contiguous()  # read on the device: no host sync
     out = torch.empty(g.shape[1], x.shape[1], dtype=dtype, device=g.device)
     if acc is None:
-        q.gemm_tuned.fn(g.t(), x, out, alpha=s, config=GemmConfig(**DW_TILE, is_dynamic_persistent=False))
+        q.gemm_tuned.fn(g.t(), x, out, alpha=s, config=_config(DW_TILE))
     else:
-        q.gemm_tuned.fn(g.t(), x, out, C=acc, alpha=s, beta=s,
-                        config=GemmConfig(**DW_ADD_TILE, is_dynamic_persistent=False))
+        q.gemm_tuned.fn(g.t(), x, out, C=acc, alpha=s, beta=s, config=_config(DW_ADD_TILE))
     return out
 
 
@@ -168,12 +186,10 @@ def scaled_hidden_grad(g: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, dt
     """``scale * (g @ w)`` in the 16-bit ``dtype``, accumulated in fp32 and rounded once, in one quack GEMM
     (``hopper_dw_ready(g, w)``): dX of a call whose gradient ``g [N, V]`` is one chunk, with no fp32 ``[N, D]``
     buffer and no scale-and-cast pass; ``scale`` the 0-d upstream gradient."""
-    from quack.gemm_config import GemmConfig
-
     s = scale.detach().to(torch.float32).reshape(1).contiguous()  # read on the device: no host sync
     out = torch.empty(g.shape[0], w.shape[1], dtype=dtype, device=g.device)
     tile = _dx_tile(g.device.index if g.device.index is not None else torch.cuda.current_device())
-    _quack().gemm_tuned.fn(g, w, out, alpha=s, config=GemmConfig(**tile, is_dynamic_persistent=False))
+    _quack().gemm_tuned.fn(g, w, out, alpha=s, config=_config(tile))
     return out
 
 
@@ -243,13 +259,6 @@ def _stats_epilogue(capped: bool = False, sum_z: bool = False):
     return vpce_stats
 
 
-@functools.cache
-def _logits_config():
-    """``LOGITS_TILE`` as one ``GemmConfig`` object for the process: quack's eager fast path keys a call's
-    recorded launch by the config's identity, so a new (equal) object per call would re-record every call."""
-    from quack.gemm_config import GemmConfig
-
-    return GemmConfig(**LOGITS_TILE, is_dynamic_persistent=False)
 
 
 def logits_with_stats(p: torch.Tensor, h: torch.Tensor, w: torch.Tensor, t_local: torch.Tensor, zt: torch.Tensor,
@@ -268,6 +277,6 @@ def logits_with_stats(p: torch.Tensor, h: torch.Tensor, w: torch.Tensor, t_local
         ops.update(k=-2 * math.log2(math.e) / float(softcap), cap=float(softcap), scale=float(inv_t))
     if sum_z:
         ops["cw"] = class_weight if class_weight is not None else torch.ones(v, dtype=torch.float32, device=p.device)
-    res = _stats_epilogue(softcap is not None, sum_z)(h, w.t(), out={"D": p}, tuned=False, config=_logits_config(),
-                                                      **ops)
+    res = _stats_epilogue(softcap is not None, sum_z)(h, w.t(), out={"D": p}, tuned=False,
+                                                      config=_config(LOGITS_TILE), **ops)
     return res["lse"], res.get("sumz")

@@ -193,9 +193,15 @@ class _ChunkStats:
                                     tile_mb=cut(self.mb), zs=cut(self.zs))  # ``m`` is held only for the argmax
 
     @staticmethod
-    def _cuts(c: int, call: Call) -> list[int]:
-        if call.shard.sharded and c >= 4 * ROW_ALIGN:
-            return [0, round_to(c // 2, ROW_ALIGN), c]  # the first half's exchange hides behind the second's GEMM
+    def _cuts(c: int, call: Call, epilogue: bool = False) -> list[int]:
+        """Where a chunk of ``c`` tokens is cut into launches. Under a group cuBLAS's logits and the statistics
+        pass run as two halves, so that the first half's exchange hides behind the second half's GEMM. The
+        statistics GEMM (``epilogue``) runs the whole chunk in one launch: with two, the first half's exchange
+        did not run beside the second's GEMM anyway (its kernel got an SM only as that GEMM ended), and one launch
+        took 0.2-0.25 ms a step less (two H100s, tp=2, Llama-3-8B head, interleaved in one process;
+        docs/benchmarks.md)."""
+        if call.shard.sharded and not epilogue and c >= 4 * ROW_ALIGN:
+            return [0, round_to(c // 2, ROW_ALIGN), c]
         return [0, c]
 
     @staticmethod
@@ -209,7 +215,7 @@ class _ChunkStats:
         """Yield ``(part, rows, RankStats)`` for the sub-chunks of tokens ``sl`` (global statistics); ``rows``:
         the part's rows in the chunk buffers (and in ``p``, the fast route's P). ``ready``: ``first_logits``
         wrote the first sub-chunk's logits."""
-        cuts = self._cuts(sl.stop - sl.start, call)
+        cuts = self._cuts(sl.stop - sl.start, call, self.epilogue)
         pending = []
         for lo, hi in zip(cuts[:-1], cuts[1:]):
             part, r = slice(sl.start + lo, sl.start + hi), slice(lo, hi)
