@@ -8,7 +8,7 @@ Fast route (default; cross-entropy with ``mean``/``sum`` and gradients), 6NDV. P
 2. per-row reduction of the tile statistics (``kernels.reduce_tiles``); under a group, one packed all-gather of
    (max, sum of exp but the target's, target logit, sum of logits) (``vpce.parallel``) and the combine
    (``kernels.combine_rank_stats``) give every rank the global ``RankStats``; the chunk runs as two halves so
-   that the first half's all-gather overlaps the second half's GEMM;
+   that the first half's all-gather overlaps the second half's GEMM (one launch with the statistics epilogue);
 3. ``kernels.stored_logits`` (grad mode) overwrites ``P`` with the gradient at unit upstream scale;
 4. cuBLAS: ``dX[chunk] = dz @ W`` (fp32 out) and ``dW += dz.T @ X[chunk]`` into an fp32 accumulator; under a
    group the chunk's ``dX`` rows are summed over the group (async, under the dW GEMM; ``HiddenGradReduce``).
