@@ -489,13 +489,18 @@ def test_metrics_from_the_gradient_pass_beside_the_epilogue(monkeypatch, case, r
     assert rel_err(h.grad, ref.dhidden) <= 2e-5 and rel_err(w.grad, ref.dweight) <= 2e-5
 
 
-def _epilogue_under_group_main(rank, world):
+def _epilogue_under_group_main(rank, world, only_rank=None):
     import torch.distributed as dist
-    from vpce import triton_backend
+    from vpce import parallel, triton_backend
 
     calls = []  # a rank's own process: the stand-in as in the test above, without monkeypatch
-    triton_backend.stats_epilogue_ready = lambda h, w, b, cols: b is None and cols % 8 == 0
+    if only_rank is None or rank == only_rank:  # ``only_rank``: the other rank keeps the statistics pass
+        triton_backend.stats_epilogue_ready = lambda h, w, b, cols: b is None and cols % 8 == 0
+    else:
+        triton_backend.stats_epilogue_ready = lambda *a: False
     triton_backend.logits_with_stats = _stats_epilogue_stand_in(calls)
+    gathers, real_gather = [], parallel.all_gather_tensor  # every statistics exchange's size, in order
+    parallel.all_gather_tensor = lambda out, x, **kw: gathers.append(tuple(x.shape)) or real_gather(out, x, **kw)
     sizes = [48, 40]
     # 600 tokens: one chunk, which the statistics pass would run as two halves (>= 4 x ROW_ALIGN tokens)
     p = make_problem(600, 16, sum(sizes), dtype=torch.float32, ignore_frac=0.2, reduction="sum", seed=4)
@@ -513,17 +518,23 @@ def _epilogue_under_group_main(rank, world):
                                     return_entropy=True)
     want = reference_metrics(p.hidden, p.weight, p.target)["entropy"][p.target != -100].sum()
     errs.append(rel_err(out.entropy, want))
-    return got, calls[len(got):], *errs
+    return got, calls[len(got):], gathers, *errs
 
 
 @pytest.mark.skipif(CUDA, reason="the gloo runs use the CPU interpreter; NCCL runs are in launch/")
-def test_statistics_epilogue_under_a_group():
+@pytest.mark.parametrize("only_rank", [None, 0, 1], ids=["both", "rank0-only", "rank1-only"])
+def test_statistics_epilogue_under_a_group(only_rank):
     """Under a group each rank's logits GEMM takes its shard's statistics in the epilogue, the whole chunk in one
-    launch (not the statistics pass's two halves), and the exact loss and gradients come out."""
-    for rank, (calls, with_metrics, *errs) in enumerate(run_ranks(_epilogue_under_group_main, 2)):
+    launch, and the exact loss and gradients come out. Its statistics go out in the same exchanges, of the same
+    sizes, as the statistics pass's two halves, so ranks that differ in the epilogue (a rank-local fact: the
+    extra's import, the GPU, the shard's width) finish together (a mismatch would hang until the timeout)."""
+    got = run_ranks(_epilogue_under_group_main, 2, only_rank, timeout=180.0)
+    for rank, (calls, with_metrics, gathers, *errs) in enumerate(got):
         assert with_metrics == [], (rank, with_metrics)
-        assert calls == [(600, [48, 40][rank])], (rank, calls)
+        epilogue = only_rank is None or rank == only_rank
+        assert calls == ([(600, [48, 40][rank])] if epilogue else []), (rank, calls)
         assert max(errs) < 2e-5, (rank, errs)
+    assert got[0][2] == got[1][2] and (4, 256) in got[0][2] and (4, 344) in got[0][2], (got[0][2], got[1][2])
 
 
 @pytest.mark.skipif(not _hopper_here(), reason="needs an sm_90 GPU and the hopper extra (quack-kernels)")

@@ -44,8 +44,8 @@ Keeping the target's term out of ``X`` is what makes confident tokens exact: ``-
 token with ``p_t = 1 - 1e-7`` come without cancellation. A rank (or tile) whose logits are all ``-inf`` has
 ``m_r = -inf`` and contributes nothing. One collective per chunk; no logits or weights are ever gathered.
 ``start_stats_exchange`` starts it with an async work handle; the Triton backend runs each chunk's GEMM as two
-halves so that the first half's exchange runs under the second half's GEMM (not the statistics epilogue's
-GEMM, which runs a chunk in one launch: ``_ChunkStats._cuts``).
+halves so that the first half's exchange runs under the second half's GEMM (the statistics epilogue's GEMM
+runs the whole chunk in one launch, its statistics exchanged in the same halves: ``_ChunkStats.parts``).
 
 Gradient of the hidden states. Each rank's backend produces only its vocab shard's contribution to ``dX``. Where
 the call's plan says so (``vpce.routing``), the hidden states enter the vocab-parallel region through

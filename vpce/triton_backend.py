@@ -8,7 +8,8 @@ Fast route (default; cross-entropy with ``mean``/``sum`` and gradients), 6NDV. P
 2. per-row reduction of the tile statistics (``kernels.reduce_tiles``); under a group, one packed all-gather of
    (max, sum of exp but the target's, target logit, sum of logits) (``vpce.parallel``) and the combine
    (``kernels.combine_rank_stats``) give every rank the global ``RankStats``; the chunk runs as two halves so
-   that the first half's all-gather overlaps the second half's GEMM (one launch with the statistics epilogue);
+   that the first half's all-gather overlaps the second half's GEMM (with the statistics epilogue one GEMM
+   launch for the chunk, its statistics exchanged in the same halves);
 3. ``kernels.stored_logits`` (grad mode) overwrites ``P`` with the gradient at unit upstream scale;
 4. cuBLAS: ``dX[chunk] = dz @ W`` (fp32 out) and ``dW += dz.T @ X[chunk]`` into an fp32 accumulator; under a
    group the chunk's ``dX`` rows are summed over the group (async, under the dW GEMM; ``HiddenGradReduce``).
@@ -88,7 +89,8 @@ from .formulas import (Coefficients, RowStats, ce_coefficients, ce_token_outputs
 from .gemm import add_product, hopper_dw_ready, logits_into, logits_with_stats, mm_into, stats_epilogue_ready
 from .grads import FastGrads, add_block, pad_rows, scaled, weight_grad, weight_grad_to_main, written_rows
 from .options import DistillOptions, LogProbLossOptions, LogProbOptions, LossOptions
-from .parallel import HiddenGradReduce, RankStats, gather_sequence, start_gather_sequence, start_stats_exchange
+from .parallel import (HiddenGradReduce, PendingStats, RankStats, gather_sequence, start_gather_sequence,
+                       start_stats_exchange)
 from .routing import ROW_ALIGN, Call, one_weight_grad_gemm, round_to
 from .speculation import block_flags, split_upstream
 from .targets import TokenTargets
@@ -133,9 +135,10 @@ class _ChunkStats:
         # it with the other logits of P, so that ties are judged on equal terms, across ranks too
         self.zs = torch.empty(rows, **f32) if before is not None else None
 
-    def _launch(self, h, w, b, tl_local, sl: slice, r: slice, call: Call, softcap, inv_t, p, ready=False):
-        """Kernel and local reduction for tokens ``sl`` into buffer rows ``r``; starts the exchange. ``ready``:
-        the logits of ``p`` are already written (``first_logits``)."""
+    def _local(self, h, w, b, tl_local, sl: slice, r: slice, call: Call, softcap, inv_t, p, ready=False):
+        """Kernel and local reduction for tokens ``sl`` into buffer rows ``r``: this rank's packed statistics
+        ``[k, rows]`` (``start_stats_exchange``). ``ready``: the logits of ``p`` are already written
+        (``first_logits``)."""
         n_sums = 1 if self.z is not None else 0
         cut = lambda t: None if t is None else t[r]  # noqa: E731
         if call.shard.valid_rows > 0 and self.epilogue:  # P, the statistics and the fp32 target logit: one GEMM
@@ -144,9 +147,7 @@ class _ChunkStats:
                                            self.class_weight)
             kernels.target_out_of_lse(lse, zt, self.s[r].view(-1), p.dtype, softcap=softcap, inv_t=inv_t,
                                       zs=None if self.zs is None else self.zs[r])
-            packed = kernels.reduce_tiles(lse[:, None], self.s[r], None if sum_z is None else sum_z[:, None], None,
-                                          zt)
-            return start_stats_exchange(packed, n_sums, call.shard, call.poison, combine=kernels.combine_rank_stats)
+            return kernels.reduce_tiles(lse[:, None], self.s[r], None if sum_z is None else sum_z[:, None], None, zt)
         if call.shard.valid_rows > 0:
             zt, zs = self.zt[r], None
             stats = dict(softcap=softcap, inv_t=inv_t, tile_m=self.m[r], tile_s=self.s[r], tile_z=cut(self.z),
@@ -173,8 +174,15 @@ class _ChunkStats:
             packed[0] = packed[2] = -math.inf
             if top1:
                 packed[-2:] = -math.inf
-        return start_stats_exchange(packed, n_sums, call.shard, call.poison, combine=kernels.combine_rank_stats,
-                                    sum_sq=self.sq is not None, max_before=self.mb is not None)
+        return packed
+
+    def _exchange(self, packed: torch.Tensor, call: Call) -> PendingStats:
+        """Start the exchange of ``_local``'s packed statistics. The epilogue's carry no metrics' rows (those come
+        from the gradient pass, ``late``; under a group the metrics keep the statistics pass)."""
+        metrics = not self.epilogue
+        return start_stats_exchange(packed, 1 if self.z is not None else 0, call.shard, call.poison,
+                                    combine=kernels.combine_rank_stats, sum_sq=metrics and self.sq is not None,
+                                    max_before=metrics and self.mb is not None)
 
     def grad_outputs(self, part: slice, r: slice) -> dict:
         """What the gradient pass of tokens ``part`` (buffer rows ``r``) also fills where the metrics come from it
@@ -193,14 +201,12 @@ class _ChunkStats:
                                     tile_mb=cut(self.mb), zs=cut(self.zs))  # ``m`` is held only for the argmax
 
     @staticmethod
-    def _cuts(c: int, call: Call, epilogue: bool = False) -> list[int]:
-        """Where a chunk of ``c`` tokens is cut into launches. Under a group cuBLAS's logits and the statistics
-        pass run as two halves, so that the first half's exchange hides behind the second half's GEMM. The
-        statistics GEMM (``epilogue``) runs the whole chunk in one launch: with two, the first half's exchange
-        did not run beside the second's GEMM anyway (its kernel got an SM only as that GEMM ended), and one launch
-        took 0.2-0.25 ms a step less (two H100s, tp=2, Llama-3-8B head, interleaved in one process;
-        docs/benchmarks.md)."""
-        if call.shard.sharded and not epilogue and c >= 4 * ROW_ALIGN:
+    def _cuts(c: int, call: Call) -> list[int]:
+        """Where a chunk of ``c`` tokens is cut into parts, each with its own exchange. Under a group, two halves:
+        cuBLAS's logits and the statistics pass run per half, so that the first half's exchange hides behind the
+        second half's GEMM. The cuts depend only on what every rank agrees on (the chunk, the group), never on a
+        rank's route (``epilogue``), so every rank runs the same exchanges."""
+        if call.shard.sharded and c >= 4 * ROW_ALIGN:
             return [0, round_to(c // 2, ROW_ALIGN), c]
         return [0, c]
 
@@ -215,12 +221,20 @@ class _ChunkStats:
         """Yield ``(part, rows, RankStats)`` for the sub-chunks of tokens ``sl`` (global statistics); ``rows``:
         the part's rows in the chunk buffers (and in ``p``, the fast route's P). ``ready``: ``first_logits``
         wrote the first sub-chunk's logits."""
-        cuts = self._cuts(sl.stop - sl.start, call, self.epilogue)
+        cuts = self._cuts(sl.stop - sl.start, call)
+        whole = None
+        if self.epilogue:
+            # the statistics GEMM runs the whole chunk in one launch, its statistics then exchanged in the same
+            # parts: with a launch per half the first half's exchange did not run beside the second's GEMM anyway
+            # (it got an SM only as that persistent GEMM ended), and one launch took 0.2-0.25 ms a step less (two
+            # H100s, tp=2, Llama-3-8B head, interleaved in one process; docs/benchmarks.md)
+            whole = self._local(h, w, b, tl_local, sl, slice(0, sl.stop - sl.start), call, softcap, inv_t, p)
         pending = []
         for lo, hi in zip(cuts[:-1], cuts[1:]):
             part, r = slice(sl.start + lo, sl.start + hi), slice(lo, hi)
-            pending.append((part, r, self._launch(h, w, b, tl_local, part, r, call, softcap, inv_t,
-                                                  None if p is None else p[r], ready=ready and lo == 0)))
+            packed = whole[:, lo:hi].contiguous() if whole is not None else self._local(
+                h, w, b, tl_local, part, r, call, softcap, inv_t, None if p is None else p[r], ready=ready and lo == 0)
+            pending.append((part, r, self._exchange(packed, call)))
         for part, r, pend in pending:
             yield part, r, pend.wait()
 
