@@ -259,8 +259,6 @@ def _stats_epilogue(capped: bool = False, sum_z: bool = False):
     return vpce_stats
 
 
-
-
 def logits_with_stats(p: torch.Tensor, h: torch.Tensor, w: torch.Tensor, t_local: torch.Tensor, zt: torch.Tensor,
                       softcap: float | None = None, inv_t: float = 1.0, sum_z: bool = False,
                       class_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -232,8 +232,11 @@ class _ChunkStats:
         pending = []
         for lo, hi in zip(cuts[:-1], cuts[1:]):
             part, r = slice(sl.start + lo, sl.start + hi), slice(lo, hi)
-            packed = whole[:, lo:hi].contiguous() if whole is not None else self._local(
-                h, w, b, tl_local, part, r, call, softcap, inv_t, None if p is None else p[r], ready=ready and lo == 0)
+            if whole is None:
+                packed = self._local(h, w, b, tl_local, part, r, call, softcap, inv_t, None if p is None else p[r],
+                                     ready=ready and lo == 0)
+            else:  # the part's columns of the whole chunk's statistics
+                packed = whole if hi - lo == whole.shape[1] else whole[:, lo:hi].contiguous()
             pending.append((part, r, self._exchange(packed, call)))
         for part, r, pend in pending:
             yield part, r, pend.wait()
