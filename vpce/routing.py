@@ -394,8 +394,7 @@ def one_weight_grad_gemm(plan: Plan, opts: LossOptions, tokens: int, d: int, dty
             and opts.memory_budget == "auto" and hopper_dw and defer):
         return False
     chunk = plan.sizes.chunk
-    elem = torch.empty((), dtype=dtype).element_size()
-    return chunk < tokens and (tokens - chunk) * elem <= 4 * d  # P: at most the default's + the fp32 dW rows
+    return chunk < tokens and (tokens - chunk) * dtype.itemsize <= 4 * d  # P: at most the default's + the fp32 dW rows
 
 
 def size_log_probs(plan: Plan, lp: LogProbOptions, shard: VocabShard, d: int, dtype: torch.dtype,

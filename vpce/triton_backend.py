@@ -348,6 +348,12 @@ def recompute_grads(hidden, weight, bias, tg: TokenTargets, rows: RowStats, coef
     return _block_loop(hidden, weight, bias, call, step, main_weight)
 
 
+def _p_quack_ready(hidden, w, v: int) -> bool:
+    """Whether quack's GEMMs can finish dX or dW from a ``P`` of ``v`` columns (``vpce.gemm.hopper_dw_ready``):
+    its rows, ``v`` apart, must start on 16-byte boundaries (TMA)."""
+    return v > 0 and (v * hidden.element_size()) % 16 == 0 and hopper_dw_ready(hidden, w)
+
+
 def _chunk_loop(hidden, w, b, chunk: int, call: Call, step, form: bool = True,
                 defer_last: bool = False, whole_p: torch.Tensor | None = None) -> FastGrads | None:
     """The forward chunk loop, every loss and route: per chunk ``sl`` of ``chunk`` tokens the per-loss
@@ -373,8 +379,7 @@ def _chunk_loop(hidden, w, b, chunk: int, call: Call, step, form: bool = True,
     # one chunk, no group: dX's GEMM too can wait for backward, where one quack GEMM writes it scaled in bf16. It
     # reads the chunk's P [n, V_local] (``_first_chunk``: row-major, rows V_local apart), whose rows must start on
     # 16-byte boundaries: V_local a multiple of 8 (else cuBLAS's fp32 GEMM below, as without the extra)
-    defer_dx = needs[0] and defer_last and not shard.sharded and 0 < n <= chunk and v > 0 and \
-        (v * hidden.element_size()) % 16 == 0 and hopper_dw_ready(hidden, w)
+    defer_dx = needs[0] and defer_last and not shard.sharded and 0 < n <= chunk and _p_quack_ready(hidden, w, v)
     if needs[0] and not defer_dx:  # fp32; an all-padding shard contributes zeros (and still joins the collectives)
         dx = (torch.empty if v > 0 else torch.zeros)(n, d, dtype=torch.float32, device=dev)
     reduce_dx = HiddenGradReduce(dx, shard, plan.sequence_parallel) \
@@ -482,8 +487,7 @@ def cross_entropy(hidden, weight, bias, tg: TokenTargets, opts: LossOptions, cal
     defer = plan.route == "fast" and not call.main_grad  # the speculative route's backward adds to the accumulator
     # under a group: every token's gradient in one P, this rank's dW in one quack GEMM (changes no collective)
     one_dw = v > 0 and one_weight_grad_gemm(
-        plan, opts, n, d, hidden.dtype, (v * hidden.element_size()) % 16 == 0 and hopper_dw_ready(hidden, w),
-        defer and call.needs_grad[1])
+        plan, opts, n, d, hidden.dtype, _p_quack_ready(hidden, w, v), defer and call.needs_grad[1])
     if formed:
         p, chunk = _first_chunk(hidden, w, b, call, early=not epilogue, every_token=one_dw)
     tl_local = tg.local_columns()
