@@ -285,8 +285,9 @@ def test_one_dw_gemm_changes_no_collective(takes, sp, n, d):
             want = [e for s, c in zip(starts, counts) for e in (("stats", s), ("dx", c))]
         assert events == want, (rank, events)
     assert per_rank[0][3] == per_rank[1][3], (per_rank[0][3], per_rank[1][3])
-    # the statistics exchanges (4 packed rows with label smoothing) and the dX sums, runs of one kind merged:
-    # exchange 0, exchange 1, sum 0, exchange 2, sum 1, ..., sum of the last
+    # the statistics exchanges (4 packed rows with label smoothing; one per chunk) and the dX sums (the pieces of
+    # one chunk's merged under sequence parallelism): exchange 0, exchange 1, sum 0, exchange 2, sum 1, ..., sum of
+    # the last
     want = [("gather", counts[0])]
     for i in range(1, len(counts)):
         want += [("gather", counts[i]), ("sum", counts[i - 1])]
@@ -297,10 +298,10 @@ def test_one_dw_gemm_changes_no_collective(takes, sp, n, d):
 
 
 def _runs(pairs: list) -> list:
-    """``(kind, rows)`` pairs with adjacent pairs of one kind merged (their rows summed)."""
+    """``(kind, rows)`` pairs with adjacent sums merged (their rows added)."""
     out = []
     for kind, rows in pairs:
-        if out and out[-1][0] == kind:
+        if out and out[-1][0] == kind == "sum":
             out[-1] = (kind, out[-1][1] + rows)
         else:
             out.append((kind, rows))

@@ -111,13 +111,15 @@ class _ChunkStats:
     """
 
     def __init__(self, rows: int, v: int, x: torch.Tensor, sum_z: bool, sum_ez: bool, class_weight=None,
-                 sum_sq: bool = False, before: torch.Tensor | None = None, epilogue: bool = False):
+                 sum_sq: bool = False, before: torch.Tensor | None = None, epilogue: bool = False,
+                 halves: bool = True):
         n_tiles = max(1, math.ceil(v / kernels.tile_n(x)))
         f32 = dict(dtype=torch.float32, device=x.device)
         # ``epilogue``: the fast route's logits GEMM takes the statistics itself (``vpce.gemm.logits_with_stats``,
         # the hopper extra): one log-sum-exp per row and the share of it outside the target column
         # (``kernels.target_out_of_lse``), which the reduction takes as one tile
         self.epilogue = epilogue
+        self.halves = halves  # ``_cuts``: equal on every rank
         # there the entropy's sum and the argmax test's maxima come per tile from the gradient pass instead
         # (``grad_outputs``, then ``kernels.grad_metrics``): one process only (the sums are this rank's)
         self.late = epilogue and (sum_ez or before is not None)
@@ -201,20 +203,23 @@ class _ChunkStats:
                                     tile_mb=cut(self.mb), zs=cut(self.zs))  # ``m`` is held only for the argmax
 
     @staticmethod
-    def _cuts(c: int, call: Call) -> list[int]:
+    def _cuts(c: int, call: Call, halves: bool = True) -> list[int]:
         """Where a chunk of ``c`` tokens is cut into parts, each with its own exchange. Under a group, two halves:
         cuBLAS's logits and the statistics pass run per half, so that the first half's exchange hides behind the
-        second half's GEMM. The cuts depend only on what every rank agrees on (the chunk, the group), never on a
-        rank's route (``epilogue``), so every rank runs the same exchanges."""
-        if call.shard.sharded and c >= 4 * ROW_ALIGN:
+        second half's GEMM. Not with ``halves=False`` (``_chunk_loop``'s ``late_sums``), where a rank may run the
+        next chunk's statistics GEMM right after this chunk's: an exchange then gets an SM at once only if it is
+        launched before that GEMM, whose CTAs hold every SM until it ends (quack's persistent GEMMs), so the
+        chunk goes in one exchange. The cuts depend only on what every rank agrees on (the chunk, the group,
+        ``halves``), never on a rank's route (``epilogue``, ``whole_p``), so every rank runs the same exchanges."""
+        if halves and call.shard.sharded and c >= 4 * ROW_ALIGN:
             return [0, round_to(c // 2, ROW_ALIGN), c]
         return [0, c]
 
     @staticmethod
-    def first_logits(p, h, w, b, chunk: int, call: Call):
+    def first_logits(p, h, w, b, chunk: int, call: Call, halves: bool = True):
         """The fast route's first GEMM (the first sub-chunk's logits into ``p``), launched before the rest of the
         forward's set-up so that the GPU starts at once; ``start(..., ready=True)`` then skips it."""
-        first = _ChunkStats._cuts(min(chunk, h.shape[0]), call)[1]
+        first = _ChunkStats._cuts(min(chunk, h.shape[0]), call, halves)[1]
         logits_into(p[:first], h[:first], w, b)
 
     def start(self, h, w, b, tl_local, sl: slice, call: Call, softcap, inv_t=1.0, p=None, ready=False) -> list:
@@ -223,7 +228,7 @@ class _ChunkStats:
         part's rows in the chunk buffers (and in ``p``, the fast route's P). ``ready``: ``first_logits`` wrote the
         first sub-chunk's logits. The packed statistics are fresh tensors: a later chunk's ``start`` may run before
         these are awaited."""
-        cuts = self._cuts(sl.stop - sl.start, call)
+        cuts = self._cuts(sl.stop - sl.start, call, self.halves)
         whole = None
         if self.epilogue:
             # the statistics GEMM runs the whole chunk in one launch, its statistics then exchanged in the same
@@ -486,10 +491,11 @@ def _softmax_step(hidden, w, b, tl_local, stats: _ChunkStats, p, call: Call, sof
     return step
 
 
-def _first_chunk(hidden, w, b, call: Call, early: bool = True, every_token: bool = False):
+def _first_chunk(hidden, w, b, call: Call, early: bool = True, every_token: bool = False, halves: bool = True):
     """``(P, chunk)`` of the fast and speculative routes, the first chunk's logits GEMM already launched
     (``early``; not where the GEMM takes the statistics too, ``_ChunkStats(epilogue=True)``: it needs the
-    targets). ``every_token``: P holds every token's row, not one chunk's (``routing.one_weight_grad_gemm``)."""
+    targets). ``every_token``: P holds every token's row, not one chunk's (``routing.one_weight_grad_gemm``).
+    ``halves``: ``_ChunkStats``' (the first GEMM writes the first part's logits)."""
     n = hidden.shape[0]
     v = call.shard.valid_rows
     chunk = min(max(n, 1), call.plan.sizes.chunk)
@@ -497,7 +503,7 @@ def _first_chunk(hidden, w, b, call: Call, early: bool = True, every_token: bool
     if v > 0:
         p = torch.empty(n if every_token else chunk, v, dtype=hidden.dtype, device=hidden.device)
         if n > 0 and early:
-            _ChunkStats.first_logits(p, hidden, w, b, chunk, call)
+            _ChunkStats.first_logits(p, hidden, w, b, chunk, call, halves)
     return p, chunk
 
 
@@ -532,7 +538,7 @@ def cross_entropy(hidden, weight, bias, tg: TokenTargets, opts: LossOptions, cal
     one_dw = v > 0 and one_weight_grad_gemm(plan, opts, n, d, hidden.dtype, _p_quack_ready(hidden, w, v),
                                             defer and call.needs_grad[1])
     if formed:
-        p, chunk = _first_chunk(hidden, w, b, call, early=not epilogue, every_token=one_dw)
+        p, chunk = _first_chunk(hidden, w, b, call, early=not epilogue, every_token=one_dw, halves=not late_sums)
     tl_local = tg.local_columns()
     cw = None if tg.class_weight is None else tg.class_weight.columns.float()
     loss_tok = torch.empty(n, dtype=torch.float32, device=dev)
@@ -559,7 +565,8 @@ def cross_entropy(hidden, weight, bias, tg: TokenTargets, opts: LossOptions, cal
 
     if not formed:  # stats-only launches
         p, chunk = None, min(max(n, 1), plan.sizes.chunk)
-    stats = _ChunkStats(chunk, v, hidden, smooth, entropy, cw, before=before, epilogue=epilogue)
+    stats = _ChunkStats(chunk, v, hidden, smooth, entropy, cw, before=before, epilogue=epilogue,
+                        halves=not late_sums)
 
     def on_grad(part, r, st):
         for k, value in zip(("entropy", "token_accuracy"), stats.grad_metrics(r, st)):
