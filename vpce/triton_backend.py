@@ -91,7 +91,7 @@ from .grads import FastGrads, add_block, pad_rows, scaled, weight_grad, weight_g
 from .options import DistillOptions, LogProbLossOptions, LogProbOptions, LossOptions
 from .parallel import (HiddenGradReduce, PendingStats, RankStats, gather_sequence, start_gather_sequence,
                        start_stats_exchange)
-from .routing import ROW_ALIGN, Call, every_token_p, one_weight_grad_gemm, round_to
+from .routing import ROW_ALIGN, Call, one_weight_grad_gemm, round_to
 from .speculation import block_flags, split_upstream
 from .targets import TokenTargets
 
@@ -106,20 +106,18 @@ class _ChunkStats:
     """Per-tile statistics buffers for a chunk of tokens, and the pass that turns them into global per-token
     statistics (one packed collective under a group).
 
-    ``start`` runs a chunk as sub-chunks: under a group each sub-chunk's exchange is started asynchronously and
+    ``parts`` runs a chunk as sub-chunks: under a group each sub-chunk's exchange is started asynchronously and
     overlaps the next sub-chunk's GEMM; the results come back in order.
     """
 
     def __init__(self, rows: int, v: int, x: torch.Tensor, sum_z: bool, sum_ez: bool, class_weight=None,
-                 sum_sq: bool = False, before: torch.Tensor | None = None, epilogue: bool = False,
-                 halves: bool = True):
+                 sum_sq: bool = False, before: torch.Tensor | None = None, epilogue: bool = False):
         n_tiles = max(1, math.ceil(v / kernels.tile_n(x)))
         f32 = dict(dtype=torch.float32, device=x.device)
         # ``epilogue``: the fast route's logits GEMM takes the statistics itself (``vpce.gemm.logits_with_stats``,
         # the hopper extra): one log-sum-exp per row and the share of it outside the target column
         # (``kernels.target_out_of_lse``), which the reduction takes as one tile
         self.epilogue = epilogue
-        self.halves = halves  # ``_cuts``: equal on every rank
         # there the entropy's sum and the argmax test's maxima come per tile from the gradient pass instead
         # (``grad_outputs``, then ``kernels.grad_metrics``): one process only (the sums are this rank's)
         self.late = epilogue and (sum_ez or before is not None)
@@ -203,32 +201,27 @@ class _ChunkStats:
                                     tile_mb=cut(self.mb), zs=cut(self.zs))  # ``m`` is held only for the argmax
 
     @staticmethod
-    def _cuts(c: int, call: Call, halves: bool = True) -> list[int]:
+    def _cuts(c: int, call: Call) -> list[int]:
         """Where a chunk of ``c`` tokens is cut into parts, each with its own exchange. Under a group, two halves:
         cuBLAS's logits and the statistics pass run per half, so that the first half's exchange hides behind the
-        second half's GEMM. Not with ``halves=False`` (``_chunk_loop``'s ``late_sums``), where a rank may run the
-        next chunk's statistics GEMM right after this chunk's: an exchange then gets an SM at once only if it is
-        launched before that GEMM, whose CTAs hold every SM until it ends (quack's persistent GEMMs), so the
-        chunk goes in one exchange. The cuts depend only on what every rank agrees on (the chunk, the group,
-        ``halves``), never on a rank's route (``epilogue``, ``whole_p``), so every rank runs the same exchanges."""
-        if halves and call.shard.sharded and c >= 4 * ROW_ALIGN:
+        second half's GEMM. The cuts depend only on what every rank agrees on (the chunk, the group), never on a
+        rank's route (``epilogue``), so every rank runs the same exchanges."""
+        if call.shard.sharded and c >= 4 * ROW_ALIGN:
             return [0, round_to(c // 2, ROW_ALIGN), c]
         return [0, c]
 
     @staticmethod
-    def first_logits(p, h, w, b, chunk: int, call: Call, halves: bool = True):
+    def first_logits(p, h, w, b, chunk: int, call: Call):
         """The fast route's first GEMM (the first sub-chunk's logits into ``p``), launched before the rest of the
-        forward's set-up so that the GPU starts at once; ``start(..., ready=True)`` then skips it."""
-        first = _ChunkStats._cuts(min(chunk, h.shape[0]), call, halves)[1]
+        forward's set-up so that the GPU starts at once; ``parts(..., ready=True)`` then skips it."""
+        first = _ChunkStats._cuts(min(chunk, h.shape[0]), call)[1]
         logits_into(p[:first], h[:first], w, b)
 
-    def start(self, h, w, b, tl_local, sl: slice, call: Call, softcap, inv_t=1.0, p=None, ready=False) -> list:
-        """Launch the statistics of the sub-chunks of tokens ``sl`` and start their exchanges:
-        ``[(part, rows, PendingStats)]``, whose ``wait()`` gives the part's global ``RankStats``; ``rows``: the
-        part's rows in the chunk buffers (and in ``p``, the fast route's P). ``ready``: ``first_logits`` wrote the
-        first sub-chunk's logits. The packed statistics are fresh tensors: a later chunk's ``start`` may run before
-        these are awaited."""
-        cuts = self._cuts(sl.stop - sl.start, call, self.halves)
+    def parts(self, h, w, b, tl_local, sl: slice, call: Call, softcap, inv_t=1.0, p=None, ready=False):
+        """Yield ``(part, rows, RankStats)`` for the sub-chunks of tokens ``sl`` (global statistics); ``rows``:
+        the part's rows in the chunk buffers (and in ``p``, the fast route's P). ``ready``: ``first_logits``
+        wrote the first sub-chunk's logits."""
+        cuts = self._cuts(sl.stop - sl.start, call)
         whole = None
         if self.epilogue:
             # the statistics GEMM runs the whole chunk in one launch, its statistics then exchanged in the same
@@ -245,7 +238,8 @@ class _ChunkStats:
             else:  # the part's columns of the whole chunk's statistics
                 packed = whole if hi - lo == whole.shape[1] else whole[:, lo:hi].contiguous()
             pending.append((part, r, self._exchange(packed, call)))
-        return pending
+        for part, r, pend in pending:
+            yield part, r, pend.wait()
 
 
 # -- the engine: one forward chunk loop (``_chunk_loop``), one block loop for the recompute (``_block_loop``) -------
@@ -361,8 +355,7 @@ def _p_quack_ready(hidden, w, v: int) -> bool:
 
 
 def _chunk_loop(hidden, w, b, chunk: int, call: Call, step, form: bool = True,
-                defer_last: bool = False, whole_p: torch.Tensor | None = None,
-                late_sums: bool = False) -> FastGrads | None:
+                defer_last: bool = False, whole_p: torch.Tensor | None = None) -> FastGrads | None:
     """The forward chunk loop, every loss and route: per chunk ``sl`` of ``chunk`` tokens the per-loss
     ``step(sl, first)`` takes the chunk's statistics and outputs (from its logits buffer where the route holds one,
     ``first``: the first chunk's logits already written, launched before the forward's set-up) and, where ``form``,
@@ -372,14 +365,7 @@ def _chunk_loop(hidden, w, b, chunk: int, call: Call, step, form: bool = True,
     dW GEMM to backward where one quack GEMM can finish dW (``FastGrads.last``, ``vpce.gemm.hopper_dw_ready``), and
     with one chunk and no group the dX GEMM too (``FastGrads.dx_last``). ``whole_p``: ``P`` of every token
     (``routing.one_weight_grad_gemm``), where each chunk's step leaves its gradient in that chunk's rows; dW is then
-    one GEMM over all of it after the last chunk (left to backward with ``defer_last``), none per chunk; with
-    ``late_sums`` the next chunk's statistics then run before this chunk's gradient pass (``step.begin`` / ``step.end``), so that their
-    exchange is in before it is awaited, and a rank that runs ahead of the others waits at no exchange.
-
-    ``late_sums``: each chunk's dX sum over the group is started after the next chunk's statistics exchanges
-    instead of right after its dX GEMM, so that ranks with and without ``whole_p`` (a rank's own choice) issue
-    the same collectives in the same order: exchange 0, exchange 1, sum 0, exchange 2, sum 1, ... It must be equal
-    on every rank (``routing.every_token_p``, from agreed facts only).
+    one GEMM over all of it after the last chunk (left to backward with ``defer_last``), none per chunk.
     Returns the unscaled ``FastGrads``, or None without ``form``."""
     n, d = hidden.shape
     if not form:
@@ -401,31 +387,15 @@ def _chunk_loop(hidden, w, b, chunk: int, call: Call, step, form: bool = True,
     dw = None  # fp32 accumulator, allocated by the first chunk's GEMM (no zero fill)
     last = None
     db = torch.zeros(v, dtype=torch.float32, device=dev) if needs[2] and b is not None else None
-    chunks = [slice(c0, min(n, c0 + chunk)) for c0 in range(0, n, chunk)]
-    ahead = whole_p is not None and late_sums and len(chunks) > 1  # the next chunk's statistics first
-    begun = step.begin(chunks[0], True) if ahead else None
-    held = None  # the previous chunk's dX rows, whose sum starts after this chunk's exchanges (``late_sums``)
-    for i, sl in enumerate(chunks):
-        if ahead:  # this chunk's exchanges are started: the previous chunk's sum, then the next chunk's exchanges
-            if held is not None:
-                reduce_dx.add(held)
-                held = None
-            after = step.begin(chunks[i + 1], False) if i + 1 < len(chunks) else None
-            g, begun = step.end(begun), after
-        else:
-            g = step(sl, i == 0)
-        if held is not None:  # after this chunk's exchanges
-            reduce_dx.add(held)
-            held = None
+    for c0 in range(0, n, chunk):
+        sl = slice(c0, min(n, c0 + chunk))
+        g = step(sl, c0 == 0)
         if defer_dx:
             dx_last = (g, w)
         elif v > 0 and dx is not None:
             mm_into(dx[sl], g, w)
-        if reduce_dx is not None:  # overlaps later chunks' work (and the dW GEMM)
-            if late_sums:
-                held = sl
-            else:
-                reduce_dx.add(sl)
+        if reduce_dx is not None:  # overlaps this chunk's dW GEMM and the next chunk
+            reduce_dx.add(sl)
         if v == 0:
             continue
         if needs[1] and (whole_p is None or sl.stop == n):  # with whole_p: one dW GEMM, over every chunk's rows
@@ -436,8 +406,6 @@ def _chunk_loop(hidden, w, b, chunk: int, call: Call, step, form: bool = True,
                 dw = add_product(dw, gw.t(), x)
         if db is not None:
             db += g.sum(0, dtype=torch.float32)
-    if held is not None:
-        reduce_dx.add(held)
     if needs[1] and dw is None and last is None:  # no chunk ran (no tokens, or an all-padding shard)
         dw = torch.zeros(v, d, dtype=torch.float32, device=dev)
     return FastGrads(dx, dw, db, reduce_dx, last, dx_last)  # dX's sum awaited in backward, after dW's cast
@@ -445,7 +413,7 @@ def _chunk_loop(hidden, w, b, chunk: int, call: Call, step, form: bool = True,
 
 def _softmax_step(hidden, w, b, tl_local, stats: _ChunkStats, p, call: Call, softcap, inv_t, cw, on_part,
                   on_chunk=None, on_grad=None):
-    """The softmax losses' chunk step for ``_chunk_loop``: the chunk's statistics (``stats.start``, in sub-chunks
+    """The softmax losses' chunk step for ``_chunk_loop``: the chunk's statistics (``stats.parts``, in sub-chunks
     whose exchanges overlap), then per part ``on_part(part, stats)``, which stores the part's outputs and returns
     its gradient ``Coefficients`` (the per-loss seam: the cross-entropy's, the log-probs', or a loss of the
     log-probs and the entropy computed while the logits are live), and ``kernels.stored_logits`` in grad mode
@@ -454,23 +422,13 @@ def _softmax_step(hidden, w, b, tl_local, stats: _ChunkStats, p, call: Call, sof
     rows of tokens, such as a sequence-level importance ratio). Without ``p`` (the lean route's and the no-grad
     forward's stats-only launches: ``_chunk_loop`` without ``form``), the fused GEMM takes the statistics and
     ``on_part`` only stores the outputs. ``on_grad(part, rows, stats)``: after each part's gradient pass (the
-    outputs that pass gives, ``_ChunkStats.grad_outputs``).
+    outputs that pass gives, ``_ChunkStats.grad_outputs``)."""
 
-    ``step.begin(sl, first)`` and ``step.end(begun)`` are ``step(sl, first)`` in two halves: the statistics launched
-    and their exchanges started, then awaited and the gradient written. ``_chunk_loop`` begins the next chunk
-    before it ends this one where ``P`` holds every token (``whole_p``): the outputs and coefficients are
-    local work (no collective of their own), and the gradient pass reads no buffer that the next chunk's
-    statistics write (``_ChunkStats.late``, whose per-tile buffers it does read, is one process only)."""
-
-    def begin(sl: slice, first: bool):
+    def step(sl: slice, first: bool):
         # the chunk's rows of P: its own rows where P holds every token (``routing.one_weight_grad_gemm``), else the
         # first rows of a P of one chunk
         pc = None if p is None else p[sl] if p.shape[0] >= sl.stop else p[: sl.stop - sl.start]
-        return sl, pc, stats.start(hidden, w, b, tl_local, sl, call, softcap, inv_t, p=pc, ready=first)
-
-    def end(begun):
-        sl, pc, pending = begun
-        parts = ((part, r, pend.wait()) for part, r, pend in pending)
+        parts = stats.parts(hidden, w, b, tl_local, sl, call, softcap, inv_t, p=pc, ready=first)
         if on_chunk is None:  # each part's coefficients as its statistics come (lazily: in order)
             ready = ((part, r, st, on_part(part, st)) for part, r, st in parts)
         else:
@@ -484,18 +442,13 @@ def _softmax_step(hidden, w, b, tl_local, stats: _ChunkStats, p, call: Call, sof
                 if on_grad is not None:
                     on_grad(part, r, st)
         return pc
-
-    def step(sl: slice, first: bool):
-        return end(begin(sl, first))
-    step.begin, step.end = begin, end
     return step
 
 
-def _first_chunk(hidden, w, b, call: Call, early: bool = True, every_token: bool = False, halves: bool = True):
+def _first_chunk(hidden, w, b, call: Call, early: bool = True, every_token: bool = False):
     """``(P, chunk)`` of the fast and speculative routes, the first chunk's logits GEMM already launched
     (``early``; not where the GEMM takes the statistics too, ``_ChunkStats(epilogue=True)``: it needs the
-    targets). ``every_token``: P holds every token's row, not one chunk's (``routing.one_weight_grad_gemm``).
-    ``halves``: ``_ChunkStats``' (the first GEMM writes the first part's logits)."""
+    targets). ``every_token``: P holds every token's row, not one chunk's (``routing.one_weight_grad_gemm``)."""
     n = hidden.shape[0]
     v = call.shard.valid_rows
     chunk = min(max(n, 1), call.plan.sizes.chunk)
@@ -503,7 +456,7 @@ def _first_chunk(hidden, w, b, call: Call, early: bool = True, every_token: bool
     if v > 0:
         p = torch.empty(n if every_token else chunk, v, dtype=hidden.dtype, device=hidden.device)
         if n > 0 and early:
-            _ChunkStats.first_logits(p, hidden, w, b, chunk, call, halves)
+            _ChunkStats.first_logits(p, hidden, w, b, chunk, call)
     return p, chunk
 
 
@@ -532,13 +485,11 @@ def cross_entropy(hidden, weight, bias, tg: TokenTargets, opts: LossOptions, cal
     epilogue = formed and v > 0 and (cap is not None or inv_t == 1.0) and \
         not (opts.metrics and shard.sharded) and stats_epilogue_ready(hidden, w, b, v)
     defer = plan.route == "fast" and not call.main_grad  # the speculative route's backward adds to the accumulator
-    # under a group: every token's gradient in one P, this rank's dW in one quack GEMM (this rank's choice; the
-    # collectives follow ``late_sums``, which every rank computes alike)
-    late_sums = every_token_p(plan, opts, n, d, hidden.dtype, defer and call.needs_grad[1])
-    one_dw = v > 0 and one_weight_grad_gemm(plan, opts, n, d, hidden.dtype, _p_quack_ready(hidden, w, v),
-                                            defer and call.needs_grad[1])
+    # under a group: every token's gradient in one P, this rank's dW in one quack GEMM (changes no collective)
+    one_dw = v > 0 and one_weight_grad_gemm(
+        plan, opts, n, d, hidden.dtype, _p_quack_ready(hidden, w, v), defer and call.needs_grad[1])
     if formed:
-        p, chunk = _first_chunk(hidden, w, b, call, early=not epilogue, every_token=one_dw, halves=not late_sums)
+        p, chunk = _first_chunk(hidden, w, b, call, early=not epilogue, every_token=one_dw)
     tl_local = tg.local_columns()
     cw = None if tg.class_weight is None else tg.class_weight.columns.float()
     loss_tok = torch.empty(n, dtype=torch.float32, device=dev)
@@ -565,8 +516,7 @@ def cross_entropy(hidden, weight, bias, tg: TokenTargets, opts: LossOptions, cal
 
     if not formed:  # stats-only launches
         p, chunk = None, min(max(n, 1), plan.sizes.chunk)
-    stats = _ChunkStats(chunk, v, hidden, smooth, entropy, cw, before=before, epilogue=epilogue,
-                        halves=not late_sums)
+    stats = _ChunkStats(chunk, v, hidden, smooth, entropy, cw, before=before, epilogue=epilogue)
 
     def on_grad(part, r, st):
         for k, value in zip(("entropy", "token_accuracy"), stats.grad_metrics(r, st)):
@@ -576,7 +526,7 @@ def cross_entropy(hidden, weight, bias, tg: TokenTargets, opts: LossOptions, cal
     step = _softmax_step(hidden, w, b, tl_local, stats, p, call, cap, inv_t, cw, on_part,
                          on_grad=on_grad if stats.late else None)
     return loss_tok, rows, _chunk_loop(hidden, w, b, chunk, call, step, form=formed, defer_last=defer,
-                                       whole_p=p if one_dw else None, late_sums=late_sums)
+                                       whole_p=p if one_dw else None)
 
 
 def log_probs(hidden, weight, bias, tg: TokenTargets, lp: LogProbOptions, call: Call) -> RankStats:
