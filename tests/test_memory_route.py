@@ -213,10 +213,11 @@ def test_one_dw_gemm_under_a_group_where_the_extra_finishes_dw():
     assert not takes(opts=LossOptions(memory_budget=0.5))
 
 
-def _one_dw_gemm_main(rank, world, takes, sp):
+def _one_dw_gemm_main(rank, world, takes, sp, n=232, d=104):
     """Rank ``r`` keeps every token's gradient in one ``P`` where ``takes[r]``: the hopper extra's readiness stood
     in, since this CPU has no sm_90 GPU (an fp32 dW is then finished by cuBLAS's GEMM, as on a GPU). Every dW GEMM's
-    token count is recorded. 128-token chunks, each split in two for its exchanges."""
+    token count is recorded, and every collective (kind and size) in order. 128-token chunks, each split in two
+    for its exchanges."""
     import dataclasses as dc
 
     import torch.distributed as dist
@@ -225,14 +226,20 @@ def _one_dw_gemm_main(rank, world, takes, sp):
 
     routing.SIZING = dc.replace(routing.SIZING, fast_p_gib=1e-9, min_p_gib=1e-9)  # P chunks of 128 tokens
     triton_backend.ROW_ALIGN = 32  # sub-chunks of 64 (the interpreter's row blocks)
-    gemms = []
+    gemms, collectives = [], []
     for module in (triton_backend, grads):  # forward's dW GEMMs, and backward's of a deferred last chunk
         real = module.add_product
         module.add_product = lambda acc, a, b, real=real: gemms.append(a.shape[1]) or real(acc, a, b)
+    real_gather, real_all_reduce, real_reduce = parallel.all_gather_tensor, dist.all_reduce, dist.reduce
+    parallel.all_gather_tensor = lambda out, x, **kw: collectives.append(("gather", *x.shape)) or \
+        real_gather(out, x, **kw)
+    dist.all_reduce = lambda t, *a, **kw: collectives.append(("all_reduce", *t.shape)) or real_all_reduce(t, *a, **kw)
+    dist.reduce = lambda t, *a, **kw: collectives.append(("reduce", *t.shape, kw.get("dst"))) or \
+        real_reduce(t, *a, **kw)
     if takes[rank]:
         triton_backend.hopper_dw_ready = lambda g, x: True
     sizes = [64, 48][:world]  # valid rows a multiple of 8 (P's rows 16-byte aligned for the GEMM)
-    n, d = 232, 104  # chunks [128 = 64 + 64, 104]; P of 232 tokens: (232 - 128) * 4 bytes = 4 d
+    # chunks [128 = 64 + 64, 104]; P of 232 tokens: (232 - 128) * 4 bytes = 4 d (n=300, d=200: three chunks)
     vsize = sum(sizes) - 8
     p = make_problem(n, d, sum(sizes), dtype=torch.float32, vocab_size=vsize, bias=True, ignore_frac=0.2,
                      seed=11)
@@ -247,17 +254,39 @@ def _one_dw_gemm_main(rank, world, takes, sp):
     mine = slice(lo, lo + sizes[rank])
     errs = (rel_err(loss, ref.loss), rel_err(h.grad, 0.75 * (ref.dhidden[tok] if sp else ref.dhidden)),
             rel_err(w.grad, 0.75 * ref.dweight[mine]), rel_err(b.grad, 0.75 * ref.dbias[mine]))
-    return gemms, errs
+    return gemms, errs, collectives
 
 
 @cpu_triton
-@pytest.mark.parametrize("takes,sp", [((True, True), False), ((True, False), False), ((False, True), True)],
-                         ids=["both", "rank0-only", "rank1-only-sp"])
-def test_one_dw_gemm_changes_no_collective(takes, sp):
-    """A rank that keeps every token's gradient in one ``P`` issues the same exchanges and dX sums as one that does
-    not (the choice is each rank's own, from its own extra): ranks that differ finish together, within the
-    timeout, each exact against float64; the one that takes it runs one dW GEMM over every token."""
-    per_rank = run_ranks(_one_dw_gemm_main, 2, takes, sp, timeout=TIMEOUT)
-    for rank, (gemms, errs) in enumerate(per_rank):
-        assert gemms == ([232] if takes[rank] else [128, 104]), (rank, gemms)
+@pytest.mark.parametrize("takes,sp,n,d", [((True, True), False, 232, 104), ((True, False), False, 232, 104),
+                                         ((False, True), True, 232, 104), ((True, False), False, 300, 200),
+                                         ((False, True), True, 300, 200)],
+                         ids=["both", "rank0-only", "rank1-only-sp", "rank0-only-3-chunks", "rank1-only-sp-3-chunks"])
+def test_one_dw_gemm_changes_no_collective(takes, sp, n, d):
+    """A rank that keeps every token's gradient in one ``P`` issues the same exchanges and dX sums, of the same
+    sizes in the same order, as one that does not (the choice is each rank's own, from its own extra): ranks that
+    differ finish together, within the timeout, each exact against float64; the one that takes it runs one dW
+    GEMM over every token."""
+    per_rank = run_ranks(_one_dw_gemm_main, 2, takes, sp, n, d, timeout=TIMEOUT)
+    counts = [min(128, n - s) for s in range(0, n, 128)]
+    for rank, (gemms, errs, _) in enumerate(per_rank):
+        assert gemms == ([n] if takes[rank] else counts), (rank, gemms)
         assert max(errs) < 2e-5, (rank, errs)
+    assert per_rank[0][2] == per_rank[1][2], (per_rank[0][2], per_rank[1][2])
+    # per chunk: its statistics exchanges (4 packed rows with label smoothing; two halves of a 128-token chunk),
+    # then its dX sum (its pieces, one per owning rank, under sequence parallelism)
+    want = [e for c in counts for e in ([("gather", c // 2)] * 2 if c >= 128 else [("gather", c)]) + [("sum", c)]]
+    got = [("gather", shape[1]) if kind == "gather" else ("sum", shape[0]) for kind, *shape in per_rank[0][2]
+           if kind != "gather" or shape[0] == 4]  # not the agreement, nor the sequence-parallel hidden states
+    assert _sums_merged(got) == want, (got, want)
+
+
+def _sums_merged(pairs: list) -> list:
+    """``(kind, rows)`` pairs with adjacent sums merged (their rows added)."""
+    out = []
+    for kind, rows in pairs:
+        if out and out[-1][0] == kind == "sum":
+            out[-1] = (kind, out[-1][1] + rows)
+        else:
+            out.append((kind, rows))
+    return out
