@@ -1,6 +1,11 @@
 """Per-step timeline of a rank's chrome trace: compute-stream kernels in order (merged by kind), gaps on the compute
-stream and what NCCL runs meanwhile, each GEMM's time with/without NCCL beside it. Usage: timeline.py trace.json"""
+stream and what NCCL runs meanwhile, each GEMM's time with/without NCCL beside it. Usage: timeline.py trace.json
+[--full]. ``--full`` (added in the eleventh session, gpu-2026-11-27k): whole steps (forward and backward: the
+windows end with the cast after a dW GEMM, as where the trace has no step annotations; the annotations cover only
+the main thread's launches, not the autograd thread's backward), and the idle time before each step's first
+kernel ("lead")."""
 import json, sys, collections
+FULL = "--full" in sys.argv[2:]
 ev = json.load(open(sys.argv[1])); ev = ev["traceEvents"] if isinstance(ev, dict) else ev
 kern = sorted([e for e in ev if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")],
               key=lambda e: e["ts"])
@@ -15,7 +20,7 @@ def short(n):
 isnccl = lambda e: "nccl" in e["name"].lower()
 comp = [e for e in kern if not isnccl(e)]; comm = [e for e in kern if isnccl(e)]
 # step windows from the compute stream: split at the first STATS kernel of each step (4 + ... ), use gpu annotations if any
-if gsteps:
+if gsteps and not FULL:
     wins = [(s["ts"], s["ts"] + s["dur"]) for s in gsteps]
 else:
     wins, start, seen_dw = [], comp[0]["ts"], False
@@ -29,6 +34,7 @@ def overlap(a0, a1, ivs):
     return sum(max(0, min(a1, b1) - max(a0, b0)) for b0, b1 in ivs)
 civ = [(e["ts"], e["ts"] + e["dur"]) for e in comm]
 tot = collections.defaultdict(lambda: [0.0, 0.0, 0])
+prev_end = None
 for si, (w0, w1) in enumerate(wins):
     ks = [e for e in comp if w0 - 50 <= e["ts"] < w1]
     cs = [e for e in comm if w0 - 50 <= e["ts"] < w1]
@@ -47,7 +53,9 @@ for si, (w0, w1) in enumerate(wins):
         if s != "small":
             line.append(f"{s}@{(e['ts']-t0)/1e3:.2f}:{e['dur']/1e3:.2f}" + (f"(ov{ov/1e3:.2f})" if ov > 0 else ""))
         end = max(end, e["ts"] + e["dur"])
-    print(f"-- step {si}: span {(end - t0)/1e3:.3f} ms, compute busy {sum(e['dur'] for e in ks)/1e3:.3f}, gaps {gap_total/1e3:.3f}")
+    lead = "" if prev_end is None else f", lead {(t0 - prev_end)/1e3:.3f}"
+    prev_end = end
+    print(f"-- step {si}: span {(end - t0)/1e3:.3f} ms, compute busy {sum(e['dur'] for e in ks)/1e3:.3f}, gaps {gap_total/1e3:.3f}{lead}")
     print("   " + " ".join(line))
     for g in gaps: print("   " + g)
     print("   nccl: " + " ".join(f"{short(c['name'])}@{(c['ts']-t0)/1e3:.2f}:{c['dur']/1e3:.2f}" for c in cs))
