@@ -264,8 +264,7 @@ def _one_dw_gemm_main(rank, world, takes, sp, n=232, d=104):
                          ids=["both", "rank0-only", "rank1-only-sp", "rank0-only-3-chunks", "rank1-only-sp-3-chunks"])
 def test_one_dw_gemm_changes_no_collective(takes, sp, n, d):
     """A rank that keeps every token's gradient in one ``P`` issues the same exchanges and dX sums, of the same
-    sizes in the same order (``late_sums``), as one that does not (the choice is each rank's own, from its own
-    extra): ranks that
+    sizes in the same order, as one that does not (the choice is each rank's own, from its own extra): ranks that
     differ finish together, within the timeout, each exact against float64; the one that takes it runs one dW
     GEMM over every token."""
     per_rank = run_ranks(_one_dw_gemm_main, 2, takes, sp, n, d, timeout=TIMEOUT)
@@ -274,15 +273,12 @@ def test_one_dw_gemm_changes_no_collective(takes, sp, n, d):
         assert gemms == ([n] if takes[rank] else counts), (rank, gemms)
         assert max(errs) < 2e-5, (rank, errs)
     assert per_rank[0][2] == per_rank[1][2], (per_rank[0][2], per_rank[1][2])
-    # per chunk its statistics exchanges (4 packed rows with label smoothing; two halves of a 128-token chunk), each
-    # chunk's dX sum (its pieces, one per owning rank, under sequence parallelism) after the next chunk's exchanges
-    # (``routing.every_token_p`` holds on every rank here: ``late_sums``)
-    exchanges = [[("gather", c // 2)] * 2 if c >= 128 else [("gather", c)] for c in counts]
-    want = exchanges[0] + [e for i in range(1, len(counts)) for e in exchanges[i] + [("sum", counts[i - 1])]] + \
-        [("sum", counts[-1])]
+    # per chunk: its statistics exchanges (4 packed rows with label smoothing; two halves of a 128-token chunk),
+    # then its dX sum (its pieces, one per owning rank, under sequence parallelism)
+    want = [e for c in counts for e in ([("gather", c // 2)] * 2 if c >= 128 else [("gather", c)]) + [("sum", c)]]
     got = [("gather", shape[1]) if kind == "gather" else ("sum", shape[0]) for kind, *shape in per_rank[0][2]
            if kind != "gather" or shape[0] == 4]  # not the agreement, nor the sequence-parallel hidden states
-    assert _sums_merged(got) == _sums_merged(want), (got, want)
+    assert _sums_merged(got) == want, (got, want)
 
 
 def _sums_merged(pairs: list) -> list:

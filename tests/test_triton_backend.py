@@ -629,18 +629,9 @@ def test_gradient_pass_over_tiles_with_and_without_a_target(v, opts):
     want = g * slope
     f32 = lambda u: None if u is None else u.float().contiguous()  # noqa: E731
     buf = x.clone()
-    args = dict(softcap=cap, inv_t=inv_t, rows=(f32(mrow), f32(lse), f32(q)), coef=(f32(a), f32(b), f32(c), f32(d)),
-                class_weight=f32(cw))
-    kernels.stored_logits(buf, None, t, **args)
+    kernels.stored_logits(buf, None, t, softcap=cap, inv_t=inv_t, rows=(f32(mrow), f32(lse), f32(q)),
+                          coef=(f32(a), f32(b), f32(c), f32(d)), class_weight=f32(cw))
     assert rel_err(buf, want) <= 2e-6, (opts, v, describe(buf, want))
-    # the persistent grid of the pass beside a GEMM (``programs``): the same bits, whether a program takes one
-    # tile or several (and loads a next tile past the last)
-    for k in (1, 4, 64):
-        beside = x.clone()
-        kernels.stored_logits(beside, None, t, programs=k, **args)
-        assert torch.equal(beside, buf), (opts, v, k, describe(beside, buf))
-    with pytest.raises(ValueError, match="programs"):
-        kernels.stored_logits(x.clone(), None, t, programs=2, tile_ez=torch.empty(m, 2, device=DEV), **args)
 
 
 def test_held_grads_finish_a_deferred_dw_for_a_caller_that_scales_them():

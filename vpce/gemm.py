@@ -23,7 +23,7 @@ import warnings
 import torch
 
 __all__ = ["mm_out", "mm_into", "addmm_out_", "add_product", "logits_into", "has_mixed_gemm", "hopper_dw_ready",
-           "scaled_weight_grad", "scaled_hidden_grad", "hidden_grad_into", "stats_epilogue_ready", "logits_with_stats"]
+           "scaled_weight_grad", "scaled_hidden_grad", "stats_epilogue_ready", "logits_with_stats"]
 
 _UPCAST_ELEMS = 1 << 24  # elements of ``b`` upcast at a time on the fallback path
 
@@ -190,16 +190,6 @@ def scaled_hidden_grad(g: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, dt
     out = torch.empty(g.shape[0], w.shape[1], dtype=dtype, device=g.device)
     tile = _dx_tile(g.device.index if g.device.index is not None else torch.cuda.current_device())
     _quack().gemm_tuned.fn(g, w, out, alpha=s, config=_config(tile))
-    return out
-
-
-def hidden_grad_into(out: torch.Tensor, g: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``out = g @ w`` in fp32 (``out``: a chunk's rows of dX, summed over the group later) in one quack GEMM
-    (``hopper_dw_ready(g, w)``), its output tiles dynamically scheduled: where the next chunk's gradient pass
-    runs beside it on a few SMs (``triton_backend._GradBeside``), the GEMM's other CTAs take the tiles of those
-    still waiting for an SM, where cuBLAS's fixed shares per CTA would end late."""
-    tile = _dx_tile(g.device.index if g.device.index is not None else torch.cuda.current_device())
-    _quack().gemm_tuned.fn(g, w, out, config=_config(tile))
     return out
 
 

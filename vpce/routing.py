@@ -48,7 +48,7 @@ from .parallel import VocabShard
 __all__ = ["Plan", "Sizes", "Call", "resolve_backend", "plan_cross_entropy", "plan_log_probs", "plan_distillation",
            "settle_by_memory", "settle", "FIT_LEAN", "FIT_FAST", "FIT_WHOLE", "size_cross_entropy", "size_log_probs",
            "size_log_prob_loss",
-           "size_distillation", "fast_route_bytes", "every_token_p", "one_weight_grad_gemm", "SIZING", "Sizing"]
+           "size_distillation", "fast_route_bytes", "one_weight_grad_gemm", "SIZING", "Sizing"]
 
 ROW_ALIGN = 128      # chunk and sub-chunk boundaries are multiples of the kernel's largest BLOCK_M
 FAST_HEADROOM = 0.9      # the fast route's buffers may take at most this share of the free device memory
@@ -373,39 +373,28 @@ def size_cross_entropy(plan: Plan, opts: LossOptions, shard: VocabShard, d: int,
     return dataclasses.replace(plan, sizes=sizes)
 
 
-def every_token_p(plan: Plan, opts: LossOptions, tokens: int, d: int, dtype: torch.dtype, defer: bool) -> bool:
-    """Whether a rank of the cross-entropy's fast route under a group may keep every token's gradient in one ``P``
-    (``tokens`` rows, ``one_weight_grad_gemm``), from facts every rank shares: ``memory_budget="auto"``, dW needed
-    and not into ``main_grad`` (``defer``), more than one chunk, and that ``P`` no larger than the default ``P``
-    plus the fp32 dW accumulator it replaces (so the peak stays the default's: ``P`` lives into backward either
-    way): the Llama-3-8B head at tp=2, N=16384 (two chunks of 8192 tokens). Where it holds, every rank starts each
-    chunk's dX sum after the next chunk's statistics exchanges (``triton_backend._chunk_loop``'s ``late_sums``),
-    whether or not it takes the one ``P``: ranks that differ in that choice issue the same collectives in the same
-    order. Under a group with one chunk already (``Plan.whole``, or few tokens) there is nothing to merge."""
-    if not (plan.backend == "triton" and plan.route == "fast" and plan.dx_reduce == "forward" and not plan.whole
-            and opts.memory_budget == "auto" and defer):
-        return False
-    chunk = plan.sizes.chunk
-    return chunk < tokens and (tokens - chunk) * dtype.itemsize <= 4 * d  # P: at most the default's + the fp32 dW rows
-
-
 def one_weight_grad_gemm(plan: Plan, opts: LossOptions, tokens: int, d: int, dtype: torch.dtype,
                          hopper_dw: bool, defer: bool) -> bool:
     """Whether the cross-entropy's fast route under a group keeps every token's gradient in one ``P`` (``tokens``
     rows) and computes this rank's dW in one GEMM over it, where it would otherwise take ``Sizes.chunk`` tokens per
-    ``P`` and one dW GEMM per chunk into an fp32 accumulator: ``every_token_p``, where the ``hopper`` extra
-    finishes dW on this rank (``hopper_dw``: ``vpce.gemm.hopper_dw_ready``), so that one quack GEMM writes the
-    weight's dtype and no fp32 accumulator is allocated. The chunks stay as they are: each chunk's statistics are
-    exchanged, its gradient written (in its rows of the larger ``P``) and its dX summed over the group in the
-    order ``every_token_p`` fixes for every rank, so each rank may decide this alone, from its own facts. With it
-    each chunk's gradient pass runs beside the next GEMM (``triton_backend._GradBeside``): its rows of ``P`` are
-    its own.
+    ``P`` and one dW GEMM per chunk into an fp32 accumulator. The chunks stay as they are: each chunk's statistics
+    are exchanged, its gradient written (in its rows of the larger ``P``) and its dX summed over the group in the
+    same order, so this changes no collective and each rank may decide it alone, from its own facts.
 
-    In default chunks the first chunk's dW GEMM writes that fp32 accumulator and each later one reads and rewrites
-    it (the last as quack's C); one GEMM over every token moves none of it. Two H100s, 2026-11-27: the Llama-3-8B
-    head at tp=2 (N=16384, two default chunks) at the same 2.82 GiB per rank, 1.050-1.076x the floor against
-    main's 1.062-1.075x, within the spread (docs/benchmarks.md)."""
-    return hopper_dw and every_token_p(plan, opts, tokens, d, dtype, defer)
+    Taken with ``memory_budget="auto"`` where the ``hopper`` extra finishes dW (``hopper_dw``:
+    ``vpce.gemm.hopper_dw_ready``; ``defer``: dW needed, not into ``main_grad``), so that one quack GEMM writes the
+    weight's dtype and no fp32 accumulator is allocated, and where that ``P`` holds no more than the default ``P``
+    and the accumulator it replaces (so the peak stays the default's: ``P`` lives into backward either way). In
+    default chunks the first chunk's dW GEMM writes that fp32 accumulator and each later one reads and rewrites it
+    (the last as quack's C); one GEMM over every token moves none of it. Two H100s, 2026-11-27: the Llama-3-8B head
+    at tp=2 (N=16384, two default chunks) at the same 2.82 GiB per rank, 1.050-1.076x the floor against main's
+    1.062-1.075x, within the spread (docs/benchmarks.md). Under a group with one chunk already (``Plan.whole``, or
+    few tokens) there is nothing to merge."""
+    if not (plan.backend == "triton" and plan.route == "fast" and plan.dx_reduce == "forward" and not plan.whole
+            and opts.memory_budget == "auto" and hopper_dw and defer):
+        return False
+    chunk = plan.sizes.chunk
+    return chunk < tokens and (tokens - chunk) * dtype.itemsize <= 4 * d  # P: at most the default's + the fp32 dW rows
 
 
 def size_log_probs(plan: Plan, lp: LogProbOptions, shard: VocabShard, d: int, dtype: torch.dtype,

@@ -76,7 +76,6 @@ is fp32. No host syncs, no atomics: every kernel writes each output element from
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -87,13 +86,12 @@ from .distill_stats import KL_HEAD, DistillRows, exchange_chunk_stats, heads, lo
 from .formulas import (Coefficients, RowStats, ce_coefficients, ce_token_outputs, evaluate_loss_fn,
                        logprob_coefficients, logprob_part_outputs, loss_fn_coefficients, loss_fn_metric_outputs,
                        store_metric_outputs)
-from .gemm import (add_product, hidden_grad_into, hopper_dw_ready, logits_into, logits_with_stats, mm_into,
-                   stats_epilogue_ready)
+from .gemm import add_product, hopper_dw_ready, logits_into, logits_with_stats, mm_into, stats_epilogue_ready
 from .grads import FastGrads, add_block, pad_rows, scaled, weight_grad, weight_grad_to_main, written_rows
 from .options import DistillOptions, LogProbLossOptions, LogProbOptions, LossOptions
 from .parallel import (HiddenGradReduce, PendingStats, RankStats, gather_sequence, start_gather_sequence,
                        start_stats_exchange)
-from .routing import ROW_ALIGN, Call, every_token_p, one_weight_grad_gemm, round_to
+from .routing import ROW_ALIGN, Call, one_weight_grad_gemm, round_to
 from .speculation import block_flags, split_upstream
 from .targets import TokenTargets
 
@@ -350,54 +348,6 @@ def recompute_grads(hidden, weight, bias, tg: TokenTargets, rows: RowStats, coef
     return _block_loop(hidden, weight, bias, call, step, main_weight)
 
 
-#: Share of the GPU's SMs that a chunk's gradient pass holds beside the next GEMM (``_GradBeside``): 24 of an H100's
-#: 132. One H100, 2026-11-28 (docs/results/gpu-2026-11-28l, a Llama-3-8B tp=2 chunk, 8192 x 64128): the pass
-#: beside quack's statistics GEMM took 5.82 ms for both against 6.12 one after the other, beside the dW GEMM 5.73
-#: against 6.14; 16, 32 and 48 programs saved less (a pass of 66 or more, or the full grid, none).
-GRAD_BESIDE_SHARE = 24 / 132
-
-
-@functools.cache
-def _side_stream(index: int) -> torch.cuda.Stream:
-    """The stream of the gradient passes run beside a GEMM, one per device, above the default priority: its few
-    programs get their SMs before the GEMM launched after them takes the rest."""
-    return torch.cuda.Stream(torch.device("cuda", index), priority=-1)
-
-
-class _GradBeside:
-    """The fast route's gradient passes on a side stream, each beside the next GEMM on the main stream (the next
-    chunk's statistics GEMM, or the previous chunk's dX GEMM), where ``P`` holds every token (its rows are each
-    chunk's own: ``routing.one_weight_grad_gemm``). A pass is a persistent grid of a few programs
-    (``kernels.stored_logits(programs=...)``, ``GRAD_BESIDE_SHARE`` of the SMs), so that the GEMM, whose tiles are
-    dynamically scheduled (quack's), keeps the other SMs; bandwidth-bound, the pass streams at about half its
-    full-grid rate on a fifth of them. The same bits as the pass on the main stream; no collective.
-
-    ``run`` launches a pass after the main stream's work so far; ``chunk_done`` marks the end of a chunk's passes;
-    ``join`` makes the main stream wait for the oldest marked chunk (before its dX GEMM). The operands of each pass
-    (the statistics, the coefficients: made on the main stream) are held until then, so that the main stream
-    reuses their memory only after the pass has read them."""
-
-    def __init__(self, device: torch.device):
-        self.stream = _side_stream(device.index)
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-        self.programs = max(1, round(sms * GRAD_BESIDE_SHARE))
-        self.keep, self.done = [], []
-
-    def run(self, launch, *keep):
-        self.stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self.stream):
-            launch(self.programs)
-        self.keep.append(keep)
-
-    def chunk_done(self):
-        self.done.append((self.stream.record_event(), self.keep))
-        self.keep = []
-
-    def join(self):
-        event, _ = self.done.pop(0)  # the operands go after the wait is queued
-        torch.cuda.current_stream().wait_event(event)
-
-
 def _p_quack_ready(hidden, w, v: int) -> bool:
     """Whether quack's GEMMs can finish dX or dW from a ``P`` of ``v`` columns (``vpce.gemm.hopper_dw_ready``):
     its rows, ``v`` apart, must start on 16-byte boundaries (TMA)."""
@@ -405,8 +355,7 @@ def _p_quack_ready(hidden, w, v: int) -> bool:
 
 
 def _chunk_loop(hidden, w, b, chunk: int, call: Call, step, form: bool = True,
-                defer_last: bool = False, whole_p: torch.Tensor | None = None, late_sums: bool = False,
-                beside: _GradBeside | None = None) -> FastGrads | None:
+                defer_last: bool = False, whole_p: torch.Tensor | None = None) -> FastGrads | None:
     """The forward chunk loop, every loss and route: per chunk ``sl`` of ``chunk`` tokens the per-loss
     ``step(sl, first)`` takes the chunk's statistics and outputs (from its logits buffer where the route holds one,
     ``first``: the first chunk's logits already written, launched before the forward's set-up) and, where ``form``,
@@ -417,21 +366,12 @@ def _chunk_loop(hidden, w, b, chunk: int, call: Call, step, form: bool = True,
     with one chunk and no group the dX GEMM too (``FastGrads.dx_last``). ``whole_p``: ``P`` of every token
     (``routing.one_weight_grad_gemm``), where each chunk's step leaves its gradient in that chunk's rows; dW is then
     one GEMM over all of it after the last chunk (left to backward with ``defer_last``), none per chunk.
-
-    ``late_sums`` (``routing.every_token_p``: equal on every rank, from agreed facts only): each chunk's dX sum over
-    the group starts after the next chunk's statistics exchanges, so that every rank issues exchange 0, exchange 1,
-    sum 0, exchange 2, sum 1, ..., whether or not it takes ``whole_p`` or ``beside``. ``beside`` (with ``whole_p``
-    and ``late_sums``, a rank's own choice): the step ran each chunk's gradient pass on the side stream, beside the
-    next chunk's statistics GEMM; the chunk's dX GEMM (quack's, fp32) then waits for that pass and runs after the
-    next chunk's step, beside that chunk's pass.
     Returns the unscaled ``FastGrads``, or None without ``form``."""
     n, d = hidden.shape
     if not form:
         for c0 in range(0, n, chunk):
             step(slice(c0, min(n, c0 + chunk)), c0 == 0)
         return None
-    if beside is not None and not (late_sums and whole_p is not None):
-        raise ValueError("_chunk_loop: beside= needs whole_p and late_sums")
     shard, plan, needs = call.shard, call.plan, call.needs_grad
     dev = hidden.device
     v = shard.valid_rows
@@ -447,18 +387,17 @@ def _chunk_loop(hidden, w, b, chunk: int, call: Call, step, form: bool = True,
     dw = None  # fp32 accumulator, allocated by the first chunk's GEMM (no zero fill)
     last = None
     db = torch.zeros(v, dtype=torch.float32, device=dev) if needs[2] and b is not None else None
-
-    def gemms(sl: slice, g):
-        """The chunk's dX rows, dW and db from its gradient ``g``."""
-        nonlocal dx_last, dw, last, db
-        if beside is not None:
-            beside.join()
+    for c0 in range(0, n, chunk):
+        sl = slice(c0, min(n, c0 + chunk))
+        g = step(sl, c0 == 0)
         if defer_dx:
             dx_last = (g, w)
         elif v > 0 and dx is not None:
-            (hidden_grad_into if beside is not None else mm_into)(dx[sl], g, w)
+            mm_into(dx[sl], g, w)
+        if reduce_dx is not None:  # overlaps this chunk's dW GEMM and the next chunk
+            reduce_dx.add(sl)
         if v == 0:
-            return
+            continue
         if needs[1] and (whole_p is None or sl.stop == n):  # with whole_p: one dW GEMM, over every chunk's rows
             gw, x = (g, hidden[sl]) if whole_p is None else (whole_p, hidden)
             if defer_last and sl.stop == n and hopper_dw_ready(gw, x):
@@ -467,40 +406,13 @@ def _chunk_loop(hidden, w, b, chunk: int, call: Call, step, form: bool = True,
                 dw = add_product(dw, gw.t(), x)
         if db is not None:
             db += g.sum(0, dtype=torch.float32)
-
-    late = late_sums and reduce_dx is not None
-    held = None  # a chunk whose dX sum (``late``), and with ``beside`` its GEMMs too, wait for the next chunk's step
-    for c0 in range(0, n, chunk):
-        sl = slice(c0, min(n, c0 + chunk))
-        g = step(sl, c0 == 0)
-        if beside is not None:
-            if held is not None:
-                gemms(*held)
-                if late:
-                    reduce_dx.add(held[0])
-            held = (sl, g)
-            continue
-        if held is not None:  # after this chunk's exchanges
-            reduce_dx.add(held)
-            held = None
-        gemms(sl, g)
-        if reduce_dx is not None:  # overlaps later work (this chunk's dW GEMM, the next chunk)
-            if late:
-                held = sl
-            else:
-                reduce_dx.add(sl)
-    if beside is not None and held is not None:
-        gemms(*held)
-        held = held[0] if late else None
-    if held is not None:
-        reduce_dx.add(held)
     if needs[1] and dw is None and last is None:  # no chunk ran (no tokens, or an all-padding shard)
         dw = torch.zeros(v, d, dtype=torch.float32, device=dev)
     return FastGrads(dx, dw, db, reduce_dx, last, dx_last)  # dX's sum awaited in backward, after dW's cast
 
 
 def _softmax_step(hidden, w, b, tl_local, stats: _ChunkStats, p, call: Call, softcap, inv_t, cw, on_part,
-                  on_chunk=None, on_grad=None, beside: _GradBeside | None = None):
+                  on_chunk=None, on_grad=None):
     """The softmax losses' chunk step for ``_chunk_loop``: the chunk's statistics (``stats.parts``, in sub-chunks
     whose exchanges overlap), then per part ``on_part(part, stats)``, which stores the part's outputs and returns
     its gradient ``Coefficients`` (the per-loss seam: the cross-entropy's, the log-probs', or a loss of the
@@ -510,10 +422,7 @@ def _softmax_step(hidden, w, b, tl_local, stats: _ChunkStats, p, call: Call, sof
     rows of tokens, such as a sequence-level importance ratio). Without ``p`` (the lean route's and the no-grad
     forward's stats-only launches: ``_chunk_loop`` without ``form``), the fused GEMM takes the statistics and
     ``on_part`` only stores the outputs. ``on_grad(part, rows, stats)``: after each part's gradient pass (the
-    outputs that pass gives, ``_ChunkStats.grad_outputs``). ``beside`` (no ``on_grad``): each gradient pass runs
-    on the side stream (``_GradBeside``), beside the GEMM the main stream runs next."""
-    if beside is not None and on_grad is not None:
-        raise ValueError("_softmax_step: beside= takes no on_grad (its outputs would be read before the pass ends)")
+    outputs that pass gives, ``_ChunkStats.grad_outputs``)."""
 
     def step(sl: slice, first: bool):
         # the chunk's rows of P: its own rows where P holds every token (``routing.one_weight_grad_gemm``), else the
@@ -526,18 +435,12 @@ def _softmax_step(hidden, w, b, tl_local, stats: _ChunkStats, p, call: Call, sof
             got = list(parts)
             ready = [(part, r, st, co) for (part, r, st), co in zip(got, on_chunk(sl, got))]
         for part, r, st, co in ready:
-            if pc is not None and beside is not None:
-                beside.run(lambda k, pr=pc[r], t=tl_local[part], st=st, co=co: kernels.stored_logits(
-                    pr, None, t, softcap=softcap, inv_t=inv_t, rows=(st.m, st.lse, st.q), coef=co, class_weight=cw,
-                    programs=k), st, co)
-            elif pc is not None:
+            if pc is not None:
                 kernels.stored_logits(pc[r], None, tl_local[part], softcap=softcap, inv_t=inv_t,
                                       rows=(st.m, st.lse, st.q), coef=co, class_weight=cw,
                                       **stats.grad_outputs(part, r))  # in place
                 if on_grad is not None:
                     on_grad(part, r, st)
-        if beside is not None:
-            beside.chunk_done()
         return pc
     return step
 
@@ -582,9 +485,7 @@ def cross_entropy(hidden, weight, bias, tg: TokenTargets, opts: LossOptions, cal
     epilogue = formed and v > 0 and (cap is not None or inv_t == 1.0) and \
         not (opts.metrics and shard.sharded) and stats_epilogue_ready(hidden, w, b, v)
     defer = plan.route == "fast" and not call.main_grad  # the speculative route's backward adds to the accumulator
-    # under a group: every token's gradient in one P, this rank's dW in one quack GEMM (this rank's choice; the
-    # collectives' order follows ``late_sums``, which every rank computes alike)
-    late_sums = every_token_p(plan, opts, n, d, hidden.dtype, defer and call.needs_grad[1])
+    # under a group: every token's gradient in one P, this rank's dW in one quack GEMM (changes no collective)
     one_dw = v > 0 and one_weight_grad_gemm(
         plan, opts, n, d, hidden.dtype, _p_quack_ready(hidden, w, v), defer and call.needs_grad[1])
     if formed:
@@ -622,13 +523,10 @@ def cross_entropy(hidden, weight, bias, tg: TokenTargets, opts: LossOptions, cal
             if value is not None:
                 metrics[k][part] = tg.metric(value, part)
 
-    # each chunk's gradient pass beside the next GEMM, where P holds every token (its rows are each chunk's own)
-    beside = _GradBeside(dev) if one_dw and late_sums and dev.type == "cuda" and not stats.late and n > chunk \
-        else None
     step = _softmax_step(hidden, w, b, tl_local, stats, p, call, cap, inv_t, cw, on_part,
-                         on_grad=on_grad if stats.late else None, beside=beside)
+                         on_grad=on_grad if stats.late else None)
     return loss_tok, rows, _chunk_loop(hidden, w, b, chunk, call, step, form=formed, defer_last=defer,
-                                       whole_p=p if one_dw else None, late_sums=late_sums, beside=beside)
+                                       whole_p=p if one_dw else None)
 
 
 def log_probs(hidden, weight, bias, tg: TokenTargets, lp: LogProbOptions, call: Call) -> RankStats:

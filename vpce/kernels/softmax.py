@@ -335,54 +335,6 @@ def _stored_logits_kernel(
               True)
 
 
-@triton.heuristics({"EVEN_N": lambda a: a["V"] % a["BLOCK_N"] == 0})
-@triton.jit
-def _stored_grad_beside_kernel(
-    # pointers
-    L, TL, RM, RLSE, RQ, CA, CB, CC, CD, CW,
-    # shapes
-    M, V, n_tiles,
-    # strides
-    stride_lm, stride_ln,
-    # options
-    softcap, inv_t,
-    # meta
-    SOFTCAP: tl.constexpr, TEMPERATURE: tl.constexpr, HAS_CB: tl.constexpr, HAS_CD: tl.constexpr,
-    HAS_CW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr,
-    PROGRAMS: tl.constexpr,
-):
-    """``_stored_logits_kernel``'s grad mode as a persistent grid of ``PROGRAMS`` programs, for a pass that runs
-    beside a GEMM on a few SMs (``stored_logits(programs=...)``): program ``i`` takes tiles ``i``, ``i +
-    PROGRAMS``, ... (row-major over ``[cdiv(M, BLOCK_M), n_tiles]``) and loads its next tile before it writes the
-    current one, so that one program keeps enough bytes in flight to stream at several times the rate of a
-    single-tile program. The same ``_epilogue`` per tile: the same bits as the full grid."""
-    pid = tl.program_id(0)
-    total = tl.cdiv(M, BLOCK_M) * n_tiles
-    tile = pid
-    rm = (tile // n_tiles) * BLOCK_M + tl.arange(0, BLOCK_M)  # a tile past the last has rows >= M: all masked
-    rn = (tile % n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
-    if EVEN_N:
-        mask = (rm < M)[:, None]
-    else:
-        mask = (rm < M)[:, None] & (rn < V)[None, :]
-    offs = rm.to(tl.int64)[:, None] * stride_lm + rn.to(tl.int64)[None, :] * stride_ln
-    cur = tl.load(L + offs, mask=mask, other=0.0)
-    for _ in range(pid, total, PROGRAMS):
-        nxt_tile = tile + PROGRAMS
-        nrm = (nxt_tile // n_tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
-        nrn = (nxt_tile % n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
-        if EVEN_N:
-            nmask = (nrm < M)[:, None]
-        else:
-            nmask = (nrm < M)[:, None] & (nrn < V)[None, :]
-        noffs = nrm.to(tl.int64)[:, None] * stride_lm + nrn.to(tl.int64)[None, :] * stride_ln
-        nxt = tl.load(L + noffs, mask=nmask, other=0.0)
-        _epilogue(cur.to(tl.float32), rm, rn, tile % n_tiles, L, TL, L, L, L, L, L, L, RM, RLSE, RQ, CA, CB, CC, CD,
-                  CW, L, L, TL, M, V, n_tiles, stride_lm, stride_ln, softcap, inv_t, False, SOFTCAP, TEMPERATURE,
-                  True, False, False, HAS_CB, HAS_CD, HAS_CW, EVEN_N, False, False, BLOCK_N, True, False, True)
-        cur, tile, rm, rn, offs = nxt, nxt_tile, nrm, nrn, noffs
-
-
 @triton.jit
 def _target_logits_kernel(X, W, BIAS, TL, ZT, L, ZS, M, D, stride_xm, stride_xk, stride_wv, stride_wk, stride_lm,
                           stride_ln, softcap, inv_t, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr,
@@ -698,17 +650,13 @@ def _epilogue_operands(like: torch.Tensor, rows, coef):
 
 def stored_logits(logits, b, t_local, *, softcap=None, inv_t=1.0, tile_m=None, tile_s=None, tile_z=None,
                   tile_ez=None, zt=None, rows=None, coef=None, class_weight=None, tile_sq=None, tile_mb=None,
-                  before=None, block_n=None, block_m=None, num_warps=None, programs=None):
+                  before=None, block_n=None, block_m=None, num_warps=None):
     """``logits_tiles``'s epilogue over ``logits [M, V]`` that a GEMM already wrote (the inputs' dtype; ``b`` is
     added here, None if the GEMM added it): stats mode fills the same buffers as ``logits_tiles`` but ``zt``, and
     leaves the target column out of the tile max too (``target_logits`` gives its exact logit, and the logit as
     stored for the argmax test), grad mode
     (``rows``, ``coef``) overwrites ``logits`` with the gradient. One bandwidth-bound pass; ``block_n`` is the stats
-    tile width (``tile_n``); ``block_m`` / ``num_warps`` override the launch shape (``launch/tune_kernels.py``).
-
-    ``programs`` (grad mode, no bias, no metrics): a persistent grid of that many programs
-    (``_stored_grad_beside_kernel``), for the pass beside a GEMM that keeps the other SMs
-    (``triton_backend._GradBeside``); the same bits as the full grid."""
+    tile width (``tile_n``); ``block_m`` / ``num_warps`` override the launch shape (``launch/tune_kernels.py``)."""
     m, v = logits.shape
     if m == 0 or v == 0:
         return
@@ -717,23 +665,6 @@ def stored_logits(logits, b, t_local, *, softcap=None, inv_t=1.0, tile_m=None, t
     grad = rows is not None
     pick, (rm, rls, rq), (ca, cb, cc, cd) = _epilogue_operands(logits, rows, coef)
     gpu = logits.is_cuda and not INTERPRET
-    if programs is not None:
-        if not grad or b is not None or any(t is not None for t in (tile_m, tile_s, tile_z, tile_ez, tile_sq, tile_mb)):
-            raise ValueError("stored_logits: programs= is the grad mode's without a bias or metrics; got "
-                             f"grad={grad}, bias={b is not None}, metric buffers")
-        # 64 rows x 256 columns, 16 warps per program (one H100, 2026-11-28, docs/results/gpu-2026-11-28l: 24
-        # such programs stream a Llama-3-8B tp=2 chunk's gradient at 1.3 TB/s; 8 rows x 4 warps per program
-        # reached a third of that)
-        block_m = block_m or (64 if gpu else 16)
-        total = triton.cdiv(m, block_m) * n_tiles
-        k = max(1, min(int(programs), total))
-        _stored_grad_beside_kernel[(k,)](
-            logits, t_local, pick(rm), pick(rls), pick(rq), pick(ca), pick(cb), pick(cc), pick(cd),
-            pick(class_weight), m, v, n_tiles, logits.stride(0), logits.stride(1), float(softcap or 1.0),
-            float(inv_t), SOFTCAP=softcap is not None, TEMPERATURE=inv_t != 1.0, HAS_CB=cb is not None,
-            HAS_CD=cd is not None, HAS_CW=class_weight is not None and cd is not None, BLOCK_M=block_m,
-            BLOCK_N=bn, PROGRAMS=k, num_warps=num_warps or (16 if gpu else 4))
-        return
     # 256 columns per program, 4 warps. Stats: 16 rows, 2.6 TB/s on an H200 (launch/tune_kernels.py, 2026-11-23;
     # 8 warps or 8-64 rows were slower). Gradient: 8 rows, as fast as 16 plain (2.19 ms per Llama-3-8B chunk,
     # 3.8 TB/s read + write) and with the metrics, 7 % faster with the soft cap and 6 % with the soft cap, z-loss,
