@@ -756,3 +756,33 @@ def test_missing_optional_dependency_is_missing_for_every_row(monkeypatch):
         with pytest.raises(Unavailable, match="trl not importable"):
             methods.METHODS[name].require(env)
     assert not methods.runs_here("vpce-trl-sft", env) and methods.runs_here("vpce-torch", env)
+
+
+@pytest.mark.parametrize("settle, agreed, settled", [(0.0, 0.125, 0), (0.5, 0.125, 4), (0.5, 0.2, 3)])
+def test_settle_runs_untimed_calls_from_the_agreed_estimate(settle, agreed, settled):
+    """``--settle`` (``Settings.settle_s``): ``ceil(settle / estimate)`` untimed calls between the warm-up and the
+    timed calls, the estimate the one every rank agrees on (under ``--tp`` each call holds collectives: a count
+    from a rank's own estimate could differ between ranks)."""
+    from vpce.bench.harness import Settings, measure
+
+    calls = []
+    timing = measure(lambda: calls.append(1), torch.device("cpu"),
+                     Settings(warmup=2, min_reps=3, max_reps=3, rep_time_s=0.0, settle_s=settle),
+                     agree=lambda est: agreed)
+    assert len(timing.samples) == 3
+    assert len(calls) == 2 + settled + 3, (len(calls), settled)
+
+
+def test_settle_argument_is_recorded(quick_run):
+    _, doc = quick_run
+    assert doc["settings"]["settle_s"] == 0.0
+
+
+@pytest.mark.parametrize("value", ["-1", "nan", "inf"])
+def test_settle_must_be_seconds_at_least_zero(value, capsys):
+    from vpce.bench.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--device", "cpu", "--quick", "--settle", value])
+    assert e.value.code == 2 and "--settle: expected seconds >= 0" in capsys.readouterr().err
+

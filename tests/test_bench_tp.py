@@ -45,7 +45,9 @@ def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench-tp")
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
                OMP_NUM_THREADS="1")
-    cmds = {"replicated": _command(out / "replicated"),
+    # ``--settle``: untimed calls, as many on every rank (from the agreed estimate; a count of a rank's own would
+    # hang the vocab-parallel rows' collectives)
+    cmds = {"replicated": _command(out / "replicated", "--settle", "0.05"),
             "sp": _command(out / "sp", "--sp", "--inject-failure", "@".join(map(str, INJECTED))),
             "one": _command(out / "one", "--shapes", "tiny", torchrun=False)}
     t0 = time.perf_counter()
@@ -86,6 +88,7 @@ def test_header_and_tables(runs, key):
     for col in ("ms", "x floor", "extra GiB", "loss err", "dX err", "dW err", "status", "r0 ms", "r1 GiB"):
         assert col in stdout, f"column {col!r} missing from:\n{stdout}"
     assert stdout.count("| vpce-torch ") == 2 * len(SHAPES), stdout  # the table and the per-rank table
+    assert doc["settings"]["settle_s"] == (0.05 if key == "replicated" else 0.0), doc["settings"]
 
 
 @pytest.mark.parametrize("key", ["replicated", "sp", "one"])

@@ -15,9 +15,10 @@ What is measured, per shape (``N`` tokens, hidden size ``D``, vocab ``V``) and p
   memory, each GEMM runs over equal token chunks (``runner.measure_floor``; the floor record's ``chunks``).
 * **Time.** One step is ``x.grad = w.grad = None; loss = f(x, w, y); loss.backward()``. The first call compiles
   or autotunes and is the one checked for accuracy; ``--warmup`` more synchronized calls estimate the step's
-  cost; then enough steps to fill ``--rep-time`` seconds (at least ``--reps``, at most 200) run back to back, each
-  bracketed by CUDA events (``time.perf_counter`` on CPU), one synchronization at the end. The median is
-  reported (``ms_min`` too in the JSON).
+  cost; ``--settle`` seconds of untimed steps follow (default 0: none; about 1 times a GPU at its power limit at
+  its settled clock); then enough steps to fill ``--rep-time`` seconds (at least ``--reps``, at most 200) run back
+  to back, each bracketed by CUDA events (``time.perf_counter`` on CPU), one synchronization at the end. The median
+  is reported (``ms_min`` too in the JSON).
 * **Memory.** One more step, inputs already allocated and the previous gradients dropped, under
   ``vpce.memory.PeakMemory``: the peak of allocated bytes above what was live before the step, the gradients
   ``dX`` and ``dW`` included (CUDA allocator counters; on CPU every storage created is tracked). Between rows
@@ -99,7 +100,7 @@ JSON (``schema: "vpce.bench/1"``)::
     {schema, date, command, commit, device: {type, name, capability, memory_gib, ...}, versions: {torch,
      triton, liger-kernel, cut-cross-entropy, megatron-core, quack-kernels, nvidia-cutlass-dsl, numpy, matplotlib,
      vpce, cuda}, python, dtype, tp,
-     settings: {warmup, min_reps, max_reps, rep_time_s, logit_scale, seed, ref_chunk_gib, tf32, inputs},
+     settings: {warmup, min_reps, max_reps, rep_time_s, settle_s, logit_scale, seed, ref_chunk_gib, tf32, inputs},
      methods: [...],
      shapes: [{name, n, d, v, sweeps, flops_fwd_bwd, grads_gib, inputs_gib, ref_loss, ref_seconds,
                floor: {logits_ms, dx_ms, dw_ms, total_ms, frozen_ms} | null}],

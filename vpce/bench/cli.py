@@ -127,6 +127,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reps", type=int, default=None, help="fewest timed calls per row (default 10, 3 with --quick)")
     p.add_argument("--rep-time", type=float, default=None,
                    help="seconds of timed calls per row, within --reps..200 calls (default 1.5, 0.05 with --quick)")
+    p.add_argument("--settle", type=float, default=0.0, metavar="SECONDS",
+                   help="untimed calls, back to back, for about this long before each row's timed calls, so that "
+                        "a GPU at its power limit is timed at its settled clock, the floor's GEMMs too (default 0: "
+                        "none; about 1 settles an H100 under these GEMMs)")
     p.add_argument("--row-timeout", type=float, default=300.0, metavar="SECONDS",
                    help="a row still running after this long is abandoned and reported 'failed: timeout', and the "
                         "run goes on (a device left stalled by it ends the run, with the tables written); 0: no "
@@ -210,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--profile-steps: expected a positive number, got {args.profile_steps}")
     if args.row_timeout < 0:
         parser.error(f"--row-timeout: expected seconds >= 0 (0: no limit), got {args.row_timeout}")
+    if not 0 <= args.settle < float("inf"):
+        parser.error(f"--settle: expected seconds >= 0 (0: none), got {args.settle}")
     if args.profile and args.methods == [FLOOR]:
         parser.error("--methods: expected rows with a loss to profile, got only the floor")
 
@@ -247,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         min_reps=args.reps if args.reps is not None else (3 if args.quick else 10),
         max_reps=20 if args.quick else 200,
         rep_time_s=args.rep_time if args.rep_time is not None else (0.05 if args.quick else 1.5),
-        logit_scale=args.logit_scale, seed=args.seed, row_timeout_s=args.row_timeout or None)
+        settle_s=args.settle, logit_scale=args.logit_scale, seed=args.seed, row_timeout_s=args.row_timeout or None)
     command = shlex.join(["python", "-m", "vpce.bench", *(sys.argv[1:] if argv is None else argv)])
     if args.tp:
         return main_tp(args, parser, shapes, settings, command, warnings)

@@ -94,6 +94,12 @@ class Settings:
     """Most timed calls per row."""
     rep_time_s: float = 1.5
     """Timed calls per row are chosen so that they take about this long (within min_reps..max_reps)."""
+    settle_s: float = 0.0
+    """Seconds of untimed calls, back to back, between the warm-up estimate and the timed calls (``--settle``): a
+    GPU at its power limit (an H100 or H200 SXM at 700 W under these GEMMs) holds its top clock for a fraction of a
+    second after idling, then settles lower; with ``settle_s`` about 1 every row, the floor's GEMMs included, is
+    timed in that settled state instead of partly in the boost that follows the row's own set-up
+    (docs/benchmarks.md, 2026-11-28). 0 (the default, every figure recorded so far): none."""
     logit_scale: float = 1.0
     """Standard deviation of the logits: ``w ~ N(0, logit_scale**2 / D)`` against ``x ~ N(0, 1)``."""
     seed: int = 0
@@ -257,7 +263,9 @@ def measure(fn: Callable[[], Any], device: torch.device, settings: Settings,
     ``triton.testing.do_bench`` does (without its L2 flush: every operand here is far larger than L2).
 
     ``agree`` (under ``--tp``) maps this rank's estimate to the one every rank uses, so that all ranks run the
-    same number of calls; it is a collective, so the timed calls also start together.
+    same number of calls; it is a collective, so the timed calls also start together. ``settings.settle_s``
+    seconds of untimed calls (their number from that agreed estimate, so equal on every rank) run before the timed
+    ones, back to back with them.
     """
     est = math.inf
     for _ in range(max(1, settings.warmup)):
@@ -268,6 +276,8 @@ def measure(fn: Callable[[], Any], device: torch.device, settings: Settings,
     if agree is not None:
         est = agree(est)
     reps = int(min(settings.max_reps, max(settings.min_reps, settings.rep_time_s / max(est, 1e-6))))
+    for _ in range(math.ceil(settings.settle_s / max(est, 1e-6)) if settings.settle_s > 0 else 0):
+        fn()
     if device.type == "cuda":
         events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
         for start, end in events:
