@@ -276,7 +276,7 @@ def measure(fn: Callable[[], Any], device: torch.device, settings: Settings,
     if agree is not None:
         est = agree(est)
     reps = int(min(settings.max_reps, max(settings.min_reps, settings.rep_time_s / max(est, 1e-6))))
-    for _ in range(math.ceil(settings.settle_s / max(est, 1e-6)) if settings.settle_s > 0 else 0):
+    for _ in range(math.ceil(settings.settle_s / max(est, 1e-6))):  # settle_s 0: none
         fn()
     if device.type == "cuda":
         events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
