@@ -19,13 +19,11 @@ from __future__ import annotations
 import functools
 import math
 import warnings
-from typing import NamedTuple
 
 import torch
 
 __all__ = ["mm_out", "mm_into", "addmm_out_", "add_product", "logits_into", "has_mixed_gemm", "hopper_dw_ready",
-           "scaled_weight_grad", "scaled_hidden_grad", "stats_epilogue_ready", "logits_with_stats", "ScaledExps",
-           "scaled_exp_ready", "scaled_exps"]
+           "scaled_weight_grad", "scaled_hidden_grad", "stats_epilogue_ready", "logits_with_stats"]
 
 _UPCAST_ELEMS = 1 << 24  # elements of ``b`` upcast at a time on the fallback path
 
@@ -280,101 +278,3 @@ def logits_with_stats(p: torch.Tensor, h: torch.Tensor, w: torch.Tensor, t_local
     res = _stats_epilogue(softcap is not None, sum_z)(h, w.t(), out={"D": p}, tuned=False,
                                                       config=_config(LOGITS_TILE), **ops)
     return res["lse"], res.get("sumz")
-
-
-# -- the scaled-exponential route (``ScaledExps``) ------------------------------------------------------------------
-#
-# The statistics GEMM stores ``E = 2^(z log2 e - k)`` (bf16, ``k`` an integer per row and ``SCALED_EXP_GROUP``
-# columns: quack's epilogue library's ``scaled_exp_target_epi``, with the per-group sums and the target's raw logit),
-# and the backward GEMMs read the gradient ``diag(v) (u ⊙ E)`` through quack's A-operand transforms: the
-# register-sourced main loop multiplies each A element by its strip entry ``u`` (a power of two per row and 64
-# columns: exact) as it loads it. So no pass reads and rewrites ``[C, V]`` between the GEMMs
-# (``kernels.scaled_exp_grad`` writes only the strip, ``v`` and each row's target block). One H100, 2026-11-28
-# (docs/results/gpu-2026-11-28m, ``tr.py``), 16384 x 64128 x 4096 (a tp=2 rank of the Llama-3-8B head): the
-# transformed dX GEMM (fp32 out, ``v`` in its epilogue) 11.55 ms against quack's plain 11.28 and cuBLAS's 11.08;
-# the transformed dW GEMM 11.84 against quack's plain 12.02; the gradient pass they replace 1.51.
-SCALED_EXP_GROUP = LOGITS_TILE["tile_n"]  # one k per (row, statistics tile): quack's epilogue takes the tile's max
-SCALED_EXP_TILE = dict(tile_m=128, tile_n=192, cluster_m=2, cluster_n=1, pingpong=True)  # LOGITS_TILE's schedule
-# the transformed GEMMs, as timed above (quack's own choice for them); K-tiles of 64, the strip's granularity
-SE_DX_TILE = dict(tile_m=128, tile_n=256, tile_k=64, cluster_m=2, cluster_n=1, pingpong=False)
-SE_DW_TILE = dict(tile_m=128, tile_n=256, tile_k=64, cluster_m=1, cluster_n=2, pingpong=False)
-
-
-@functools.cache
-def _scaled_exp_mods():
-    """``(statistics epilogue, dX transform, dW transform, dX epilogue, dW epilogue)`` from quack's epilogue DSL,
-    or None where this quack has no A-operand transforms."""
-    try:
-        from quack.epilogue.frontend import gemm_epilogue
-        from quack.epilogue.library import identity_epi
-        from quack.epilogue.ops import ColVecLoad
-        from quack.epilogue.scaled_exp import scaled_exp_target_epi
-        from quack.operand_transform import a_transform
-    except ImportError:
-        return None
-
-    @a_transform(vec_size=8, args={"u": "colvec_ktile"})
-    def vpce_rows_strip(x, u):  # dX: A = E [C, V], u per (row, 64-column k-tile)
-        return x * u
-
-    @a_transform(vec_size=8, args={"u": "kvec_m64"})
-    def vpce_vocab_strip(x, u):  # dW: A = E^T [V, C], u per (64 vocab rows, token)
-        return x * u
-
-    @gemm_epilogue(ops={"v": ColVecLoad("v")})
-    def vpce_row_scale(acc, v):
-        return {"D": acc * v}
-
-    return scaled_exp_target_epi, vpce_rows_strip, vpce_vocab_strip, vpce_row_scale, identity_epi
-
-
-def scaled_exp_ready(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, tokens: int, chunk: int,
-                     cols: int) -> bool:
-    """Whether a call of ``tokens`` rows in chunks of ``chunk`` over ``cols`` vocab columns can hold its gradient as
-    ``ScaledExps``: the statistics epilogue's conditions (``stats_epilogue_ready``), quack's A-operand transforms,
-    whole statistics groups and strip blocks (``cols`` a multiple of ``SCALED_EXP_GROUP``, and of the 128-row tiles
-    of the transposed dW GEMM) and whole 128-row tiles of tokens in every chunk."""
-    return (stats_epilogue_ready(h, w, b, cols) and cols % SCALED_EXP_GROUP == 0 and cols % 128 == 0
-            and tokens % 128 == 0 and chunk % 128 == 0 and _scaled_exp_mods() is not None)
-
-
-def scaled_exps(e: torch.Tensor, h: torch.Tensor, w: torch.Tensor, t_local: torch.Tensor, zt: torch.Tensor,
-                kk: torch.Tensor, sum_exp: torch.Tensor):
-    """``e [C, V] = 2^(z log2 e - k)`` in bf16 for the logits ``z = h @ w.T`` (fp32 accumulator), in one quack GEMM
-    (``scaled_exp_ready``); per row and group of ``SCALED_EXP_GROUP`` columns ``kk`` (``k = rint(max z log2 e)``)
-    and ``sum_exp`` (the group's sum of the unrounded exponentials), ``[C, V / group]`` fp32; ``zt`` the target
-    column's raw fp32 logit (-inf where ``t_local`` is -1)."""
-    zt.fill_(-math.inf)
-    epi = _scaled_exp_mods()[0]
-    epi(h, w.t(), out={"D": e}, tuned=False, config=_config(SCALED_EXP_TILE), max_log2=SCALED_EXP_GROUP,
-        sum_exp=sum_exp, max_log2_out=kk, target=t_local, target_logit=zt)
-
-
-class ScaledExps(NamedTuple):
-    """A gradient ``G = dL/dz [R, V]`` held as ``diag(v) (u ⊙ E)`` (``vpce.kernels.scaled_exp``): ``e [R, V]``
-    bf16, ``strip [V / 64, R]`` bf16 powers of two (``u`` per row and 64 columns, rows contiguous), ``v [R]`` fp32.
-    Its GEMMs are quack's, with the strip applied as A is loaded."""
-
-    e: torch.Tensor
-    strip: torch.Tensor
-    v: torch.Tensor
-
-    def hidden_grad_into(self, out: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """``out = G @ w`` (``out``'s dtype, fp32 or the 16-bit one; each row times ``v`` in the epilogue)."""
-        mods = _scaled_exp_mods()
-        mods[3](self.e, w, out={"D": out}, tuned=False, config=_config(SE_DX_TILE), transform_a=mods[1],
-                transform_operands={"u": self.strip}, v=self.v)
-        return out
-
-    def weight_grad(self, x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-        """``scale * G^T @ x`` in ``dtype`` (``scale`` a 0-d tensor, None for 1): ``v`` and ``scale`` go into the
-        rows of ``x`` (rounded once to ``x``'s dtype), the strip into ``E``'s as the GEMM loads them."""
-        from .kernels import row_scale_cast
-
-        f = self.v if scale is None else self.v * scale.detach().to(torch.float32).reshape(1)
-        xs = row_scale_cast(x, f, x.dtype)
-        out = torch.empty(self.e.shape[1], x.shape[1], dtype=dtype, device=x.device)
-        mods = _scaled_exp_mods()
-        mods[4](self.e.t(), xs, out={"D": out}, tuned=False, config=_config(SE_DW_TILE), transform_a=mods[2],
-                transform_operands={"u": self.strip})
-        return out

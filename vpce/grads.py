@@ -13,7 +13,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from .gemm import ScaledExps, add_product, addmm_out_, mm_into, mm_out, scaled_hidden_grad, scaled_weight_grad
+from .gemm import add_product, addmm_out_, mm_into, mm_out, scaled_hidden_grad, scaled_weight_grad
 
 __all__ = ["FastGrads", "finish_fast_grads", "scaled", "check_main_grad", "pad_rows", "weight_grad",
            "weight_grad_to_main", "add_block", "written_rows"]
@@ -29,8 +29,7 @@ class FastGrads(NamedTuple):
 
     ``last``: ``(g, x)``, the last chunk's gradient ``[c, V_local]`` and hidden rows, whose dW GEMM was left to
     backward (``vpce.gemm.hopper_dw_ready``): there it reads ``dw`` (None: there was one chunk) as C and writes the
-    weight's dtype, scaled (``finish_fast_grads``); ``g`` may be ``vpce.gemm.ScaledExps`` (every token's gradient
-    as scaled exponentials; ``dw`` is then None)."""
+    weight's dtype, scaled (``finish_fast_grads``)."""
 
     dx: torch.Tensor | None
     dw: torch.Tensor | None
@@ -49,12 +48,7 @@ class FastGrads(NamedTuple):
 
     def dw_in_fp32(self) -> torch.Tensor | None:
         """The fp32 dW accumulator with a deferred last chunk (``last``) added into it (or alone: one chunk)."""
-        if self.last is None:
-            return self.dw
-        g, x = self.last
-        if isinstance(g, ScaledExps):  # every token's gradient: no accumulator
-            return g.weight_grad(x, None, torch.float32)
-        return add_product(self.dw, g.t(), x)
+        return self.dw if self.last is None else add_product(self.dw, self.last[0].t(), self.last[1])
 
     def summed_dx(self) -> torch.Tensor | None:
         """dX in fp32, summed over the group (waits for ``dx_sum``), or the deferred one chunk's (``dx_last``)."""
@@ -125,9 +119,7 @@ def finish_fast_grads(grads: FastGrads, g: torch.Tensor, dtypes: tuple[torch.dty
     dx_dtype, dw_dtype, db_dtype = dtypes
     db = None if db is None else pad_rows(db.mul_(g), rows, db_dtype)
     if grads.last is not None and main_weight is None and dw_dtype in (torch.float16, torch.bfloat16):
-        gl, x = grads.last
-        dw = gl.weight_grad(x, g, dw_dtype) if isinstance(gl, ScaledExps) else scaled_weight_grad(dw, gl, x, g, dw_dtype)
-        dw = pad_rows(dw, rows, dw_dtype)
+        dw = pad_rows(scaled_weight_grad(dw, *grads.last, g, dw_dtype), rows, dw_dtype)
     else:
         dw = grads.dw_in_fp32()
         if main_weight is not None:  # fp32 straight into main_grad, never rounded

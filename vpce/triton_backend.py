@@ -86,9 +86,7 @@ from .distill_stats import KL_HEAD, DistillRows, exchange_chunk_stats, heads, lo
 from .formulas import (Coefficients, RowStats, ce_coefficients, ce_token_outputs, evaluate_loss_fn,
                        logprob_coefficients, logprob_part_outputs, loss_fn_coefficients, loss_fn_metric_outputs,
                        store_metric_outputs)
-from .gemm import (SCALED_EXP_GROUP, ScaledExps, add_product, hopper_dw_ready, logits_into, logits_with_stats, mm_into,
-                   scaled_exp_ready, scaled_exps, stats_epilogue_ready)
-from .kernels.scaled_exp import STRIP_COLS
+from .gemm import add_product, hopper_dw_ready, logits_into, logits_with_stats, mm_into, stats_epilogue_ready
 from .grads import FastGrads, add_block, pad_rows, scaled, weight_grad, weight_grad_to_main, written_rows
 from .options import DistillOptions, LogProbLossOptions, LogProbOptions, LossOptions
 from .parallel import (HiddenGradReduce, PendingStats, RankStats, gather_sequence, start_gather_sequence,
@@ -113,21 +111,9 @@ class _ChunkStats:
     """
 
     def __init__(self, rows: int, v: int, x: torch.Tensor, sum_z: bool, sum_ez: bool, class_weight=None,
-                 sum_sq: bool = False, before: torch.Tensor | None = None, epilogue: bool = False,
-                 scaled: int = 0):
+                 sum_sq: bool = False, before: torch.Tensor | None = None, epilogue: bool = False):
         n_tiles = max(1, math.ceil(v / kernels.tile_n(x)))
         f32 = dict(dtype=torch.float32, device=x.device)
-        # ``scaled`` (the number of tokens of the call): the logits GEMM stores scaled exponentials and the gradient
-        # is held as ``ScaledExps`` (``scaled_exp_grad``): per (row, group) ``k`` and the sum of exponentials, the
-        # chunk's strip, and the strip and row factors of every token (for the one dW GEMM)
-        self.scaled = scaled > 0
-        if self.scaled:
-            groups = v // SCALED_EXP_GROUP
-            self.kk, self.se = torch.empty(rows, groups, **f32), torch.empty(rows, groups, **f32)
-            self.strip = torch.empty(v // STRIP_COLS * rows, dtype=x.dtype, device=x.device)  # ``chunk_strip``
-            self.strip_all = torch.empty(v // STRIP_COLS, scaled, dtype=x.dtype, device=x.device)
-            self.v_all = torch.empty(scaled, **f32)
-            epilogue = True
         # ``epilogue``: the fast route's logits GEMM takes the statistics itself (``vpce.gemm.logits_with_stats``,
         # the hopper extra): one log-sum-exp per row and the share of it outside the target column
         # (``kernels.target_out_of_lse``), which the reduction takes as one tile
@@ -155,12 +141,6 @@ class _ChunkStats:
         (``first_logits``)."""
         n_sums = 1 if self.z is not None else 0
         cut = lambda t: None if t is None else t[r]  # noqa: E731
-        if call.shard.valid_rows > 0 and self.scaled:  # the scaled exponentials, their groups' statistics, zt
-            zt = self.zt[r]
-            scaled_exps(p, h[sl], w, tl_local[sl], zt, self.kk[r], self.se[r])
-            lse = kernels.scaled_exp_lse(self.kk[r], self.se[r])
-            kernels.target_out_of_lse(lse, zt, self.s[r].view(-1), torch.float32)  # exps of the fp32 logits
-            return kernels.reduce_tiles(lse[:, None], self.s[r], None, None, zt)
         if call.shard.valid_rows > 0 and self.epilogue:  # P, the statistics and the fp32 target logit: one GEMM
             zt = self.zt[r]
             lse, sum_z = logits_with_stats(p, h[sl], w, tl_local[sl], zt, softcap, inv_t, self.z is not None,
@@ -203,20 +183,6 @@ class _ChunkStats:
         return start_stats_exchange(packed, 1 if self.z is not None else 0, call.shard, call.poison,
                                     combine=kernels.combine_rank_stats, sum_sq=metrics and self.sq is not None,
                                     max_before=metrics and self.mb is not None)
-
-    def chunk_strip(self, c: int) -> torch.Tensor:
-        """The strip of a chunk of ``c`` tokens, ``[V / 64, c]`` contiguous (quack's transforms read it so)."""
-        return self.strip[: self.strip_all.shape[0] * c].view(-1, c)
-
-    def scaled_grad(self, pc, tl_local, part: slice, r: slice, c: int, st: RankStats, co: Coefficients):
-        """The scaled-exponential route's gradient step for tokens ``part`` (rows ``r`` of a chunk of ``c``
-        tokens): the strip (the chunk's and every token's), the row factors and the target blocks of ``pc[r]``."""
-        kernels.scaled_exp_grad(pc[r], self.kk[r], tl_local[part], st.lse, st.q, co.a, self.chunk_strip(c)[:, r],
-                                self.v_all[part], SCALED_EXP_GROUP, strip2=self.strip_all[:, part])
-
-    def whole(self, p) -> ScaledExps:
-        """Every token's gradient (``P`` of every token) as ``ScaledExps``, for the one dW GEMM."""
-        return ScaledExps(p, self.strip_all, self.v_all)
 
     def grad_outputs(self, part: slice, r: slice) -> dict:
         """What the gradient pass of tokens ``part`` (buffer rows ``r``) also fills where the metrics come from it
@@ -426,8 +392,6 @@ def _chunk_loop(hidden, w, b, chunk: int, call: Call, step, form: bool = True,
         g = step(sl, c0 == 0)
         if defer_dx:
             dx_last = (g, w)
-        elif v > 0 and dx is not None and isinstance(g, ScaledExps):
-            g.hidden_grad_into(dx[sl], w)
         elif v > 0 and dx is not None:
             mm_into(dx[sl], g, w)
         if reduce_dx is not None:  # overlaps this chunk's dW GEMM and the next chunk
@@ -436,7 +400,7 @@ def _chunk_loop(hidden, w, b, chunk: int, call: Call, step, form: bool = True,
             continue
         if needs[1] and (whole_p is None or sl.stop == n):  # with whole_p: one dW GEMM, over every chunk's rows
             gw, x = (g, hidden[sl]) if whole_p is None else (whole_p, hidden)
-            if defer_last and sl.stop == n and (isinstance(gw, ScaledExps) or hopper_dw_ready(gw, x)):
+            if defer_last and sl.stop == n and hopper_dw_ready(gw, x):
                 last = (gw, x)
             else:
                 dw = add_product(dw, gw.t(), x)
@@ -471,16 +435,12 @@ def _softmax_step(hidden, w, b, tl_local, stats: _ChunkStats, p, call: Call, sof
             got = list(parts)
             ready = [(part, r, st, co) for (part, r, st), co in zip(got, on_chunk(sl, got))]
         for part, r, st, co in ready:
-            if pc is not None and stats.scaled:
-                stats.scaled_grad(pc, tl_local, part, r, sl.stop - sl.start, st, co)
-            elif pc is not None:
+            if pc is not None:
                 kernels.stored_logits(pc[r], None, tl_local[part], softcap=softcap, inv_t=inv_t,
                                       rows=(st.m, st.lse, st.q), coef=co, class_weight=cw,
                                       **stats.grad_outputs(part, r))  # in place
                 if on_grad is not None:
                     on_grad(part, r, st)
-        if pc is not None and stats.scaled:
-            return ScaledExps(pc, stats.chunk_strip(sl.stop - sl.start), stats.v_all[sl])
         return pc
     return step
 
@@ -528,11 +488,6 @@ def cross_entropy(hidden, weight, bias, tg: TokenTargets, opts: LossOptions, cal
     # under a group: every token's gradient in one P, this rank's dW in one quack GEMM (changes no collective)
     one_dw = v > 0 and one_weight_grad_gemm(
         plan, opts, n, d, hidden.dtype, _p_quack_ready(hidden, w, v), defer and call.needs_grad[1])
-    # there, for the plain cross-entropy (each row's gradient a (p - onehot(t)): no smoothing, z-loss, cap, scale
-    # or metrics), P holds scaled exponentials and the gradient pass is gone (``vpce.gemm.ScaledExps``): the
-    # backward GEMMs scale them as they load them. The same statistics are exchanged (no collective changes).
-    scaled = one_dw and epilogue and cap is None and inv_t == 1.0 and not smooth and not opts.z_loss and \
-        not opts.metrics and scaled_exp_ready(hidden, w, b, n, min(n, plan.sizes.chunk), v)
     if formed:
         p, chunk = _first_chunk(hidden, w, b, call, early=not epilogue, every_token=one_dw)
     tl_local = tg.local_columns()
@@ -561,8 +516,7 @@ def cross_entropy(hidden, weight, bias, tg: TokenTargets, opts: LossOptions, cal
 
     if not formed:  # stats-only launches
         p, chunk = None, min(max(n, 1), plan.sizes.chunk)
-    stats = _ChunkStats(chunk, v, hidden, smooth, entropy, cw, before=before, epilogue=epilogue,
-                        scaled=n if scaled else 0)
+    stats = _ChunkStats(chunk, v, hidden, smooth, entropy, cw, before=before, epilogue=epilogue)
 
     def on_grad(part, r, st):
         for k, value in zip(("entropy", "token_accuracy"), stats.grad_metrics(r, st)):
@@ -571,9 +525,8 @@ def cross_entropy(hidden, weight, bias, tg: TokenTargets, opts: LossOptions, cal
 
     step = _softmax_step(hidden, w, b, tl_local, stats, p, call, cap, inv_t, cw, on_part,
                          on_grad=on_grad if stats.late else None)
-    whole = None if not one_dw else stats.whole(p) if scaled else p
     return loss_tok, rows, _chunk_loop(hidden, w, b, chunk, call, step, form=formed, defer_last=defer,
-                                       whole_p=whole)
+                                       whole_p=p if one_dw else None)
 
 
 def log_probs(hidden, weight, bias, tg: TokenTargets, lp: LogProbOptions, call: Call) -> RankStats:

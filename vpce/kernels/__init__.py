@@ -6,8 +6,6 @@
 * ``gated``: the one-pass scale-and-cast of an fp32 accumulator, and the speculative route's kernels gated by a
   device flag;
 * ``distill``: the distillation's bandwidth-bound passes over both heads' stored logits;
-* ``scaled_exp``: the scaled-exponential route's per-row kernels (its log-sum-exp, and the strip and row factors that
-  turn the stored exponentials into the gradient);
 * ``common``: what they share (the fast ``exp``, the soft cap, a program's tile, the persistent grid).
 
 Everything is deterministic (plain stores, no atomics) and runs under ``TRITON_INTERPRET=1`` on the CPU. The
@@ -17,11 +15,10 @@ kernels import nothing of vpce but ``vpce.parallel.RankStats`` (what the combine
 from .common import INTERPRET
 from .distill import combine_distill_heads, distill_block_align, distill_grad_, distill_mixture, distill_stats
 from .gated import gated_scale_, gated_weight_grad_, row_scale_cast, scale_cast
-from .scaled_exp import scaled_exp_grad, scaled_exp_lse
 from .softmax import (combine_rank_stats, grad_metrics, logits_tiles, reduce_tiles, stored_logits, target_logits,
                       target_out_of_lse, tile_n)
 
 __all__ = ["logits_tiles", "stored_logits", "target_logits", "target_out_of_lse", "grad_metrics", "reduce_tiles",
            "combine_rank_stats", "scale_cast", "row_scale_cast", "gated_weight_grad_", "gated_scale_", "tile_n",
            "INTERPRET", "distill_stats", "combine_distill_heads", "distill_mixture", "distill_grad_",
-           "distill_block_align", "scaled_exp_lse", "scaled_exp_grad"]
+           "distill_block_align"]

@@ -31,8 +31,7 @@ def _scale_cast_kernel(SRC, DST, G, numel, BLOCK: tl.constexpr):
 
 @triton.jit
 def _row_scale_cast_kernel(SRC, DST, G, N, D, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
-    """``DST[i] = (SRC[i] * G[i]).to(DST.dtype)``: one pass over a contiguous ``[N, D]`` (fp32, or 16-bit: the
-    product is taken in fp32)."""
+    """``DST[i] = (SRC[i] * G[i]).to(DST.dtype)``: one pass over a contiguous fp32 ``[N, D]``."""
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rd = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     row_ok = rm < N
@@ -135,9 +134,8 @@ def gated_scale_(x: torch.Tensor, s: torch.Tensor, flag: torch.Tensor):
 
 
 def row_scale_cast(src: torch.Tensor, g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``(src * g[:, None]).to(dtype)`` for a contiguous ``src [N, D]`` (fp32 or 16-bit) and fp32 ``g [N]``, in one
-    pass, the product in fp32 (the speculative route's dX: each row at its token's upstream gradient; the
-    scaled-exponential route's dW operand, ``vpce.gemm.ScaledExps``)."""
+    """``(src * g[:, None]).to(dtype)`` for a contiguous fp32 ``src [N, D]`` and fp32 ``g [N]``, in one pass (the
+    speculative route's dX: each row at its token's upstream gradient)."""
     n, d = src.shape
     out = torch.empty(src.shape, dtype=dtype, device=src.device)
     if n and d:
