@@ -786,3 +786,69 @@ def test_settle_must_be_seconds_at_least_zero(value, capsys):
         main(["--device", "cpu", "--quick", "--settle", value])
     assert e.value.code == 2 and "--settle: expected seconds >= 0" in capsys.readouterr().err
 
+
+
+def test_a_base_exception_fails_its_row_and_an_abandoned_tuner_leaves_no_pool_on(monkeypatch):
+    """A row whose step raises a ``BaseException`` that is not an interrupt (quack's ``CompilePending`` is one) is
+    ``failed: ...``, never "ok" with nothing measured, and the run goes on. After a row is abandoned by its time
+    limit, quack's ``suppress_pool`` is entered once for the rest of the process: a quack autotuner abandoned
+    mid-tune leaves its compile pool on for every thread (simulated: a fake ``quack.cache.async_compile``)."""
+    import sys
+    import time
+    import types
+
+    from vpce.bench import runner
+    from vpce.bench.harness import Env, Settings, Shape
+    from vpce.bench.methods import METHODS, Method
+    from vpce.bench.report import Progress
+
+    class Pending(BaseException):
+        pass
+
+    entered = []
+
+    class suppress_pool:
+        def __enter__(self):
+            entered.append(self)
+
+        def __exit__(self, *exc):
+            entered.remove(self)
+
+    fake = types.ModuleType("quack.cache.async_compile")
+    fake.suppress_pool = suppress_pool
+    for name, mod in (("quack", types.ModuleType("quack")), ("quack.cache", types.ModuleType("quack.cache")),
+                      ("quack.cache.async_compile", fake)):
+        monkeypatch.setitem(sys.modules, name, mod)
+    monkeypatch.setattr(runner, "_IN_PROCESS", [])
+
+    def pending(env):
+        def fn(x, w, y):
+            raise Pending("kernel compile pending in pool")
+        return fn
+
+    def slow(env):
+        def fn(x, w, y):
+            time.sleep(120)
+        return fn
+    monkeypatch.setitem(METHODS, "pending", Method(name="pending", label="raises a BaseException", build=pending))
+    monkeypatch.setitem(METHODS, "tuning", Method(name="tuning", label="sleeps 120 s", build=slow))
+    env = Env(device=torch.device("cpu"), dtype=torch.float32)
+    settings = Settings(warmup=1, min_reps=1, max_reps=1, rep_time_s=0.0, row_timeout_s=5.0)
+    shape = Shape(name="small", n=32, d=16, v=64)
+    record, rows = runner.run_shape(shape, env, ["floor", "pending", "torch"], settings, Progress(enabled=False),
+                                    no_grad=False)
+    by = {r["method"]: r for r in rows}
+    assert by["pending"]["status"] == "failed: Pending: kernel compile pending in pool", by["pending"]
+    assert by["torch"]["status"] == "ok" and not entered, (by["torch"], entered)
+    record, rows = runner.run_shape(shape, env, ["floor", "tuning", "torch", "pending"], settings,
+                                    Progress(enabled=False), no_grad=False)
+    by = {r["method"]: r for r in rows}
+    assert by["tuning"]["status"].startswith("failed: timeout") and by["torch"]["status"] == "ok", rows
+    assert len(entered) == 1 and runner._IN_PROCESS == entered, entered
+    runner._compile_in_process()  # once per process
+    assert len(entered) == 1
+
+    def interrupted():
+        raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):  # an interrupt still ends the run
+        runner.run_phases(runner.new_row(shape, env, "x", "x", "fwd+bwd"), [interrupted])

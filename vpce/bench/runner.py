@@ -21,7 +21,8 @@ still holds the GPU), or if freeing memory between rows fails later (``_free_aft
 reported ``failed: not run: ...`` instead of queueing behind it, the tables and the JSON are written, and ``python
 -m vpce.bench`` exits with status 3 through ``os._exit`` (a thread stuck in a CUDA call can block a normal
 interpreter exit). Rows measured after an abandoned row that is still computing share the machine with it; the
-JSON marks them ``after_timeout``. A subprocess per row would isolate better but repeats the inputs, the float64
+JSON marks them ``after_timeout``, and they compile their quack kernels in their own thread (``_compile_in_process``:
+an abandoned quack autotuner leaves its compile pool on for the process). A subprocess per row would isolate better but repeats the inputs, the float64
 reference and the CUDA context for every row, and cannot share the device tensors cheaply; under ``--tp`` a hung
 collective is ended by the process group's ``--timeout`` instead.
 
@@ -107,7 +108,10 @@ def run_phases(row: dict, phases: list[Phase], agree: Callable[[str], str] | Non
             phase()
         except Unavailable as e:
             status = f"missing: {e}"
-        except Exception as e:  # a peer's failure is a row, not the end of the run
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:  # a peer's failure is a row, not the end of the run; a BaseException too
+            # (quack's ``CompilePending`` is one), which would otherwise leave the row "ok" with nothing measured
             status = f"failed: {reason(e)}"
             row["traceback"] = traceback.format_exc()
         if agree is not None:
@@ -168,6 +172,28 @@ def run_row(row: dict, phases: list[Phase], env: Env, timeout_s: float | None):
     if not _device_responds(env, DEVICE_PROBE_S):
         raise DeviceStalled(f"{env.device} did not run a tiny op within {DEVICE_PROBE_S:g} s after "
                             f"{row['method']} timed out")
+
+
+_IN_PROCESS: list = []  # quack's ``suppress_pool``, entered for the rest of the process (``_compile_in_process``)
+
+
+def _compile_in_process():
+    """After a row is abandoned by its time limit, every later row compiles its quack kernels itself. quack's
+    autotuner (the first call of its tuned GEMMs) makes a compile pool the whole process's while it tunes (module
+    state, ``quack.cache.async_compile.pool_scope``), and then any quack kernel not yet compiled raises
+    ``CompilePending`` instead of compiling. A row abandoned while tuning leaves that pool on: one H100,
+    2026-11-28 (docs/results/gpu-2026-11-28m), quack's base path timed out at 80 s in its first step on both bench
+    heads, and the next row's first quack GEMM (vpce's) raised ``CompilePending``. quack's ``suppress_pool`` turns
+    the pool off for every thread; it stays entered (the abandoned thread may run on). Nothing without quack."""
+    if _IN_PROCESS:
+        return
+    try:
+        from quack.cache.async_compile import suppress_pool
+    except Exception:  # noqa: BLE001 - not installed, or an install that fails to import: no pool to turn off
+        return
+    ctx = suppress_pool()
+    ctx.__enter__()
+    _IN_PROCESS.append(ctx)
 
 
 def _free_after(env: Env, abandoned: str | None) -> str | None:
@@ -495,6 +521,7 @@ def run_shape(shape: Shape, env: Env, names: list[str], settings: Settings, prog
                 stalled = str(e)
             if row["status"].startswith("failed: timeout"):
                 abandoned = row["method"]
+                _compile_in_process()
         if m is None:
             floor = row.get("_floor", {})
             record["floor"] = floor or None
