@@ -787,7 +787,6 @@ def test_settle_must_be_seconds_at_least_zero(value, capsys):
     assert e.value.code == 2 and "--settle: expected seconds >= 0" in capsys.readouterr().err
 
 
-
 def test_a_base_exception_fails_its_row_and_an_abandoned_tuner_leaves_no_pool_on(monkeypatch):
     """A row whose step raises a ``BaseException`` that is not an interrupt (quack's ``CompilePending`` is one) is
     ``failed: ...``, never "ok" with nothing measured, and the run goes on. After a row is abandoned by its time

@@ -21,10 +21,11 @@ still holds the GPU), or if freeing memory between rows fails later (``_free_aft
 reported ``failed: not run: ...`` instead of queueing behind it, the tables and the JSON are written, and ``python
 -m vpce.bench`` exits with status 3 through ``os._exit`` (a thread stuck in a CUDA call can block a normal
 interpreter exit). Rows measured after an abandoned row that is still computing share the machine with it; the
-JSON marks them ``after_timeout``, and they compile their quack kernels in their own thread (``_compile_in_process``:
-an abandoned quack autotuner leaves its compile pool on for the process). A subprocess per row would isolate better but repeats the inputs, the float64
-reference and the CUDA context for every row, and cannot share the device tensors cheaply; under ``--tp`` a hung
-collective is ended by the process group's ``--timeout`` instead.
+JSON marks them ``after_timeout``, and they compile their quack kernels in their own thread
+(``_compile_in_process``: an abandoned quack autotuner leaves its compile pool on for the process). A subprocess per
+row would isolate better but repeats the inputs, the float64 reference and the CUDA context for every row, and
+cannot share the device tensors cheaply; under ``--tp`` a hung collective is ended by the process group's
+``--timeout`` instead.
 
 A distillation shape (``--distill``, ``Shape.d_teacher``) has a floor row and fwd+bwd rows only; the floor adds the
 teacher's logits GEMM to the student's three (``DISTILL_FLOOR_GEMMS``), and each row is checked against the
