@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from .harness import Env, Settings, Shape
+from .first_step import DEFAULT_METHODS as FIRST_STEP_METHODS, format_first_step, run_first_step
 from .meta import DTYPES, INPUTS, device_info, distill_settings, git_commit, now_utc, package_versions, timings_caveat
 from .methods import FLOOR, METHODS, default_methods, device_backend, method_names, quick_methods
 from .peers import shutdown_megatron
@@ -136,6 +137,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "run goes on (a device left stalled by it ends the run, with the tables written); 0: no "
                         "limit")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    p.add_argument("--first-step", action="store_true",
+                   help="time a fresh process's first fwd+bwd per row, with empty kernel caches and then with the "
+                        f"first process's caches (vpce.bench.first_step; default rows {','.join(FIRST_STEP_METHODS)}, "
+                        "default shape llama3-8b)")
     p.add_argument("--profile", action="store_true",
                    help="instead of the tables: where a step's time goes, per kernel and per phase (torch.profiler; "
                         "CUDA kernels, or CPU ops on a CPU), for the --methods rows; writes --out/profile.json")
@@ -180,6 +185,21 @@ def _check_methods(args, parser):
         parser.error(f"--methods: {','.join(wrong)}: distillation rows, expected with --distill")
 
 
+def _first_step(args, shapes, device, command, progress) -> int:
+    """``--first-step``: every row in fresh processes (``vpce.bench.first_step``); a table and first-step.json."""
+    names = [n for n in args.methods if n != FLOOR]
+    rows = run_first_step(names, shapes, args.dtype, str(device), args.seed, progress)
+    name = device_info(device)["name"]
+    print(format_first_step(rows, name), flush=True)
+    doc = dict(schema="vpce.bench.first_step/1", date=now_utc(), command=command, commit=git_commit(),
+               device=device_info(device), versions=package_versions(), python=platform.python_version(),
+               dtype=args.dtype, rows=rows)
+    out_json = args.out / "first-step.json"
+    write_json(out_json, doc)
+    progress.note(f"wrote {out_json}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -187,6 +207,10 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error(f"--device: expected an available device, got {args.device!r} (no CUDA here)")
     left_out = []  # --quick's rows that do not run here
+    if args.first_step and (args.tp or args.profile or args.distill or args.sweep):
+        parser.error("--first-step: expected without --tp, --profile, --distill and --sweep, got it with them")
+    if args.first_step and args.methods is None:
+        args.methods = [m for m in FIRST_STEP_METHODS if m in method_names()]
     if args.profile and args.methods is None:
         args.methods = ["vpce-fkl", "vpce-jsd"] if args.distill else \
             [f"vpce-{device_backend(Env(device=device, dtype=DTYPES[args.dtype]))}"]
@@ -224,7 +248,8 @@ def main(argv: list[str] | None = None) -> int:
         shapes = _sweep_shapes(args.sweep, args.quick)
     if args.shapes is not None or shapes is None:
         try:
-            default = QUICK_SHAPES if args.quick else DISTILL_DEFAULT_SHAPES if args.distill else \
+            default = QUICK_SHAPES.split(",")[0] if args.quick and args.first_step else \
+                SWEEP_CENTRE if args.first_step else QUICK_SHAPES if args.quick else DISTILL_DEFAULT_SHAPES if args.distill else \
                 TP_DEFAULT_SHAPES if args.tp else DEFAULT_SHAPES
             named = [_parse_shape(t) for t in (args.shapes or default).split(",") if t]
         except argparse.ArgumentTypeError as e:
@@ -261,6 +286,8 @@ def main(argv: list[str] | None = None) -> int:
     progress = Progress(enabled=not args.quiet)
     for line in warnings:
         progress.warn(line)
+    if args.first_step:
+        return _first_step(args, shapes, device, command, progress)
 
     if device.type == "cuda":
         if device.index is None:
