@@ -29,7 +29,7 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from vpce import kernels  # noqa: E402
-from vpce.formulas import ce_coefficients  # noqa: E402
+from vpce.formulas.softmax import ce_coefficients  # noqa: E402
 from vpce.options import LossOptions  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"

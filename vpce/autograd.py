@@ -2,13 +2,13 @@
 
 Each is a thin wrapper over the chosen backend's plain functions (``vpce.torch_backend`` or ``vpce.triton_backend``:
 ``cross_entropy``, ``log_probs``, ``recompute_grads``, ``scale_cast``; for the distillation ``distill_forward``,
-``distill_recompute_grads``), chosen in one place (``backend_module``), and the shared formulas (``vpce.formulas``,
-``vpce.distill_stats``): forward runs the backend and keeps what backward needs; backward either finishes the fast
-route's held gradients (``vpce.grads.finish_fast_grads``), recomputes them (the lean route), or finishes the
-speculative route's unit-scale gradients for a per-token upstream gradient (``vpce.speculation``;
-``triton_backend.speculative_grads``; a second backward there recomputes, as the lean route). A call eligible for
-the speculative route reports to its ``Call.history`` whether its upstream gradient was uniform, whichever route it
-took. The ``torch.library`` ops (``vpce.library``) call the same functions.
+``distill_recompute_grads``), chosen in one place (``backend_module``), and the shared formulas
+(``vpce.formulas.softmax``, ``vpce.formulas.distill``): forward runs the backend and keeps what backward needs; backward
+either finishes the fast route's held gradients (``vpce.grads.finish_fast_grads``), recomputes them (the lean route), or
+finishes the speculative route's unit-scale gradients for a per-token upstream gradient (``vpce.speculation``;
+``triton_backend.speculative_grads``; a second backward there recomputes, as the lean route). A call eligible for the
+speculative route reports to its ``Call.history`` whether its upstream gradient was uniform, whichever route it took.
+The ``torch.library`` ops (``vpce.library``) call the same functions.
 
 Under ``torch.autocast`` each Function gets the caller's fp32 weight and bias and casts them to hidden's dtype in
 its forward (``computed_operands``); the gradients go back in each input's own dtype (``ctx.dtypes``), the fast and
@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import torch
 
-from .formulas import (RowStats, ce_coefficients, evaluate_loss_fn, logprob_coefficients, logprob_extras,
+from .formulas.softmax import (RowStats, ce_coefficients, evaluate_loss_fn, logprob_coefficients, logprob_extras,
                        logprob_outputs, logprob_part_outputs, loss_fn_coefficients, loss_fn_metric_outputs,
                        store_metric_outputs)
 from .grads import finish_fast_grads
-from .distill_stats import DistillRows
+from .formulas.distill import DistillRows
 from .options import DistillOptions, LogProbLossOptions, LogProbOptions, LossOptions
 from .prepare import compute_operands
 from .routing import Call

@@ -16,7 +16,7 @@ DEFAULT_CHUNK_GIB = 0.25
 
 @dataclass(frozen=True, kw_only=True)
 class LossOptions:
-    """What the cross-entropy computes per token (the formulas: ``vpce.formulas``)."""
+    """What the cross-entropy computes per token (the formulas: ``vpce.formulas.softmax``)."""
 
     ignore_index: int = -100
     """Target id whose token contributes nothing (loss 0, gradient 0, not counted by ``mean``)."""

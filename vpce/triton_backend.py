@@ -36,9 +36,9 @@ of the two accumulators.
 
 No-grad: the stats-mode fused GEMM over token chunks; O(N) memory beyond the small per-tile statistics.
 
-The distillation (``distill_forward``, ``distill_recompute_grads``; ``vpce.distill_stats``):
+The distillation (``distill_forward``, ``distill_recompute_grads``; ``vpce.formulas.distill``):
 cuBLAS writes both heads' chunk logits, bandwidth-bound Triton kernels (``vpce.kernels.distill``) read
-them. The formulas, the packed statistics and their exchange are ``vpce.distill_stats``', shared with
+them. The formulas, the packed statistics and their exchange are ``vpce.formulas.distill``', shared with
 the torch backend.
 
 Fast route (``mean``/``sum`` with gradients), per chunk of ``C`` tokens:
@@ -47,7 +47,7 @@ Fast route (``mean``/``sum`` with gradients), per chunk of ``C`` tokens:
    buffers in the inputs' dtype (``torch.mm(..., out=)``, the bias through ``addmm``);
 2. ``kernels.distill_stats``: one pass over both buffers (soft caps and temperature applied on load, in fp32)
    writes per-(row, tile) statistics, then a per-row reduce over the tiles packs this shard's ``[R, C]``
-   statistics exactly as the torch backend packs them; ``distill_stats.exchange_chunk_stats`` exchanges and combines
+   statistics exactly as the torch backend packs them; ``formulas.distill.exchange_chunk_stats`` exchanges and combines
    them (one all-gather under a group);
 3. JSD only: ``kernels.distill_mixture``, a second pass over both buffers, gives this shard's ``[K_q, K_p]``, and
    the second all-gather (the same call of ``exchange_chunk_stats``);
@@ -81,9 +81,9 @@ import math
 import torch
 
 from . import kernels
-from .distill_stats import KL_HEAD, DistillRows, exchange_chunk_stats, heads, local_stats, row_weights, \
+from .formulas.distill import KL_HEAD, DistillRows, exchange_chunk_stats, heads, local_stats, row_weights, \
     rows_layout, token_loss
-from .formulas import (Coefficients, RowStats, ce_coefficients, ce_token_outputs, evaluate_loss_fn,
+from .formulas.softmax import (Coefficients, RowStats, ce_coefficients, ce_token_outputs, evaluate_loss_fn,
                        logprob_coefficients, logprob_part_outputs, loss_fn_coefficients, loss_fn_metric_outputs,
                        store_metric_outputs)
 from .gemm import add_product, hopper_dw_ready, logits_into, logits_with_stats, mm_into, stats_epilogue_ready

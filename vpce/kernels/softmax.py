@@ -19,7 +19,7 @@ D, TMA loads on Hopper, int64 addressing) and never writes it; ``stored_logits``
    place over stored logits).
 
 The gradient of every loss vpce offers has one form per row, with per-row coefficients ``a, b, c, d`` computed
-on the host (``vpce.formulas``; they include the upstream gradient, the temperature and the token weight)::
+on the host (``vpce.formulas.softmax``; they include the upstream gradient, the temperature and the token weight)::
 
     dL/dx_j = (p_j (a + b (z_j - M)) + d) * dcap_j,   dL/dx_t = ((a + c) - a q + b (z_t - M) p_t + d) * dcap_t
 
@@ -48,7 +48,7 @@ __all__ = ["logits_tiles", "stored_logits", "target_logits", "reduce_tiles", "co
 @triton.jit
 def _dlogits(p, zc, hit, ca, cb, cc, cd, q, dcap, HAS_CB: tl.constexpr, HAS_CD: tl.constexpr,
              SOFTCAP: tl.constexpr, cw, HAS_CW: tl.constexpr, HIT: tl.constexpr):
-    """The gradient of ``vpce.formulas`` for a tile: ``p (a + b zc) + d`` off the target, ``(a + c) - a q
+    """The gradient of ``vpce.formulas.softmax`` for a tile: ``p (a + b zc) + d`` off the target, ``(a + c) - a q
     + b zc p + d`` at it (``zc = z - M``, ``q = 1 - p_t``), times ``dcap``; with class weights ``d`` is times the
     column's weight ``cw``. ``HIT`` False: the tile holds no row's target column (``hit`` is not read)."""
     if HAS_CB:
@@ -383,8 +383,8 @@ def _target_out_of_lse_kernel(LSE, ZT, S, ZS, C, softcap, inv_t, SOFTCAP: tl.con
     logits buffer holds them) outside the target column, whose logit as stored is ``zs`` (``ZT`` rounded to the
     buffer's dtype, ``ROUND``: 1 bf16, 2 fp16, 0 none; capped and scaled as the statistics pass takes it); then
     ``ZT`` becomes the exact (capped and scaled) fp32 target logit; ``STORED``: ``ZS`` the target logit as stored,
-    before the cap and scale (``-inf`` where none), for the gradient pass's argmax test. ``-inf`` in ``ZT`` (no target here) gives ``S = 1``; a NaN stays
-    NaN; a share rounded above 1 gives 0 (the empty rest)."""
+    before the cap and scale (``-inf`` where none), for the gradient pass's argmax test. ``-inf`` in ``ZT``
+    (no target here) gives ``S = 1``; a NaN stays NaN; a share rounded above 1 gives 0 (the empty rest)."""
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = rows < C
     m = tl.load(LSE + rows, mask=ok, other=0.0)

@@ -35,13 +35,13 @@ from typing import NamedTuple
 
 import torch
 
-from .options import LogProbLossOptions, LossOptions
-from .parallel import RankStats
-from .targets import TokenTargets
+from ..options import LogProbLossOptions, LossOptions
+from ..parallel import RankStats
+from ..targets import TokenTargets
 
 __all__ = ["RowStats", "Coefficients", "ce_loss", "ce_coefficients", "ce_token_outputs", "logprob_outputs",
-           "logprob_coefficients", "target_probability", "ce_metrics", "logprob_extras", "Evaluation", "evaluate_loss_fn",
-           "logprob_part_outputs", "loss_fn_coefficients"]
+           "logprob_coefficients", "target_probability", "ce_metrics", "logprob_extras", "Evaluation",
+           "evaluate_loss_fn", "logprob_part_outputs", "loss_fn_coefficients"]
 
 
 class RowStats(NamedTuple):

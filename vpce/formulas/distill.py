@@ -2,7 +2,7 @@
 (``torch_backend.distill_forward``, ``triton_backend.distill_forward``) of ``vpce.distill.linear_distillation_loss``:
 the divergence between a student head ``hidden @ weight.T (+ bias)`` and a teacher head
 ``teacher_hidden @ teacher_weight.T (+ teacher_bias)`` over a vocab that may be sharded over a tensor-parallel
-group, with exact loss and exact student gradients. (The cross-entropy's are ``vpce.formulas``.)
+group, with exact loss and exact student gradients. (The softmax family's are ``vpce.formulas.softmax``.)
 
 What is computed, per token (global vocab ids ``j`` in ``[0, V)``, padding rows excluded; ``T`` the temperature,
 ``cap`` each head's optional soft cap, ``t`` the hard label)::
@@ -69,10 +69,10 @@ from typing import NamedTuple
 
 import torch
 
-from . import parallel
-from .options import DistillOptions
-from .routing import Call
-from .targets import TokenTargets
+from .. import parallel
+from ..options import DistillOptions
+from ..routing import Call
+from ..targets import TokenTargets
 
 __all__ = ["DistillStats", "DistillRows", "KL_HEAD", "rows_layout", "local_stats", "exchange_chunk_stats",
            "mixture_sums", "token_loss", "row_weights", "heads", "log_softmax", "log_mixture"]
