@@ -210,55 +210,6 @@ def stats_epilogue_ready(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | Non
     return b is None and h.dtype == torch.bfloat16 and cols % 8 == 0 and hopper_dw_ready(h, w)
 
 
-@functools.cache
-def _stats_epilogue(capped: bool = False, sum_z: bool = False):
-    """The epilogue (quack's epilogue DSL), per element of the fp32 accumulator ``acc``: ``D`` the logits; ``lse``
-    the per-row online log-sum-exp of the logits as ``D`` holds them (bf16-rounded, so that ``exp(z - lse)`` over
-    ``P`` sums to 1), every column's; ``target_logit`` the raw fp32 accumulator at the target column
-    (``kernels.target_out_of_lse`` then takes the target's rounded logit out of the LSE and puts its exact one in,
-    as the statistics pass leaves the target column out and ``kernels.target_logits`` adds it). Nothing per element
-    but the rounding (and the cap): the target column is picked by quack's select, not by a compare per element.
-    ``capped``: the LSE of the soft-capped and scaled logit ``(r 2c - c) t``, ``r = 1 / (1 + 2^(kz))``, ``k = -2
-    log2(e) / c``, with the hardware's approximate ``exp2`` and reciprocal, as ``kernels.common._softcap_value``
-    takes it in the statistics pass. ``sum_z`` (label smoothing): also ``sumz``, the per-row sum of those logits
-    times the class weights ``cw`` (ones without them), the target's included, as the statistics pass sums them."""
-    import cutlass.cute as cute
-    from cutlass import BFloat16, Float32
-    from quack.epilogue.frontend import gemm_epilogue
-    from quack.epilogue.math import pexp2
-    from quack.epilogue.ops import ColVecLoad, ColVecReduce, ColVecSelect, OnlineLSEReduce, RowVecLoad, Scalar
-
-    target = ColVecLoad("target")
-    ops = dict(k=Scalar("k"), cap=Scalar("cap"), scale=Scalar("scale")) if capped else {}
-    if sum_z:
-        ops["cw"] = RowVecLoad("cw")
-    spec = dict(ops=ops, outs={"lse": OnlineLSEReduce("lse"),
-                               "target_logit": ColVecSelect("target_logit", idx_op=target)},
-                reduces={"sumz": ColVecReduce("sumz")} if sum_z else {}, extra_ops=(target,))
-
-    if not capped and not sum_z:
-        @gemm_epilogue(**spec)
-        def vpce_stats(acc):
-            return {"D": acc, "lse": acc.to(BFloat16).to(Float32), "target_logit": acc}
-    elif not capped:
-        @gemm_epilogue(**spec)
-        def vpce_stats(acc, cw):
-            z = acc.to(BFloat16).to(Float32)
-            return {"D": acc, "lse": z, "target_logit": acc, "sumz": z * cw}
-    elif not sum_z:
-        @gemm_epilogue(**spec)
-        def vpce_stats(acc, k, cap, scale):
-            r = cute.arch.rcp_approx(Float32(1.0) + pexp2(acc.to(BFloat16).to(Float32) * k))
-            return {"D": acc, "lse": (r * (cap + cap) - cap) * scale, "target_logit": acc}
-    else:
-        @gemm_epilogue(**spec)
-        def vpce_stats(acc, k, cap, scale, cw):
-            r = cute.arch.rcp_approx(Float32(1.0) + pexp2(acc.to(BFloat16).to(Float32) * k))
-            z = (r * (cap + cap) - cap) * scale
-            return {"D": acc, "lse": z, "target_logit": acc, "sumz": z * cw}
-    return vpce_stats
-
-
 def logits_with_stats(p: torch.Tensor, h: torch.Tensor, w: torch.Tensor, t_local: torch.Tensor, zt: torch.Tensor,
                       softcap: float | None = None, inv_t: float = 1.0, sum_z: bool = False,
                       class_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -275,6 +226,9 @@ def logits_with_stats(p: torch.Tensor, h: torch.Tensor, w: torch.Tensor, t_local
         ops.update(k=-2 * math.log2(math.e) / float(softcap), cap=float(softcap), scale=float(inv_t))
     if sum_z:
         ops["cw"] = class_weight if class_weight is not None else torch.ones(v, dtype=torch.float32, device=p.device)
-    res = _stats_epilogue(softcap is not None, sum_z)(h, w.t(), out={"D": p}, tuned=False,
-                                                      config=_config(LOGITS_TILE), **ops)
+    # the CuTe kernel, imported here: ``vpce.kernels`` loads Triton, which the CPU path never needs
+    from .kernels.epilogue import stats_epilogue
+
+    res = stats_epilogue(softcap is not None, sum_z)(h, w.t(), out={"D": p}, tuned=False,
+                                                     config=_config(LOGITS_TILE), **ops)
     return res["lse"], res.get("sumz")
