@@ -241,11 +241,11 @@ def test_gpu_bitwise_deterministic(budget):
 @pytest.mark.parametrize("poisoned", [False, True])
 def test_statistics_kernels_match_the_torch_combine(sum_z, sum_ez, world, poisoned):
     """``kernels.reduce_tiles`` + ``kernels.combine_rank_stats`` (the fused per-chunk statistics) against the
-    plain torch formulas of ``vpce.parallel.combine_rank_stats``: odd row and tile counts, an all-padding rank
+    plain torch formulas of ``vpce.rank_stats.combine_rank_stats``: odd row and tile counts, an all-padding rank
     (max -inf, zero sums, no target), tokens whose target is on no rank, all--inf tiles, NaN and +inf rows that
     must come out NaN, and the agreement's poison (NaN everywhere)."""
     from vpce import kernels
-    from vpce.parallel import combine_rank_stats
+    from vpce.rank_stats import combine_rank_stats
 
     gen = torch.Generator().manual_seed(7)
     c, t = 37, 45  # neither a multiple of the row nor the tile block

@@ -29,7 +29,8 @@ from .grads import FastGrads, pad_rows, weight_grad
 from .formulas.distill import DistillRows, DistillStats, exchange_chunk_stats, heads, local_stats, log_mixture, \
     log_softmax, mixture_sums, row_weights, token_loss
 from .options import DistillOptions, LogProbOptions, LossOptions
-from .parallel import RankStats, exchange_softmax_stats
+from .parallel import exchange_softmax_stats
+from .rank_stats import RankStats
 from .routing import Call
 from .targets import TokenTargets
 

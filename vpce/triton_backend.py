@@ -89,8 +89,8 @@ from .formulas.softmax import (Coefficients, RowStats, ce_coefficients, ce_token
 from .gemm import add_product, hopper_dw_ready, logits_into, logits_with_stats, mm_into, stats_epilogue_ready
 from .grads import FastGrads, add_block, pad_rows, scaled, weight_grad, weight_grad_to_main, written_rows
 from .options import DistillOptions, LogProbLossOptions, LogProbOptions, LossOptions
-from .parallel import (HiddenGradReduce, PendingStats, RankStats, gather_sequence, start_gather_sequence,
-                       start_stats_exchange)
+from .parallel import HiddenGradReduce, PendingStats, gather_sequence, start_gather_sequence, start_stats_exchange
+from .rank_stats import RankStats
 from .routing import ROW_ALIGN, Call, one_weight_grad_gemm, round_to
 from .speculation import block_flags, split_upstream
 from .targets import TokenTargets

@@ -11,7 +11,7 @@
 * ``common``: what they share (the fast ``exp``, the soft cap, a program's tile, the persistent grid).
 
 Everything is deterministic (plain stores, no atomics) and runs under ``TRITON_INTERPRET=1`` on the CPU. The
-kernels import nothing of vpce but ``vpce.parallel.RankStats`` (what the combine returns).
+kernels import nothing of vpce but ``vpce.rank_stats.RankStats`` (what the combine returns).
 """
 
 from .common import INTERPRET

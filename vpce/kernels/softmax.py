@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..parallel import RankStats
+from ..rank_stats import RankStats
 from .common import (INTERPRET, _exp, _log1p, _persistent, _program_tile, _softcap_quarter_slope, _softcap_value,
                      _tiles_max)
 
@@ -763,8 +763,8 @@ def reduce_tiles(tile_m, tile_s, tile_z, tile_ez, zt, tile_sq=None, tile_mb=None
 
 def combine_rank_stats(every: torch.Tensor, n_sums: int, poison: torch.Tensor | None = None, sum_sq: bool = False,
                        max_before: bool = False) -> RankStats:
-    """Every rank's packed statistics ``[W, R, C]`` -> ``vpce.parallel.RankStats`` in one launch (the same
-    formulas as ``vpce.parallel.combine_rank_stats``)."""
+    """Every rank's packed statistics ``[W, R, C]`` -> ``vpce.rank_stats.RankStats`` in one launch (the same
+    formulas as ``vpce.rank_stats.combine_rank_stats``)."""
     w, r, c = every.shape
     n_w = r - 3 - n_sums - sum_sq - 2 * max_before
     out = torch.empty(r + 1 - max_before, c, dtype=torch.float32, device=every.device)
