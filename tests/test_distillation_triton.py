@@ -1,4 +1,4 @@
-"""The distillation's Triton backend (``vpce.triton_backend.distill_forward``) against the float64 oracle and the
+"""The distillation's Triton backend (``vpce.backends.triton.distill_forward``) against the float64 oracle and the
 torch backend.
 
 Without CUDA the kernels run through Triton's CPU interpreter (``conftest`` sets ``TRITON_INTERPRET=1``): fp32 and

@@ -1,14 +1,14 @@
 """The autograd shells: one ``torch.autograd.Function`` per public loss, the same for both backends.
 
-Each is a thin wrapper over the chosen backend's plain functions (``vpce.torch_backend`` or ``vpce.triton_backend``:
+Each is a thin wrapper over the chosen backend's plain functions (``vpce.backends.pytorch`` or ``vpce.backends.triton``:
 ``cross_entropy``, ``log_probs``, ``recompute_grads``, ``scale_cast``; for the distillation ``distill_forward``,
 ``distill_recompute_grads``), chosen in one place (``backend_module``), and the shared formulas
 (``vpce.formulas.softmax``, ``vpce.formulas.distill``): forward runs the backend and keeps what backward needs; backward
-either finishes the fast route's held gradients (``vpce.grads.finish_fast_grads``), recomputes them (the lean route), or
-finishes the speculative route's unit-scale gradients for a per-token upstream gradient (``vpce.speculation``;
-``triton_backend.speculative_grads``; a second backward there recomputes, as the lean route). A call eligible for the
-speculative route reports to its ``Call.history`` whether its upstream gradient was uniform, whichever route it took.
-The ``torch.library`` ops (``vpce.library``) call the same functions.
+either finishes the fast route's held gradients (``vpce.backends.grads.finish_fast_grads``), recomputes them (the lean
+route), or finishes the speculative route's unit-scale gradients for a per-token upstream gradient
+(``vpce.speculation``; ``backends.triton.speculative_grads``; a second backward there recomputes, as the lean route). A
+call eligible for the speculative route reports to its ``Call.history`` whether its upstream gradient was uniform,
+whichever route it took. The ``torch.library`` ops (``vpce.library``) call the same functions.
 
 Under ``torch.autocast`` each Function gets the caller's fp32 weight and bias and casts them to hidden's dtype in
 its forward (``computed_operands``); the gradients go back in each input's own dtype (``ctx.dtypes``), the fast and
@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import torch
 
+from .backends.grads import finish_fast_grads
+from .formulas.distill import DistillRows
 from .formulas.softmax import (RowStats, ce_coefficients, evaluate_loss_fn, logprob_coefficients, logprob_extras,
                        logprob_outputs, logprob_part_outputs, loss_fn_coefficients, loss_fn_metric_outputs,
                        store_metric_outputs)
-from .grads import finish_fast_grads
-from .formulas.distill import DistillRows
 from .options import DistillOptions, LogProbLossOptions, LogProbOptions, LossOptions
 from .prepare import compute_operands
 from .routing import Call
@@ -35,10 +35,12 @@ __all__ = ["backend_module", "LinearCrossEntropyFunction", "LinearLogProbsFuncti
 
 
 def backend_module(name: str):
+    """The backend's module: ``vpce.backends.triton`` or ``vpce.backends.pytorch`` (imported on first use: the
+    Triton backend loads Triton)."""
     if name == "triton":
-        from . import triton_backend
+        from .backends import triton as triton_backend
         return triton_backend
-    from . import torch_backend
+    from .backends import pytorch as torch_backend
     return torch_backend
 
 
@@ -270,7 +272,7 @@ class LinearDistillationFunction(torch.autograd.Function):
 class LogProbLossFunction(torch.autograd.Function):
     """``sum(loss_fn(log_probs, entropy, **inputs))`` (``vpce.post_training``) with its gradients formed in forward;
     backward scales them by the upstream scalar. The fast route: the backend's chunk loop evaluates ``loss_fn`` per
-    chunk (``triton_backend.log_prob_loss``). Otherwise two passes, both in forward: the statistics of every token
+    chunk (``backends.triton.log_prob_loss``). Otherwise two passes, both in forward: the statistics of every token
     (the backend's ``log_probs``), ``loss_fn`` on all of them, then the gradients recomputed (``recompute_grads``).
     Also returns the detached per-token ``log_probs`` and ``entropy`` (zeros unless computed), and ``is_top1`` and
     ``mean_logits`` (``o.top1``, ``o.mean_logits``; empty unless asked)."""

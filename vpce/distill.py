@@ -6,7 +6,7 @@ This module is the public entry: argument checks (``make_distill_options``, the 
 then ``vpce.prepare.prepare_call`` with a ``DistillEntry``, then the autograd shell
 (``vpce.autograd.LinearDistillationFunction``) or, under ``torch.compile``, the registered op (``vpce.library``).
 What is computed, the statistics and their exchange: ``vpce.formulas.distill``; the backends:
-``vpce.torch_backend.distill_forward``, ``vpce.triton_backend.distill_forward``.
+``vpce.backends.pytorch.distill_forward``, ``vpce.backends.triton.distill_forward``.
 """
 
 from __future__ import annotations

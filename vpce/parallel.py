@@ -3,7 +3,7 @@ collectives. The statistics themselves and their combine are ``vpce.rank_stats``
 kernels share without importing this module.
 
 Everything that talks to ``torch.distributed`` lives here, with an explicit ``group`` argument; the compute
-backends (``vpce.torch_backend`` and the Triton kernels) never import ``torch.distributed`` themselves.
+backends (``vpce.backends.pytorch`` and the Triton kernels) never import ``torch.distributed`` themselves.
 docs/design.md has the collective schedule of one call as a timeline.
 
 Vocab layout. The lm_head weight ``[V, D]`` is split by rows over the ranks of ``group``: rank ``r`` holds the

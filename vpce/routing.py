@@ -271,7 +271,7 @@ def _fit(hidden: torch.Tensor, tokens: int, rows: int, needs: tuple[bool, bool, 
     cross-entropy's fast route, whose chunk may hold every token). One chunk is weighed only where it replaces
     chunks that each read and rewrite the fp32 dW accumulator (dW needed, more tokens than the default chunk) and
     its ``P`` holds at most the default ``P`` plus that accumulator: at most about two default chunks. Where the
-    ``hopper`` extra finishes dW (``vpce.gemm``) one chunk allocates no fp32 accumulator, but ``P`` then stays live
+    ``hopper`` extra finishes dW (``backends.gemm``) one chunk allocates no fp32 accumulator, but ``P`` then stays live
     into backward beside the 16-bit dW. Not under ``torch.use_deterministic_algorithms(True)``: the chunking (dW's
     summation order) must not depend on free memory there. One H100, 2026-11-27: on cuBLAS + cast the Gemma-2-2B
     head (N=8192) ran 1.6 % faster in one chunk than in two, the Llama-3-8B head (N=16384) no faster; with the
@@ -382,7 +382,7 @@ def one_weight_grad_gemm(plan: Plan, opts: LossOptions, tokens: int, d: int, dty
     same order, so this changes no collective and each rank may decide it alone, from its own facts.
 
     Taken with ``memory_budget="auto"`` where the ``hopper`` extra finishes dW (``hopper_dw``:
-    ``vpce.gemm.hopper_dw_ready``; ``defer``: dW needed, not into ``main_grad``), so that one quack GEMM writes the
+    ``backends.gemm.hopper_dw_ready``; ``defer``: dW needed, not into ``main_grad``), so that one quack GEMM writes the
     weight's dtype and no fp32 accumulator is allocated, and where that ``P`` holds no more than the default ``P``
     and the accumulator it replaces (so the peak stays the default's: ``P`` lives into backward either way). In
     default chunks the first chunk's dW GEMM writes that fp32 accumulator and each later one reads and rewrites it

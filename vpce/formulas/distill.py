@@ -1,8 +1,9 @@
 """The distillation's formulas, per-chunk statistics and their exchange, shared by both backends
-(``torch_backend.distill_forward``, ``triton_backend.distill_forward``) of ``vpce.distill.linear_distillation_loss``:
-the divergence between a student head ``hidden @ weight.T (+ bias)`` and a teacher head
-``teacher_hidden @ teacher_weight.T (+ teacher_bias)`` over a vocab that may be sharded over a tensor-parallel
-group, with exact loss and exact student gradients. (The softmax family's are ``vpce.formulas.softmax``.)
+(``backends.pytorch.distill_forward``, ``backends.triton.distill_forward``) of
+``vpce.distill.linear_distillation_loss``: the divergence between a student head ``hidden @ weight.T (+ bias)`` and a
+teacher head ``teacher_hidden @ teacher_weight.T (+ teacher_bias)`` over a vocab that may be sharded over a
+tensor-parallel group, with exact loss and exact student gradients. (The softmax family's are
+``vpce.formulas.softmax``.)
 
 What is computed, per token (global vocab ids ``j`` in ``[0, V)``, padding rows excluded; ``T`` the temperature,
 ``cap`` each head's optional soft cap, ``t`` the hard label)::
@@ -56,8 +57,8 @@ in forward (each head's max and ``log S``, ``E_p[z - y]`` or ``K_p``, the cross-
 backward needs no statistics exchange. ``dX`` is this shard's part, summed over the group by
 ``vpce.parallel.enter_vocab_parallel``.
 
-The torch backend (CPU, or ``backend="torch"``; ``vpce.torch_backend``) holds a few fp32 ``[C, V_local]`` chunk
-tensors, never ``[N, V]``. The Triton backend (``vpce.triton_backend``; ``backend="triton"``) computes the same
+The torch backend (CPU, or ``backend="torch"``; ``vpce.backends.pytorch``) holds a few fp32 ``[C, V_local]`` chunk
+tensors, never ``[N, V]``. The Triton backend (``vpce.backends.triton``; ``backend="triton"``) computes the same
 statistics with bandwidth-bound kernels over cuBLAS-written logits and exchanges them through the same
 ``exchange_chunk_stats``.
 """

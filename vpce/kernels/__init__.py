@@ -7,7 +7,7 @@
   device flag;
 * ``distill``: the distillation's bandwidth-bound passes over both heads' stored logits;
 * ``epilogue``: not Triton but CuTe (quack's epilogue DSL, the ``hopper`` extra): the statistics epilogue of the
-  fast route's logits GEMM (``stats_epilogue``, launched by ``vpce.gemm.logits_with_stats``);
+  fast route's logits GEMM (``stats_epilogue``, launched by ``vpce.backends.gemm.logits_with_stats``);
 * ``common``: what they share (the fast ``exp``, the soft cap, a program's tile, the persistent grid).
 
 Everything is deterministic (plain stores, no atomics) and runs under ``TRITON_INTERPRET=1`` on the CPU. The

@@ -1,4 +1,4 @@
-"""The distillation family (``vpce.triton_backend.distill_forward``): bandwidth-bound passes over a token
+"""The distillation family (``vpce.backends.triton.distill_forward``): bandwidth-bound passes over a token
 chunk's student and teacher logits.
 
 cuBLAS writes both heads' chunk logits ``[C, V]`` in the inputs' dtype (biases included). These kernels read

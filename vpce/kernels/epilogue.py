@@ -1,7 +1,7 @@
 """The CuTe statistics epilogue of the fast route's logits GEMM (quack's epilogue DSL, sm_90): the GEMM that writes
 the logits ``P`` also reduces, per row, the online log-sum-exp of what ``P`` holds and picks the target's fp32
 logit, so the statistics need no second read of ``P``. Its launcher, with the pinned tile and the operands, is
-``vpce.gemm.logits_with_stats``; ``kernels.target_out_of_lse`` then turns these into the statistics pass's.
+``vpce.backends.gemm.logits_with_stats``; ``kernels.target_out_of_lse`` then turns these into the statistics pass's.
 
 Built on first use and cached per variant (plain or soft-capped, with or without the label-smoothing sum); quack
 and cutlass are imported only then, so this module loads without the ``hopper`` extra.

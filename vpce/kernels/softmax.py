@@ -703,7 +703,7 @@ def target_logits(x, w, b, t_local, zt, *, softcap=None, inv_t=1.0, logits=None,
 
 
 def target_out_of_lse(lse, zt, s, stored_dtype, *, softcap=None, inv_t=1.0, zs=None):
-    """For the statistics a logits GEMM's epilogue took (``vpce.gemm.logits_with_stats``): ``lse [C]``, the
+    """For the statistics a logits GEMM's epilogue took (``vpce.backends.gemm.logits_with_stats``): ``lse [C]``, the
     log-sum-exp of every column's logit as the buffer holds them (``stored_dtype``), and ``zt [C]``, the target
     column's raw fp32 logit (``-inf`` where the target is elsewhere). Writes ``s [C]``, the share of the row's
     mass outside the target column, and caps and scales ``zt`` in place: ``(lse, s)`` is then one tile of the

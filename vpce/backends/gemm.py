@@ -227,7 +227,7 @@ def logits_with_stats(p: torch.Tensor, h: torch.Tensor, w: torch.Tensor, t_local
     if sum_z:
         ops["cw"] = class_weight if class_weight is not None else torch.ones(v, dtype=torch.float32, device=p.device)
     # the CuTe kernel, imported here: ``vpce.kernels`` loads Triton, which the CPU path never needs
-    from .kernels.epilogue import stats_epilogue
+    from ..kernels.epilogue import stats_epilogue
 
     res = stats_epilogue(softcap is not None, sum_z)(h, w.t(), out={"D": p}, tuned=False,
                                                      config=_config(LOGITS_TILE), **ops)

@@ -23,16 +23,16 @@ import math
 
 import torch
 
-from .formulas.softmax import Coefficients, RowStats, ce_coefficients, ce_token_outputs
+from ..formulas.distill import DistillRows, DistillStats, exchange_chunk_stats, heads, local_stats, log_mixture, \
+    log_softmax, mixture_sums, row_weights, token_loss
+from ..formulas.softmax import Coefficients, RowStats, ce_coefficients, ce_token_outputs
+from ..options import DistillOptions, LogProbOptions, LossOptions
+from ..parallel import exchange_softmax_stats
+from ..rank_stats import RankStats
+from ..routing import Call
+from ..targets import TokenTargets
 from .gemm import mm_out
 from .grads import FastGrads, pad_rows, weight_grad
-from .formulas.distill import DistillRows, DistillStats, exchange_chunk_stats, heads, local_stats, log_mixture, \
-    log_softmax, mixture_sums, row_weights, token_loss
-from .options import DistillOptions, LogProbOptions, LossOptions
-from .parallel import exchange_softmax_stats
-from .rank_stats import RankStats
-from .routing import Call
-from .targets import TokenTargets
 
 __all__ = ["cross_entropy", "log_probs", "recompute_grads", "scale_cast", "distill_forward",
            "distill_recompute_grads"]
