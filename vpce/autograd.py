@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from .backends.grads import finish_fast_grads
+from .double_backward import refuse_double_backward
 from .formulas.distill import DistillRows
 from .formulas.softmax import (RowStats, ce_coefficients, evaluate_loss_fn, logprob_coefficients, logprob_extras,
                        logprob_outputs, logprob_part_outputs, loss_fn_coefficients, loss_fn_metric_outputs,
@@ -90,13 +91,6 @@ def cross_entropy_grads(hidden, weight, bias, target, token_weight, rows: RowSta
 
 
 
-def _no_double_backward():
-    """A backward with ``create_graph=True`` runs in grad mode; vpce's gradients are not differentiable again."""
-    if torch.is_grad_enabled():
-        raise RuntimeError("vpce: double backward is not supported: the gradients of linear_cross_entropy and "
-                           "linear_log_probs cannot be differentiated again (backward or autograd.grad with "
-                           "create_graph=True); compute a gradient penalty on another path")
-
 class LinearCrossEntropyFunction(torch.autograd.Function):
     """``hidden [N, D]`` (this rank's slice under sequence parallelism when the backend reduces dX in forward),
     ``target [N]``, optional ``token_weight [N]`` and ``class_weight [V_local]`` (fp32/fp64, no grad); returns the
@@ -123,7 +117,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad, *_metrics):  # the metrics are detached: their gradients are ignored
-        _no_double_backward()
+        refuse_double_backward("linear_cross_entropy")
         with torch.autocast(grad.device.type, enabled=False):  # (a backward called inside an autocast region)
             return LinearCrossEntropyFunction._backward(ctx, grad)
 
@@ -195,7 +189,7 @@ class LinearLogProbsFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_logp, *rest):
-        _no_double_backward()
+        refuse_double_backward("linear_log_probs")
         g_ent = rest[0] if ctx.lp.entropy else None  # (the extras after it are detached)
         with torch.autocast(ctx.saved_tensors[0].device.type, enabled=False):
             return LinearLogProbsFunction._backward(ctx, g_logp, g_ent)
@@ -244,6 +238,7 @@ class LinearDistillationFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        refuse_double_backward("linear_distillation_loss")
         with torch.autocast(grad.device.type, enabled=False):
             return LinearDistillationFunction._backward(ctx, grad)
 
@@ -306,6 +301,7 @@ class LogProbLossFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_loss, *_):
+        refuse_double_backward("linear_log_prob_loss")
         grads, ctx.grads = ctx.grads, None
         if grads is None:
             raise RuntimeError("vpce.linear_log_prob_loss: a second backward through the same graph is not supported "

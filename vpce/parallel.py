@@ -52,6 +52,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 import torch.distributed as dist
 
+from .double_backward import refuse_double_backward
 from .rank_stats import RankStats, combine_rank_stats
 
 __all__ = [
@@ -528,6 +529,7 @@ class _CopyToVocabParallel(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        refuse_double_backward("copy_to_vocab_parallel_region")
         grad = grad.contiguous()
         dist.all_reduce(grad, group=ctx.group)
         return grad, None
@@ -545,6 +547,7 @@ class _GatherSequenceParallel(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        refuse_double_backward("gather_from_sequence_parallel_region")
         grad = grad.contiguous()
         out = grad.new_empty((grad.shape[0] // ctx.world,) + tuple(grad.shape[1:]))
         reduce_scatter_tensor(out, grad, group=ctx.group)
