@@ -24,7 +24,7 @@ TIMEOUT = 180  # seconds: a hung collective fails the test
 
 def test_p_chunk_and_the_weights_cast_copy_share_the_accumulators_size():
     """The Triton fast route's ``P``: the fp32 dW accumulator's size (2 GiB at most); where the Function casts an
-    fp32 weight under autocast, ``P`` and that 16-bit copy together (the HF Trainer step's peak, issue #35); a
+    fp32 weight under autocast, ``P`` and that 16-bit copy together (the HF Trainer step's peak); a
     numeric budget as given. Equal on every rank: from the columns per rank, with the cast in the agreement."""
     shard = parallel.VocabShard(None, 0, 1, 0, 128256, 128256)
     plan = routing.settle(routing.plan_cross_entropy(LossOptions(), (True, True, False), "triton", False, False),

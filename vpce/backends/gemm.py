@@ -10,8 +10,8 @@ An error from a real GEMM (out of memory, a bad shape) propagates; it never swit
 
 With the ``hopper`` extra (quack-kernels' CuTe GEMMs) on an sm_90 GPU, ``scaled_weight_grad`` finishes the fast
 route's dW in one GEMM that reads the fp32 accumulator as C, scales by the upstream gradient (a device scalar: no
-host sync) and writes the weight's 16-bit dtype: no separate scale-and-cast pass over ``[V_local, D]`` fp32 (1.07 ms
-on the Llama-3-8B head, one H100). Which library computes a rank's dW changes no collective.
+host sync) and writes the weight's 16-bit dtype: no separate scale-and-cast pass over ``[V_local, D]`` fp32
+(docs/benchmarks.md has the measurement). Which library computes a rank's dW changes no collective.
 """
 
 from __future__ import annotations
@@ -119,23 +119,13 @@ def hopper_dw_ready(g: torch.Tensor, x: torch.Tensor) -> bool:
 
 
 # quack's sm_90 GEMM configs for the dW finish, pinned (the autotuner's pick could differ from run to run, and its
-# first call tunes for minutes). One H100, 2026-11-27 (docs/results/gpu-2026-11-27c), each the fastest of those
-# timed on both the Llama-3-8B and the Gemma-2-2B heads:
-# - one chunk, no accumulator (``DW_TILE``: 256 x 192 tiles, cooperative, clusters of 1 x 2): Llama (16384 tokens)
-#   22.24 ms against cuBLAS's fp32 GEMM 24.47 + scale_cast 1.07, Gemma (8192 tokens) 12.93 against 13.67 + 1.22,
-#   the same bits as cuBLAS + cast; quack's default (128 x 192 pingpong) 26.37 and 14.08;
-# - the last of several chunks, the accumulator read as C (``DW_ADD_TILE``: 128 x 256, cooperative, 2 x 1): Llama
-#   (8192 tokens) 12.13 ms against cuBLAS's addmm 12.80 + 1.08, Gemma (4096) 7.44 against 8.64 + 1.20; there
-#   ``DW_TILE`` took 16.94 and 9.73.
+# first call tunes for minutes): each the fastest of those timed on both bench heads (Llama-3-8B, Gemma-2-2B),
+# with the same bits as cuBLAS + cast (docs/benchmarks.md). ``DW_TILE``: one chunk, no accumulator; ``DW_ADD_TILE``:
+# the last of several chunks, the accumulator read as C.
 DW_TILE = dict(tile_m=256, tile_n=192, cluster_m=1, cluster_n=2, pingpong=False)
 DW_ADD_TILE = dict(tile_m=128, tile_n=256, cluster_m=2, cluster_n=1, pingpong=False)
-# dX of one whole chunk (``scaled_hidden_grad``), per device, each with the same bits as cuBLAS + cast:
-# - one H100, 2026-11-27 (6 configs): on Llama-3-8B (16384 x 4096 over K = 128256) 128 x 256, cooperative, 2 x 1
-#   took 23.35 ms against cuBLAS's fp32 GEMM 25.10 + scale_cast 0.15; DW_TILE's config 24.62, the others 26.3-33.5;
-# - one H200, 2026-11-27 (16 configs, docs/results/gpu-2026-11-27g): DW_TILE's config was the fastest on both heads,
-#   Llama 24.98 ms and Gemma-2-2B (8192 x 2304 over K = 256000) 13.35, against 25.92 and 15.77 for 128 x 256 2 x 1
-#   and cuBLAS's bf16 GEMM 25.79 and 13.60; the bench's Gemma step took 1.1-2.1 ms less with it.
-# An sm_90 part that is not an H200 takes the H100's.
+# dX of one whole chunk (``scaled_hidden_grad``), per device, each the fastest timed there with the same bits as
+# cuBLAS + cast (docs/benchmarks.md): the H200 takes ``DW_TILE``'s config, any other sm_90 part the H100's.
 DX_TILE = DW_ADD_TILE
 DX_TILE_H200 = DW_TILE
 
@@ -149,11 +139,8 @@ def _dx_tile(device_index: int) -> dict:
 # Every quack GEMM here takes its output tiles from a counter in global memory (quack's dynamic persistent
 # scheduler) instead of a fixed share per CTA. Under a group a collective's kernels (NCCL, on a high-priority
 # stream) take some SMs at the start of the GEMM queued after them; with fixed shares the CTAs left without an SM
-# did all of their tiles after the collective ended, so the GEMM ran about the collective's time longer: on two
-# H100s at tp=2 (Llama-3-8B head, 2026-11-27, docs/results/gpu-2026-11-27j) the dX all-reduce beside the next
-# chunk's statistics GEMM added 0.6-1.4 ms to it and beside the dW GEMM 0.9 ms, per step. With the counter the
-# other CTAs take those tiles (+0.1 ms). In one process, the A/B interleaved (``ab.py``): tp=2 40.84 -> 40.42 ms a
-# step, tp=1 77.89 -> 77.48 (the floor 37.71 and 76.27).
+# did all of their tiles after the collective ended, so the GEMM ran about the collective's time longer. With the
+# counter the other CTAs take those tiles (docs/benchmarks.md has the tp=2 A/B).
 @functools.cache
 def _config_of(tile: tuple):
     from quack.gemm_config import GemmConfig
@@ -193,13 +180,11 @@ def scaled_hidden_grad(g: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, dt
     return out
 
 
-# The logits GEMM with the statistics in its epilogue (``logits_with_stats``), at the fastest of five configs for
-# the whole statistics step (the GEMM, the select, ``kernels.target_out_of_lse``, the reduction and the combine),
-# plain and soft-capped, on both bench heads (one H200, 2026-11-27, docs/results/gpu-2026-11-27f/qlse2.json):
-# Llama-3-8B 16384 rows 25.03 ms plain / 25.09 capped against cuBLAS's logits + target logit + statistics pass
-# 25.28 / 26.23; Gemma-2-2B 8192 rows 13.65 / 14.01 against 15.52 / 16.35. A ping-pong schedule: one warp group's
+# The logits GEMM with the statistics in its epilogue (``logits_with_stats``), at the fastest of the configs timed
+# for the whole statistics step (the GEMM, the select, ``kernels.target_out_of_lse``, the reduction and the
+# combine), plain and soft-capped, on both bench heads (docs/benchmarks.md). A ping-pong schedule: one warp group's
 # epilogue (an exp per logit; with the cap an exp2 and a reciprocal more) runs under the other's main loop; the
-# cooperative configs ran it exposed (up to 1.9 ms slower).
+# cooperative configs ran it exposed.
 LOGITS_TILE = dict(tile_m=128, tile_n=192, cluster_m=2, cluster_n=1, pingpong=True)
 
 

@@ -16,11 +16,10 @@ Fast route (default; cross-entropy with ``mean``/``sum`` and gradients), 6NDV. P
 4. cuBLAS: ``dX[chunk] = dz @ W`` (fp32 out) and ``dW += dz.T @ X[chunk]`` into an fp32 accumulator; under a
    group the chunk's ``dX`` rows are summed over the group (async, under the dW GEMM; ``HiddenGradReduce``).
 
-Measured on one H200 (docs/benchmarks.md, 2026-11-23 run 83140c1): per 4096-token chunk cuBLAS plus the two
-bandwidth passes cost the same as the fused Triton GEMM with its epilogue plus the P -> gradient pass it needed on
-the Llama-3-8B head (D = 4096), 3 % less on the Gemma-2-2B head (D = 2304, where the fused GEMM could not hide its
-epilogue) and 4-5 % less with a soft cap. The logits are then rounded to the inputs' dtype before the softmax, as
-in torch eager, torch.compile and quack; the target logit is not.
+Why cuBLAS and two bandwidth passes rather than one fused GEMM with a softmax epilogue: per chunk they cost no
+more than the fused GEMM plus the P -> gradient pass it needs, and less where the fused GEMM cannot hide its
+epilogue (smaller D, a soft cap; docs/benchmarks.md). The logits are then rounded to the inputs' dtype before the
+softmax, as in torch eager, torch.compile and quack; the target logit is not.
 
 Backward scales the held ``dX``, ``dW``, ``db`` by the upstream gradient (and ``1/count`` for ``mean``) and casts
 them in one pass. Memory: ``P`` (``C * V_local`` values; by default 2 GiB but at most the fp32 ``dW``
@@ -190,8 +189,7 @@ class _ChunkStats:
         if self.epilogue:
             # the statistics GEMM runs the whole chunk in one launch, its statistics then exchanged in the same
             # parts: with a launch per half the first half's exchange did not run beside the second's GEMM anyway
-            # (it got an SM only as that persistent GEMM ended), and one launch took 0.2-0.25 ms a step less (two
-            # H100s, tp=2, Llama-3-8B head, interleaved in one process; docs/benchmarks.md)
+            # (it got an SM only as that persistent GEMM ended), and one launch is faster (docs/benchmarks.md)
             whole = self._local(h, w, b, tl_local, sl, slice(0, sl.stop - sl.start), call, softcap, inv_t, p)
         pending = []
         for lo, hi in zip(cuts[:-1], cuts[1:]):
