@@ -4,7 +4,7 @@ gradient in place) as one pass per row, for a single process (no exchange sits b
     python launch/one_pass_proto.py [--shapes llama3-8b,gemma2-2b] [--chunk 4096]   # one GPU
     TRITON_INTERPRET=1 python launch/one_pass_proto.py --check-only                 # CPU: correctness only
 
-The idea (issue #15, "what would close the gap" in docs/benchmarks.md, run 83140c1): one program per row reads the
+The idea ("what would close the gap" in docs/benchmarks.md): one program per row reads the
 row's stored logits once for the online max / sum of exp (the target left out: its exact logit comes from
 ``kernels.target_logits``), combines them with the target, and then walks the row again from its end, so the
 tiles it read last are re-read from L2 rather than from HBM, writing the gradient in place. A Llama-3-8B row is
@@ -29,7 +29,7 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from vpce import kernels  # noqa: E402
-from vpce.formulas import ce_coefficients  # noqa: E402
+from vpce.formulas.softmax import ce_coefficients  # noqa: E402
 from vpce.options import LossOptions  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"

@@ -25,7 +25,7 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from vpce import kernels  # noqa: E402
-from vpce.gemm import addmm_out_, mm_out  # noqa: E402
+from vpce.backends.gemm import addmm_out_, mm_out  # noqa: E402
 
 SHAPES = {"llama3-8b": (4096, 128256), "gemma2-2b": (2304, 256000)}
 CONFIGS = [  # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages)

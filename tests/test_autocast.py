@@ -2,7 +2,7 @@
 ``nn.Linear`` does), and the gradients come back in the parameters' dtype (fp32 for fp32 parameters).
 
 Before: the torch backend's fast route raised a dtype error in a scatter, and the Triton route ran fp32 GEMMs
-(4.1x slower on the Llama-3-8B head) with no warning. Then (issue #35): the fast route rounded its fp32 dW to the
+(4.1x slower on the Llama-3-8B head) with no warning. Then the fast route rounded its fp32 dW to the
 autocast dtype and autograd's cast copied it back to fp32, 1.5 GiB at the start of backward on a 128k-vocab head;
 now the autograd Function gets the fp32 parameters and casts them itself (``vpce.prepare.compute_operands``).
 """

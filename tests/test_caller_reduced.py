@@ -741,7 +741,7 @@ def assert_same_bits(runs, what):
     for i, (_, got) in enumerate(runs[1:], 1):
         for name, x, y in zip(("out", "dX", "dW", "db"), got, runs[0][1]):
             assert (x is None) == (y is None) and (x is None or torch.equal(x, y)), \
-                f"{what}: call {i}'s {name} differs from call 0's ({describe(x, y)})"
+                f"{what}: call {i}'s {name} differs from the first call's ({describe(x, y)})"
 
 
 @pytest.mark.parametrize("entry", ["ce", "logprob"])

@@ -281,7 +281,7 @@ def test_gemm_path_is_decided_by_capability(monkeypatch):
     """The fp32-output GEMM path is a capability of the device type, probed once on 1x1 tensors; an error in a real
     GEMM (an out-of-memory, say) propagates and never switches the path (a flag that flipped on any RuntimeError
     could differ between ranks)."""
-    from vpce import gemm
+    from vpce.backends import gemm
 
     assert gemm.has_mixed_gemm("cpu") is False
     a = torch.randn(4, 8, dtype=torch.bfloat16)

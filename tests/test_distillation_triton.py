@@ -1,4 +1,4 @@
-"""The distillation's Triton backend (``vpce.triton_backend.distill_forward``) against the float64 oracle and the
+"""The distillation's Triton backend (``vpce.backends.triton.distill_forward``) against the float64 oracle and the
 torch backend.
 
 Without CUDA the kernels run through Triton's CPU interpreter (``conftest`` sets ``TRITON_INTERPRET=1``): fp32 and
@@ -138,10 +138,10 @@ def test_confident_logits():
 
 @pytest.mark.parametrize("kl", [0, 1, 2])
 def test_combined_heads_equal_the_torch_combine(kl):
-    """``kernels.combine_distill_heads`` (one launch) against ``vpce.distill_stats``' torch ops, on 1-3 ranks: random
+    """``kernels.combine_distill_heads`` (one launch) against ``vpce.formulas.distill``' torch ops, on 1-3 ranks: random
     statistics, a rank whose rows are all padding (max -inf), a row NaN on one rank (NaN out), a poison scalar."""
     from vpce import kernels
-    from vpce.distill_stats import _combine_heads
+    from vpce.formulas.distill import _combine_heads
 
     gen = torch.Generator().manual_seed(kl)
     for world in (1, 3):

@@ -143,7 +143,7 @@ def _triton_chunked_main(rank, world):
     boundary at 108 inside the first chunk's second half; at world 3, chunks [192 = 96 + 96, 132 = 64 + 68], the
     boundaries at 108 and 216 inside the first chunk's second half and the second chunk's first half; ragged row
     blocks in the last chunk or half; the default budget's one chunk split at 96 / 160."""
-    from vpce import triton_backend
+    from vpce.backends.triton import softmax as triton_backend
 
     triton_backend.ROW_ALIGN = 32  # this rank's own process: nothing else sees it
     sizes = [40, 9, 33][:world]
@@ -190,7 +190,7 @@ def test_backward_casts_dw_before_it_waits_for_the_dx_sum():
     """The Triton fast route under a group leaves its last dX all-reduce in flight (``FastGrads.dx_sum``):
     ``grads.finish_fast_grads`` scales and casts dW (and db) first, then waits for dX's sum, then scales dX, so
     the collective runs beside the dW cast. A ``FastGrads`` with nothing in flight hands back its dX as it is."""
-    from vpce.grads import FastGrads, finish_fast_grads
+    from vpce.backends.grads import FastGrads, finish_fast_grads
 
     order = []
     dx, dw, db = torch.randn(4, 3), torch.randn(5, 3), torch.randn(5)

@@ -242,7 +242,7 @@ def test_logits_are_not_materialized():
 def test_autocast_bf16():
     """Under autocast the lm_head operands are cast as nn.Linear would; bf16-level agreement, fp32 grads. The fp32
     lm_head weight goes to vpce uncast (vpce casts it inside its autograd Function): its gradient is the fast
-    route's fp32 accumulator, not a bf16 gradient cast up as stock's is (issue #35: HF Trainer's peak memory)."""
+    route's fp32 accumulator, not a bf16 gradient cast up as stock's is (HF Trainer's peak memory)."""
     patched, stock = build("llama")
     ids, mask, labels = make_batch()
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -258,7 +258,7 @@ def test_stock_lm_head_runs_only_for_the_first_calls_probe(monkeypatch):
     """The stock forward gets a stand-in for lm_head's forward: the real one runs once, at the first call, on one
     position (the logits check), never again, so no cast of an fp32 lm_head is made under autocast (in autocast's
     cache it stayed beside vpce's own copy until the forward ended: 0.5 GiB of a 128k-vocab head at the HF step's
-    peak, issue #35). An instance forward (as accelerate's hooks set) is put back as it was; the losses stay
+    peak). An instance forward (as accelerate's hooks set) is put back as it was; the losses stay
     stock's."""
     patched, stock = build("llama")
     head = patched.lm_head

@@ -24,7 +24,7 @@ TIMEOUT = 180  # seconds: a hung collective fails the test
 
 def test_p_chunk_and_the_weights_cast_copy_share_the_accumulators_size():
     """The Triton fast route's ``P``: the fp32 dW accumulator's size (2 GiB at most); where the Function casts an
-    fp32 weight under autocast, ``P`` and that 16-bit copy together (the HF Trainer step's peak, issue #35); a
+    fp32 weight under autocast, ``P`` and that 16-bit copy together (the HF Trainer step's peak); a
     numeric budget as given. Equal on every rank: from the columns per rank, with the cast in the agreement."""
     shard = parallel.VocabShard(None, 0, 1, 0, 128256, 128256)
     plan = routing.settle(routing.plan_cross_entropy(LossOptions(), (True, True, False), "triton", False, False),
@@ -157,11 +157,11 @@ def test_gpu_auto_runs_one_chunk_where_it_fits(monkeypatch):
     """On a GPU with room, ``"auto"`` runs the fast route in one chunk where the default would take two (here
     0.25 GiB ``P`` chunks of 8320 tokens, 9000 tokens), with the loss and gradients of the chunked run within a
     rounding; under deterministic algorithms it keeps the default chunks."""
-    from vpce import triton_backend
+    from vpce.backends.triton import softmax as triton_backend
 
     chunks = []
-    real = triton_backend._chunk_loop
-    monkeypatch.setattr(triton_backend, "_chunk_loop",
+    real = triton_backend.chunk_loop
+    monkeypatch.setattr(triton_backend, "chunk_loop",
                         lambda hidden, w, b, chunk, *a, **k: chunks.append(chunk) or real(hidden, w, b, chunk, *a, **k))
     p = make_problem(9000, 512, 16001, dtype=torch.bfloat16, ignore_frac=0.1, seed=3)
     h, w, t = p.hidden.cuda(), p.weight.cuda(), p.target.cuda()
@@ -222,12 +222,13 @@ def _one_dw_gemm_main(rank, world, takes, sp, n=232, d=104):
 
     import torch.distributed as dist
 
-    from vpce import grads, triton_backend
+    from vpce.backends import grads
+    from vpce.backends.triton import engine, softmax
 
     routing.SIZING = dc.replace(routing.SIZING, fast_p_gib=1e-9, min_p_gib=1e-9)  # P chunks of 128 tokens
-    triton_backend.ROW_ALIGN = 32  # sub-chunks of 64 (the interpreter's row blocks)
+    softmax.ROW_ALIGN = 32  # sub-chunks of 64 (the interpreter's row blocks)
     gemms, collectives = [], []
-    for module in (triton_backend, grads):  # forward's dW GEMMs, and backward's of a deferred last chunk
+    for module in (engine, grads):  # forward's dW GEMMs, and backward's of a deferred last chunk
         real = module.add_product
         module.add_product = lambda acc, a, b, real=real: gemms.append(a.shape[1]) or real(acc, a, b)
     real_gather, real_all_reduce, real_reduce = parallel.all_gather_tensor, dist.all_reduce, dist.reduce
@@ -237,7 +238,7 @@ def _one_dw_gemm_main(rank, world, takes, sp, n=232, d=104):
     dist.reduce = lambda t, *a, **kw: collectives.append(("reduce", *t.shape, kw.get("dst"))) or \
         real_reduce(t, *a, **kw)
     if takes[rank]:
-        triton_backend.hopper_dw_ready = lambda g, x: True
+        engine.hopper_dw_ready = lambda g, x: True
     sizes = [64, 48][:world]  # valid rows a multiple of 8 (P's rows 16-byte aligned for the GEMM)
     # chunks [128 = 64 + 64, 104]; P of 232 tokens: (232 - 128) * 4 bytes = 4 d (n=300, d=200: three chunks)
     vsize = sum(sizes) - 8

@@ -48,7 +48,8 @@ def _one_dw_gemm_main(rank, world):
     ``"fast"`` takes two chunks. Records each call's last dW GEMM: (no accumulator, tokens)."""
     import dataclasses
 
-    from vpce import grads, routing
+    from vpce import routing
+    from vpce.backends import grads
 
     gib = 2048 * 25000 * 2 / 2**30
     routing.SIZING = dataclasses.replace(routing.SIZING, fast_p_gib=gib, min_p_gib=gib)
@@ -64,7 +65,7 @@ def _one_dw_gemm_main(rank, world):
 
 
 def test_nccl_one_dw_gemm_over_every_token():
-    from vpce import gemm
+    from vpce.backends import gemm
 
     if torch.cuda.get_device_capability(0)[0] != 9 or gemm._quack() is None:
         pytest.skip("needs the hopper extra on sm_90")

@@ -241,11 +241,11 @@ def test_gpu_bitwise_deterministic(budget):
 @pytest.mark.parametrize("poisoned", [False, True])
 def test_statistics_kernels_match_the_torch_combine(sum_z, sum_ez, world, poisoned):
     """``kernels.reduce_tiles`` + ``kernels.combine_rank_stats`` (the fused per-chunk statistics) against the
-    plain torch formulas of ``vpce.parallel.combine_rank_stats``: odd row and tile counts, an all-padding rank
+    plain torch formulas of ``vpce.rank_stats.combine_rank_stats``: odd row and tile counts, an all-padding rank
     (max -inf, zero sums, no target), tokens whose target is on no rank, all--inf tiles, NaN and +inf rows that
     must come out NaN, and the agreement's poison (NaN everywhere)."""
     from vpce import kernels
-    from vpce.parallel import combine_rank_stats
+    from vpce.rank_stats import combine_rank_stats
 
     gen = torch.Generator().manual_seed(7)
     c, t = 37, 45  # neither a multiple of the row nor the tile block
@@ -299,7 +299,7 @@ def test_statistics_kernels_match_the_torch_combine(sum_z, sum_ez, world, poison
 
 
 def _hopper_here() -> bool:
-    from vpce import gemm
+    from vpce.backends import gemm
 
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9 and gemm._quack() is not None
 
@@ -312,7 +312,7 @@ def test_gpu_hopper_dw_finishes_in_one_gemm(monkeypatch, sizing, n, reduction):
     the fp32 accumulator (none for one chunk), scales and writes bf16 (and with one chunk dX's GEMM likewise): it
     runs (counted), dW and dX are no worse than torch eager's, and within a bf16 rounding of the cuBLAS + cast path
     they replace (the extra switched off)."""
-    from vpce import gemm, grads
+    from vpce.backends import gemm, grads
 
     sizing(fast_p_gib=768 * 4096 * 2 / 2**30)  # 768-token chunks: 3 for n=2000, 1 for n=700
     p = make_problem(n, 512, 4096, dtype=torch.bfloat16, bias=True, ignore_frac=0.1, reduction=reduction, seed=5)
@@ -338,7 +338,7 @@ def test_gpu_hopper_dw_finishes_in_one_gemm(monkeypatch, sizing, n, reduction):
 def test_one_chunk_dx_config_is_chosen_by_the_device(monkeypatch, name, want):
     """The pinned dX config of ``scaled_hidden_grad`` is the one measured on that device: the H200 has its own, any
     other sm_90 part takes the H100's (the two differ: each was the fastest on its device, not on the other)."""
-    from vpce import gemm
+    from vpce.backends import gemm
 
     assert gemm.DX_TILE != gemm.DX_TILE_H200
     gemm._dx_tile.cache_clear()
@@ -356,10 +356,11 @@ def test_one_chunk_dx_where_the_hopper_gemm_cannot_take_the_gradient(monkeypatch
     does cuBLAS's fp32 GEMM as without the extra. Here ``hopper_dw_ready`` says yes to the hidden ``[N, D]`` and to
     aligned rows on any device, and the inputs are fp32, so backward's deferred GEMM is torch's (``grads.mm_out``,
     counted): both branches run here, and both match the oracle."""
-    from vpce import grads, triton_backend
+    from vpce.backends import grads
+    from vpce.backends.triton import engine
 
     d = 16
-    monkeypatch.setattr(triton_backend, "hopper_dw_ready", lambda a, b: a.shape[1] == d or a.shape[1] % 8 == 0)
+    monkeypatch.setattr(engine, "hopper_dw_ready", lambda a, b: a.shape[1] == d or a.shape[1] % 8 == 0)
     seen, real = [], grads.mm_out
     monkeypatch.setattr(grads, "mm_out", lambda a, b, dt: seen.append(tuple(a.shape)) or real(a, b, dt))
     p = make_problem(37, d, v, dtype=torch.float32, bias=False, ignore_frac=0.1, reduction="sum", seed=11)
@@ -368,7 +369,7 @@ def test_one_chunk_dx_where_the_hopper_gemm_cannot_take_the_gradient(monkeypatch
 
 
 def _stats_epilogue_stand_in(calls):
-    """What ``vpce.gemm.logits_with_stats`` computes (one quack GEMM with an epilogue on a GPU), in torch: P, the
+    """What ``vpce.backends.gemm.logits_with_stats`` computes (one quack GEMM with an epilogue on a GPU), in torch: P, the
     log-sum-exp of every logit as P holds it (capped and scaled), the target's raw fp32 logit (-inf where it is
     not in these columns)."""
     def run(p, h, w, t_local, zt, softcap=None, inv_t=1.0, sum_z=False, class_weight=None):
@@ -391,11 +392,11 @@ def _stats_epilogue_stand_in(calls):
 def test_statistics_in_the_logits_gemms_epilogue(monkeypatch, case):
     """With the hopper extra, where the options need of the statistics only the log-sum-exp and the target logit
     (of the soft-capped and scaled logits where a soft cap is set) and, with label smoothing, the class-weighted
-    sum of the logits, the fast route's logits GEMM takes them in its epilogue (``vpce.gemm.logits_with_stats``:
+    sum of the logits, the fast route's logits GEMM takes them in its epilogue (``vpce.backends.gemm.logits_with_stats``:
     no statistics pass, no first GEMM launched before the targets are known); elsewhere (metrics, a logit scale
     alone, a bias) the statistics pass as before. Here a torch stand-in plays the quack GEMM on any device, and the
     result matches the oracle either way."""
-    from vpce import triton_backend
+    from vpce.backends.triton import softmax as triton_backend
 
     calls = []
     monkeypatch.setattr(triton_backend, "stats_epilogue_ready", lambda h, w, b, cols: b is None and cols % 8 == 0)
@@ -439,7 +440,7 @@ def test_metrics_from_the_gradient_pass_beside_the_epilogue(monkeypatch, case, r
     before. ``clustered``: every target among the first 10 of 200 columns, so that most of the gradient pass's
     tiles hold no target and lie wholly after it (their maxima count for the argmax test, none for the columns
     before the target), and the last holds padding."""
-    from vpce import triton_backend
+    from vpce.backends.triton import softmax as triton_backend
     from vpce.reference import reference_metrics
 
     calls = []
@@ -491,7 +492,8 @@ def test_metrics_from_the_gradient_pass_beside_the_epilogue(monkeypatch, case, r
 
 def _epilogue_under_group_main(rank, world, only_rank=None):
     import torch.distributed as dist
-    from vpce import parallel, triton_backend
+    from vpce import parallel
+    from vpce.backends.triton import softmax as triton_backend
 
     calls = []  # a rank's own process: the stand-in as in the test above, without monkeypatch
     if only_rank is None or rank == only_rank:  # ``only_rank``: the other rank keeps the statistics pass
@@ -542,7 +544,7 @@ def test_statistics_epilogue_under_a_group(only_rank):
 def test_gpu_statistics_in_the_logits_gemms_epilogue(monkeypatch, case):
     """The real quack epilogue (bf16, V a multiple of 8, no bias): it runs (counted), and the loss and gradients
     are no worse than torch eager's against the float64 oracle, ignored and confident tokens among them."""
-    from vpce import triton_backend
+    from vpce.backends.triton import softmax as triton_backend
 
     calls, real = [], triton_backend.logits_with_stats
     monkeypatch.setattr(triton_backend, "logits_with_stats", lambda *a: calls.append(a[0].shape) or real(*a))
@@ -560,7 +562,7 @@ def test_gpu_metrics_beside_the_epilogue_match_the_two_passes(monkeypatch, softc
     """The real quack epilogue with the metrics (from the gradient pass) against the same call through the
     statistics pass (the epilogue turned off): the accuracy to the count, the entropy and the z-loss to fp32
     rounding, the loss and gradients alike."""
-    from vpce import triton_backend
+    from vpce.backends.triton import softmax as triton_backend
 
     p = make_problem(3000, 256, 32000, dtype=torch.bfloat16, ignore_frac=0.1, reduction="mean", scale=3.0, seed=23)
     z = p.hidden.double() @ p.weight.double().t()
@@ -637,7 +639,7 @@ def test_gradient_pass_over_tiles_with_and_without_a_target(v, opts):
 def test_held_grads_finish_a_deferred_dw_for_a_caller_that_scales_them():
     """``FastGrads.summed()`` (the ``torch.compile`` op scales the held gradients itself) does a deferred last dW
     GEMM (``last``, the hopper extra's) into the fp32 accumulator, or alone where there was one chunk."""
-    from vpce.grads import FastGrads
+    from vpce.backends.grads import FastGrads
 
     gen = torch.Generator().manual_seed(3)
     g1, g2 = (torch.randn(5, 7, generator=gen) for _ in range(2))

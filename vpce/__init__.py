@@ -1,11 +1,14 @@
 """vpce: exact vocab-parallel fused linear + cross-entropy that never materializes [tokens, vocab] logits.
 
 Layout (docs/design.md has the map): ``api``, ``distill`` and ``post_training`` (the public functions and their
-option checks), ``prepare`` (call preparation under them: checks, autocast, the route, the agreement), ``routing``
-(the plan of a call: route and sizes), ``parallel`` (the agreement between ranks, shard ranges, statistics exchange,
-autograd-aware collectives), ``autograd`` (the autograd shells), ``torch_backend`` (pure-PyTorch chunked backend,
-the CPU path), ``triton_backend`` and ``kernels`` (fused GPU kernels), ``reference`` (the float64 reference),
-``nn`` (torch's ``linear_cross_entropy`` / ``LinearCrossEntropyLoss`` signatures on vpce), ``bench``
+option checks), ``nn`` (torch's ``linear_cross_entropy`` / ``LinearCrossEntropyLoss`` signatures on vpce),
+``prepare`` (call preparation under them: checks, autocast, the route, the agreement), ``routing`` and
+``speculation`` (the plan of a call: route and sizes), ``autograd`` (the autograd shells), ``backends`` (the engine:
+``backends.triton``, its chunk and block loops and one module per loss family, and ``backends.pytorch``, the CPU
+path; the GEMM dispatch ``backends.gemm`` and the gradient hand-back ``backends.grads``), ``kernels`` (the GPU
+kernels, one module per family), ``formulas`` (the per-row formulas, one module per family), ``rank_stats`` (the
+softmax statistics and their combine across ranks), ``parallel`` (the agreement between ranks, shard ranges, the
+statistics exchange, autograd-aware collectives), ``reference`` (the float64 reference), ``bench``
 (``python -m vpce.bench``).
 """
 

@@ -17,7 +17,7 @@ import torch
 
 from . import speculation
 from .autograd import LinearCrossEntropyFunction, LinearLogProbsFunction, accumulation_dtype
-from .grads import check_main_grad
+from .backends.grads import check_main_grad
 from .options import BACKENDS, METRICS, REDUCTIONS, LogProbOptions, LossOptions
 from .prepare import Entry, check_bool, check_class_weight, check_int, check_logit_scale, check_memory_budget, \
     check_number, check_token_weight, compute_operands, enter, prepare_call

@@ -1,14 +1,14 @@
 """The autograd shells: one ``torch.autograd.Function`` per public loss, the same for both backends.
 
-Each is a thin wrapper over the chosen backend's plain functions (``vpce.torch_backend`` or ``vpce.triton_backend``:
+Each is a thin wrapper over the chosen backend's plain functions (``vpce.backends.pytorch`` or ``vpce.backends.triton``:
 ``cross_entropy``, ``log_probs``, ``recompute_grads``, ``scale_cast``; for the distillation ``distill_forward``,
-``distill_recompute_grads``), chosen in one place (``backend_module``), and the shared formulas (``vpce.formulas``,
-``vpce.distill_stats``): forward runs the backend and keeps what backward needs; backward either finishes the fast
-route's held gradients (``vpce.grads.finish_fast_grads``), recomputes them (the lean route), or finishes the
-speculative route's unit-scale gradients for a per-token upstream gradient (``vpce.speculation``;
-``triton_backend.speculative_grads``; a second backward there recomputes, as the lean route). A call eligible for
-the speculative route reports to its ``Call.history`` whether its upstream gradient was uniform, whichever route it
-took. The ``torch.library`` ops (``vpce.library``) call the same functions.
+``distill_recompute_grads``), chosen in one place (``backend_module``), and the shared formulas
+(``vpce.formulas.softmax``, ``vpce.formulas.distill``): forward runs the backend and keeps what backward needs; backward
+either finishes the fast route's held gradients (``vpce.backends.grads.finish_fast_grads``), recomputes them (the lean
+route), or finishes the speculative route's unit-scale gradients for a per-token upstream gradient
+(``vpce.speculation``; ``backends.triton.speculative_grads``; a second backward there recomputes, as the lean route). A
+call eligible for the speculative route reports to its ``Call.history`` whether its upstream gradient was uniform,
+whichever route it took. The ``torch.library`` ops (``vpce.library``) call the same functions.
 
 Under ``torch.autocast`` each Function gets the caller's fp32 weight and bias and casts them to hidden's dtype in
 its forward (``computed_operands``); the gradients go back in each input's own dtype (``ctx.dtypes``), the fast and
@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import torch
 
-from .formulas import (RowStats, ce_coefficients, evaluate_loss_fn, logprob_coefficients, logprob_extras,
+from .backends.grads import finish_fast_grads
+from .double_backward import refuse_double_backward
+from .formulas.distill import DistillRows
+from .formulas.softmax import (RowStats, ce_coefficients, evaluate_loss_fn, logprob_coefficients, logprob_extras,
                        logprob_outputs, logprob_part_outputs, loss_fn_coefficients, loss_fn_metric_outputs,
                        store_metric_outputs)
-from .grads import finish_fast_grads
-from .distill_stats import DistillRows
 from .options import DistillOptions, LogProbLossOptions, LogProbOptions, LossOptions
 from .prepare import compute_operands
 from .routing import Call
@@ -35,10 +36,12 @@ __all__ = ["backend_module", "LinearCrossEntropyFunction", "LinearLogProbsFuncti
 
 
 def backend_module(name: str):
+    """The backend's module: ``vpce.backends.triton`` or ``vpce.backends.pytorch`` (imported on first use: the
+    Triton backend loads Triton)."""
     if name == "triton":
-        from . import triton_backend
+        from .backends import triton as triton_backend
         return triton_backend
-    from . import torch_backend
+    from .backends import pytorch as torch_backend
     return torch_backend
 
 
@@ -88,13 +91,6 @@ def cross_entropy_grads(hidden, weight, bias, target, token_weight, rows: RowSta
 
 
 
-def _no_double_backward():
-    """A backward with ``create_graph=True`` runs in grad mode; vpce's gradients are not differentiable again."""
-    if torch.is_grad_enabled():
-        raise RuntimeError("vpce: double backward is not supported: the gradients of linear_cross_entropy and "
-                           "linear_log_probs cannot be differentiated again (backward or autograd.grad with "
-                           "create_graph=True); compute a gradient penalty on another path")
-
 class LinearCrossEntropyFunction(torch.autograd.Function):
     """``hidden [N, D]`` (this rank's slice under sequence parallelism when the backend reduces dX in forward),
     ``target [N]``, optional ``token_weight [N]`` and ``class_weight [V_local]`` (fp32/fp64, no grad); returns the
@@ -121,7 +117,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad, *_metrics):  # the metrics are detached: their gradients are ignored
-        _no_double_backward()
+        refuse_double_backward("linear_cross_entropy")
         with torch.autocast(grad.device.type, enabled=False):  # (a backward called inside an autocast region)
             return LinearCrossEntropyFunction._backward(ctx, grad)
 
@@ -193,7 +189,7 @@ class LinearLogProbsFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_logp, *rest):
-        _no_double_backward()
+        refuse_double_backward("linear_log_probs")
         g_ent = rest[0] if ctx.lp.entropy else None  # (the extras after it are detached)
         with torch.autocast(ctx.saved_tensors[0].device.type, enabled=False):
             return LinearLogProbsFunction._backward(ctx, g_logp, g_ent)
@@ -242,6 +238,7 @@ class LinearDistillationFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        refuse_double_backward("linear_distillation_loss")
         with torch.autocast(grad.device.type, enabled=False):
             return LinearDistillationFunction._backward(ctx, grad)
 
@@ -270,7 +267,7 @@ class LinearDistillationFunction(torch.autograd.Function):
 class LogProbLossFunction(torch.autograd.Function):
     """``sum(loss_fn(log_probs, entropy, **inputs))`` (``vpce.post_training``) with its gradients formed in forward;
     backward scales them by the upstream scalar. The fast route: the backend's chunk loop evaluates ``loss_fn`` per
-    chunk (``triton_backend.log_prob_loss``). Otherwise two passes, both in forward: the statistics of every token
+    chunk (``backends.triton.log_prob_loss``). Otherwise two passes, both in forward: the statistics of every token
     (the backend's ``log_probs``), ``loss_fn`` on all of them, then the gradients recomputed (``recompute_grads``).
     Also returns the detached per-token ``log_probs`` and ``entropy`` (zeros unless computed), and ``is_top1`` and
     ``mean_logits`` (``o.top1``, ``o.mean_logits``; empty unless asked)."""
@@ -304,6 +301,7 @@ class LogProbLossFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_loss, *_):
+        refuse_double_backward("linear_log_prob_loss")
         grads, ctx.grads = ctx.grads, None
         if grads is None:
             raise RuntimeError("vpce.linear_log_prob_loss: a second backward through the same graph is not supported "

@@ -5,8 +5,8 @@ vocab that may be sharded over a tensor-parallel group, with exact loss and exac
 This module is the public entry: argument checks (``make_distill_options``, the teacher against the student),
 then ``vpce.prepare.prepare_call`` with a ``DistillEntry``, then the autograd shell
 (``vpce.autograd.LinearDistillationFunction``) or, under ``torch.compile``, the registered op (``vpce.library``).
-What is computed, the statistics and their exchange: ``vpce.distill_stats``; the backends:
-``vpce.torch_backend.distill_forward``, ``vpce.triton_backend.distill_forward``.
+What is computed, the statistics and their exchange: ``vpce.formulas.distill``; the backends:
+``vpce.backends.pytorch.distill_forward``, ``vpce.backends.triton.distill_forward``.
 """
 
 from __future__ import annotations

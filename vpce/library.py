@@ -10,7 +10,7 @@ autograd Functions of ``vpce.autograd``, registered from one scheme (``_Scheme``
 * ``vpce::<loss>_backward`` runs the lean route's recompute.
 
 The losses: ``linear_cross_entropy`` (``vpce.autograd.cross_entropy_grads`` recomputes; ``RowStats`` as three
-per-token tensors) and ``linear_distillation_loss`` (``vpce.distill``, ``vpce.distill_stats``; the lean route's
+per-token tensors) and ``linear_distillation_loss`` (``vpce.distill``, ``vpce.formulas.distill``; the lean route's
 ``DistillRows`` as eight per-token tensors). They call the same plain functions as the eager path, so the compiled
 result is the eager one. Fake implementations give the output shapes from the same route decision
 (``vpce.routing``), and ``torch.library.register_autograd`` ties each pair together. Neither op syncs with the
@@ -27,8 +27,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .autograd import accumulation_dtype, backend_module, cross_entropy_grads
-from .distill_stats import DistillRows
-from .formulas import RowStats
+from .formulas.distill import DistillRows
+from .formulas.softmax import RowStats
 from .options import BUDGET_NAMES, DistillOptions, LossOptions
 from .parallel import VocabShard
 from .routing import (FIT_FAST, Call, plan_cross_entropy, plan_distillation, settle, size_cross_entropy,

@@ -16,7 +16,7 @@ DEFAULT_CHUNK_GIB = 0.25
 
 @dataclass(frozen=True, kw_only=True)
 class LossOptions:
-    """What the cross-entropy computes per token (the formulas: ``vpce.formulas``)."""
+    """What the cross-entropy computes per token (the formulas: ``vpce.formulas.softmax``)."""
 
     ignore_index: int = -100
     """Target id whose token contributes nothing (loss 0, gradient 0, not counted by ``mean``)."""
@@ -30,8 +30,8 @@ class LossOptions:
     """Logits become ``softcap * tanh(logits / softcap)`` before everything else."""
     memory_budget: str | float = "auto"
     """``"fast"`` (gradients formed in forward, fp32 dW accumulator), ``"lean"`` (statistics in forward,
-    logits recomputed in backward), ``"auto"`` (today: the fast route wherever it applies), or a number: GiB of
-    live chunk data on the fast route."""
+    logits recomputed in backward), ``"auto"`` (the fast route where its buffers fit in free device memory, else
+    the lean one: ``vpce.routing.settle_by_memory``), or a number: GiB of live chunk data on the fast route."""
 
     logit_scale: float = 1.0
     """Multiplies the logits (after the bias, before the soft cap): ``z = softcap * tanh(logit_scale * x /

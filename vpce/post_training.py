@@ -10,7 +10,7 @@ and ``entropy`` only; ``inputs`` (advantages, old and reference log-probs, weigh
 Why it is as fast as the cross-entropy. In every such loss the gradient with respect to each token's logits is
 ``dL/dz_ij = g_i (onehot_ij - p_ij) + h_i dH_i/dz_ij``, with ``g_i = dL/dlog_probs_i`` and ``h_i = dL/dentropy_i``
 known as soon as the token's global softmax statistics are. So the fast route's chunk loop
-(``vpce.triton_backend``: cuBLAS logits of a chunk, one statistics pass, the exchange under a group) evaluates
+(``vpce.backends.triton``: cuBLAS logits of a chunk, one statistics pass, the exchange under a group) evaluates
 ``loss_fn`` on the chunk's ``log_probs`` and ``entropy`` while the chunk's logits are live, takes ``g`` and ``h``
 from autograd on that small evaluation, and turns the logits into the gradient in place (the same bandwidth pass as
 the cross-entropy's, with per-token coefficients), then dX and dW by cuBLAS: 6NDV, the cross-entropy's cost.

@@ -78,8 +78,7 @@ class Sizing:
     """Both logits buffers of the distillation's Triton fast route together, ..."""
     distill_dw_share: float = 1.5
     """... at most this times the fp32 dW accumulator's size (every chunk's dW GEMM reads and writes that
-    accumulator: one H200, the JSD step 138.00 ms in 2048-token chunks against 134.94 ms in 3072-token chunks,
-    docs/benchmarks.md, 2026-11-24), ..."""
+    accumulator; larger chunks measured faster: docs/benchmarks.md), ..."""
     distill_min_gib: float = 0.25
     """... and their floor when that accumulator is small."""
     distill_lean_gib: float = 0.4
@@ -214,13 +213,9 @@ def _fast_chunk(opts: LossOptions, cols: int, dtype: torch.dtype, d: int, weight
     ``Sizing.min_p_gib``): under tensor parallelism the shard's accumulator shrinks with the group and so does
     ``P``. Where the Function casts an fp32 weight (``weight_cast``, autocast), ``P`` and that 16-bit copy together
     stay within the accumulator's size. In a training step the loss's forward is the step's peak (every activation
-    is live): one H100, 2026-11-26, the HF Trainer Llama step (h=2048, V=128256, 8192 tokens, bf16 autocast) peaked
-    at 14.87 GiB with ``P`` the accumulator's size (0.98 GiB), 14.37 with ``P`` + the copy within it (Liger's step:
-    14.39). Without a cast ``P`` keeps the accumulator's size: the Llama-3-8B bench head (bf16) ran vpce-triton
-    0.5-0.9 % slower with half of it (each chunk's dW GEMM reads and writes the accumulator). The 2 GiB cap (1.5
-    before): one H100, 2026-11-27, vpce-triton on the Llama-3-8B head (N=16384) was 1.054x the floor with 6272-token
-    chunks, 1.039x with 8192 (the whole accumulator's size, two chunks; cuBLAS's bf16 GEMMs also run slower per
-    token at 6272 than at 4096 or 8192), and on the Gemma-2-2B head (N=8192) 1.156x with 3072, 1.123x with 4096.
+    is live), and there ``P`` with the copy inside the accumulator's size keeps the step's peak at Liger's. Without a
+    cast ``P`` keeps the accumulator's size: each chunk's dW GEMM reads and writes the accumulator, so fewer chunks
+    are faster, up to the 2 GiB cap (docs/benchmarks.md has the measurements).
     """
     elem = torch.empty((), dtype=dtype).element_size()
     if isinstance(opts.memory_budget, float):
@@ -271,12 +266,10 @@ def _fit(hidden: torch.Tensor, tokens: int, rows: int, needs: tuple[bool, bool, 
     cross-entropy's fast route, whose chunk may hold every token). One chunk is weighed only where it replaces
     chunks that each read and rewrite the fp32 dW accumulator (dW needed, more tokens than the default chunk) and
     its ``P`` holds at most the default ``P`` plus that accumulator: at most about two default chunks. Where the
-    ``hopper`` extra finishes dW (``vpce.gemm``) one chunk allocates no fp32 accumulator, but ``P`` then stays live
+    ``hopper`` extra finishes dW (``backends.gemm``) one chunk allocates no fp32 accumulator, but ``P`` then stays live
     into backward beside the 16-bit dW. Not under ``torch.use_deterministic_algorithms(True)``: the chunking (dW's
-    summation order) must not depend on free memory there. One H100, 2026-11-27: on cuBLAS + cast the Gemma-2-2B
-    head (N=8192) ran 1.6 % faster in one chunk than in two, the Llama-3-8B head (N=16384) no faster; with the
-    extra Llama ran 1.3 ms and Gemma 2.9 ms faster than main (means of two runs), for +1.07 / +0.86 GiB
-    (docs/benchmarks.md)."""
+    summation order) must not depend on free memory there. One chunk is faster where it saves the accumulator's
+    traffic, for the memory of the larger ``P`` (docs/benchmarks.md)."""
     d = hidden.shape[-1]
     if not _fast_route_fits(hidden, tokens, rows, needs, opts, 0, weight_cast):
         return FIT_LEAN
@@ -382,14 +375,12 @@ def one_weight_grad_gemm(plan: Plan, opts: LossOptions, tokens: int, d: int, dty
     same order, so this changes no collective and each rank may decide it alone, from its own facts.
 
     Taken with ``memory_budget="auto"`` where the ``hopper`` extra finishes dW (``hopper_dw``:
-    ``vpce.gemm.hopper_dw_ready``; ``defer``: dW needed, not into ``main_grad``), so that one quack GEMM writes the
+    ``backends.gemm.hopper_dw_ready``; ``defer``: dW needed, not into ``main_grad``), so that one quack GEMM writes the
     weight's dtype and no fp32 accumulator is allocated, and where that ``P`` holds no more than the default ``P``
     and the accumulator it replaces (so the peak stays the default's: ``P`` lives into backward either way). In
     default chunks the first chunk's dW GEMM writes that fp32 accumulator and each later one reads and rewrites it
-    (the last as quack's C); one GEMM over every token moves none of it. Two H100s, 2026-11-27: the Llama-3-8B head
-    at tp=2 (N=16384, two default chunks) at the same 2.82 GiB per rank, 1.050-1.076x the floor against main's
-    1.062-1.075x, within the spread (docs/benchmarks.md). Under a group with one chunk already (``Plan.whole``, or
-    few tokens) there is nothing to merge."""
+    (the last as quack's C); one GEMM over every token moves none of it (docs/benchmarks.md has the tp=2 reading).
+    Under a group with one chunk already (``Plan.whole``, or few tokens) there is nothing to merge."""
     if not (plan.backend == "triton" and plan.route == "fast" and plan.dx_reduce == "forward" and not plan.whole
             and opts.memory_budget == "auto" and hopper_dw and defer):
         return False

@@ -8,7 +8,7 @@ takes 6NDV. In the commonest case every non-ignored token gets the same ``g_i = 
 Token weights known in forward (``token_weight``, DFT's ``token_scaling``) keep ``g`` uniform, because they are part
 of the forward. The speculative route (Triton backend, one process) then costs what the fast route costs.
 
-Forward, while each chunk's logits are live (``vpce.triton_backend``: the fast route's chunk loop, at unit upstream
+Forward, while each chunk's logits are live (``vpce.backends.triton``: the fast route's chunk loop, at unit upstream
 scale on every non-ignored token), forms and holds:
 
 * ``dX_unit`` (fp32 ``[N, D]``). Row ``i`` of the true dX is ``g_i`` times row ``i`` of it, for **any** ``g``. Backward

@@ -40,7 +40,7 @@ class TokenTargets:
     ``weight`` (optional, float ``[N]``) multiplies each token's loss and gradient; ``mean`` divides by the sum of
     the weights of non-ignored tokens (by their count without weights). ``class_weight`` (optional: this shard's
     ``[V_local]`` weights, exchanged here under a group, or the ``ClassWeights`` of an earlier pass) weights the
-    loss as ``torch.nn.functional.cross_entropy(weight=...)`` does (``vpce.formulas``); ``mean`` then divides by
+    loss as ``torch.nn.functional.cross_entropy(weight=...)`` does (``vpce.formulas.softmax``); ``mean`` then divides by
     the sum of the target classes' weights (times the token weights).
     """
 
@@ -73,7 +73,7 @@ class TokenTargets:
         ignored, or out of range): what the Triton kernels take."""
         return torch.where(self.in_shard, self.idx, -1).to(torch.int32)
     def class_rows(self, sl: slice) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """``(w_t of rows sl, sum_c w_c)`` for ``vpce.formulas``, or None without class weights."""
+        """``(w_t of rows sl, sum_c w_c)`` for ``vpce.formulas.softmax``, or None without class weights."""
         cw = self.class_weight
         return None if cw is None else (cw.target[sl], cw.total)
 

@@ -55,8 +55,8 @@ What is measured, per shape (``N`` tokens, hidden size ``D``, vocab ``V``) and p
   shapes are refused with a hint (``--quick`` runs tiny ones); a GPU-sized shape named with ``--shapes`` runs,
   after a warning.
 
-Distillation (``--distill``, issue #17): every shape becomes a distillation problem: the student head above and a
-teacher head of ``--teacher-dim`` ``D_T`` (default 8192, so the default shape ``llama3-8b`` is the issue's case:
+Distillation (``--distill``): every shape becomes a distillation problem: the student head above and a
+teacher head of ``--teacher-dim`` ``D_T`` (default 8192, so the default shape ``llama3-8b`` is the target case:
 N=16384, D=4096, D_T=8192, V=128256), and the rows are those of ``vpce.linear_distillation_loss`` and its peers,
 each the mean over the tokens of one divergence between the teacher's softmax ``q`` and the student's ``p``
 (temperature 1, none ignored, the teacher detached, gradients into ``x`` and ``w``): forward KL ``KL(q || p)``,

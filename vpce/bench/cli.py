@@ -43,7 +43,7 @@ DEFAULT_SHAPES = "llama3-8b,gemma2-2b"
 TP_DEFAULT_SHAPES = "llama3-8b"  # --tp: the head of the multi-GPU bars (llama3-70b: the anchors' D=8192 class)
 QUICK_SHAPES = "tiny,tiny-odd"
 #: --distill (with --tp too): the Llama-3-8B student head against a teacher of --teacher-dim (default 8192, a
-#: Llama-3-70B-sized head): N=16384, D=4096, D_T=8192, V=128256, the case of issue #17's distillation bar.
+#: Llama-3-70B-sized head): N=16384, D=4096, D_T=8192, V=128256, the distillation's target case.
 DISTILL_DEFAULT_SHAPES = "llama3-8b"
 DISTILL_TEACHER_DIM = 8192
 QUICK_TEACHER_DIM = 96  # --distill --quick: the tiny shapes' teacher
@@ -145,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="instead of the tables: where a step's time goes, per kernel and per phase (torch.profiler; "
                         "CUDA kernels, or CPU ops on a CPU), for the --methods rows; writes --out/profile.json")
     p.add_argument("--profile-steps", type=int, default=3, help="with --profile: steps run under the profiler")
-    kd = p.add_argument_group("distillation (issue #17; see vpce.bench)")
+    kd = p.add_argument_group("distillation (see vpce.bench)")
     kd.add_argument("--distill", action="store_true",
                     help="measure vpce.linear_distillation_loss (forward KL, JSD beta=0.5, reverse KL; and lean) "
                          "against plain torch (both heads' logits materialized) and liger-kernel's "

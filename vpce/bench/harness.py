@@ -99,7 +99,7 @@ class Settings:
     GPU at its power limit (an H100 or H200 SXM at 700 W under these GEMMs) holds its top clock for a fraction of a
     second after idling, then settles lower; with ``settle_s`` about 1 every row, the floor's GEMMs included, is
     timed in that settled state instead of partly in the boost that follows the row's own set-up
-    (docs/benchmarks.md, 2026-11-28). 0 (the default, as every figure before the thirteenth session's): none."""
+    (docs/benchmarks.md). 0 (the default): none."""
     logit_scale: float = 1.0
     """Standard deviation of the logits: ``w ~ N(0, logit_scale**2 / D)`` against ``x ~ N(0, 1)``."""
     seed: int = 0

@@ -6,10 +6,12 @@
 * ``gated``: the one-pass scale-and-cast of an fp32 accumulator, and the speculative route's kernels gated by a
   device flag;
 * ``distill``: the distillation's bandwidth-bound passes over both heads' stored logits;
+* ``epilogue``: not Triton but CuTe (quack's epilogue DSL, the ``hopper`` extra): the statistics epilogue of the
+  fast route's logits GEMM (``stats_epilogue``, launched by ``vpce.backends.gemm.logits_with_stats``);
 * ``common``: what they share (the fast ``exp``, the soft cap, a program's tile, the persistent grid).
 
 Everything is deterministic (plain stores, no atomics) and runs under ``TRITON_INTERPRET=1`` on the CPU. The
-kernels import nothing of vpce but ``vpce.parallel.RankStats`` (what the combine returns).
+kernels import nothing of vpce but ``vpce.rank_stats.RankStats`` (what the combine returns).
 """
 
 from .common import INTERPRET

@@ -1,4 +1,4 @@
-"""The distillation family (``vpce.triton_backend.distill_forward``): bandwidth-bound passes over a token
+"""The distillation family (``vpce.backends.triton.distill_forward``): bandwidth-bound passes over a token
 chunk's student and teacher logits.
 
 cuBLAS writes both heads' chunk logits ``[C, V]`` in the inputs' dtype (biases included). These kernels read
@@ -9,13 +9,13 @@ them once per pass, apply each head's soft cap and the temperature on load in fp
   softmax-weighted sum (``sum e^{y - m} (y - z)`` or ``sum e^{z - m} (z - y)``), and with the cross-entropy the
   untempered student's max and sum of ``exp`` but the target's; the target's logit is stored by the one tile
   that holds it;
-* ``_distill_reduce_kernel``: per row over its tiles, the packed ``[R, C]`` statistics of ``vpce.distill_stats``
+* ``_distill_reduce_kernel``: per row over its tiles, the packed ``[R, C]`` statistics of ``vpce.formulas.distill``
   (each head rescaled to its row max; plain sums for the JSD's mixture partials);
 * ``_combine_distill_kernel``: every rank's packed statistics ``[W, R, C]`` combined into both heads' global
-  max, ``log S`` and the KL's softmax expectation (``vpce.distill_stats``'s ``_combine_head``, in one launch);
+  max, ``log S`` and the KL's softmax expectation (``vpce.formulas.distill``'s ``_combine_head``, in one launch);
 * ``_distill_mixture_kernel``: the JSD's second pass, per tile ``sum q (u - log m)`` and ``sum p (s - log m)``
   from the global log-softmax statistics;
-* ``_distill_grad_kernel``: the student's ``dL/dx`` (``vpce.distill_stats``'s formulas, per-row weights folded in),
+* ``_distill_grad_kernel``: the student's ``dL/dx`` (``vpce.formulas.distill``'s formulas, per-row weights folded in),
   written in the logits' dtype over the student's logits in place.
 """
 

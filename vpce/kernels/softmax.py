@@ -19,7 +19,7 @@ D, TMA loads on Hopper, int64 addressing) and never writes it; ``stored_logits``
    place over stored logits).
 
 The gradient of every loss vpce offers has one form per row, with per-row coefficients ``a, b, c, d`` computed
-on the host (``vpce.formulas``; they include the upstream gradient, the temperature and the token weight)::
+on the host (``vpce.formulas.softmax``; they include the upstream gradient, the temperature and the token weight)::
 
     dL/dx_j = (p_j (a + b (z_j - M)) + d) * dcap_j,   dL/dx_t = ((a + c) - a q + b (z_t - M) p_t + d) * dcap_t
 
@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..parallel import RankStats
+from ..rank_stats import RankStats
 from .common import (INTERPRET, _exp, _log1p, _persistent, _program_tile, _softcap_quarter_slope, _softcap_value,
                      _tiles_max)
 
@@ -48,7 +48,7 @@ __all__ = ["logits_tiles", "stored_logits", "target_logits", "reduce_tiles", "co
 @triton.jit
 def _dlogits(p, zc, hit, ca, cb, cc, cd, q, dcap, HAS_CB: tl.constexpr, HAS_CD: tl.constexpr,
              SOFTCAP: tl.constexpr, cw, HAS_CW: tl.constexpr, HIT: tl.constexpr):
-    """The gradient of ``vpce.formulas`` for a tile: ``p (a + b zc) + d`` off the target, ``(a + c) - a q
+    """The gradient of ``vpce.formulas.softmax`` for a tile: ``p (a + b zc) + d`` off the target, ``(a + c) - a q
     + b zc p + d`` at it (``zc = z - M``, ``q = 1 - p_t``), times ``dcap``; with class weights ``d`` is times the
     column's weight ``cw``. ``HIT`` False: the tile holds no row's target column (``hit`` is not read)."""
     if HAS_CB:
@@ -383,8 +383,8 @@ def _target_out_of_lse_kernel(LSE, ZT, S, ZS, C, softcap, inv_t, SOFTCAP: tl.con
     logits buffer holds them) outside the target column, whose logit as stored is ``zs`` (``ZT`` rounded to the
     buffer's dtype, ``ROUND``: 1 bf16, 2 fp16, 0 none; capped and scaled as the statistics pass takes it); then
     ``ZT`` becomes the exact (capped and scaled) fp32 target logit; ``STORED``: ``ZS`` the target logit as stored,
-    before the cap and scale (``-inf`` where none), for the gradient pass's argmax test. ``-inf`` in ``ZT`` (no target here) gives ``S = 1``; a NaN stays
-    NaN; a share rounded above 1 gives 0 (the empty rest)."""
+    before the cap and scale (``-inf`` where none), for the gradient pass's argmax test. ``-inf`` in ``ZT``
+    (no target here) gives ``S = 1``; a NaN stays NaN; a share rounded above 1 gives 0 (the empty rest)."""
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = rows < C
     m = tl.load(LSE + rows, mask=ok, other=0.0)
@@ -703,7 +703,7 @@ def target_logits(x, w, b, t_local, zt, *, softcap=None, inv_t=1.0, logits=None,
 
 
 def target_out_of_lse(lse, zt, s, stored_dtype, *, softcap=None, inv_t=1.0, zs=None):
-    """For the statistics a logits GEMM's epilogue took (``vpce.gemm.logits_with_stats``): ``lse [C]``, the
+    """For the statistics a logits GEMM's epilogue took (``vpce.backends.gemm.logits_with_stats``): ``lse [C]``, the
     log-sum-exp of every column's logit as the buffer holds them (``stored_dtype``), and ``zt [C]``, the target
     column's raw fp32 logit (``-inf`` where the target is elsewhere). Writes ``s [C]``, the share of the row's
     mass outside the target column, and caps and scales ``zt`` in place: ``(lse, s)`` is then one tile of the
@@ -763,8 +763,8 @@ def reduce_tiles(tile_m, tile_s, tile_z, tile_ez, zt, tile_sq=None, tile_mb=None
 
 def combine_rank_stats(every: torch.Tensor, n_sums: int, poison: torch.Tensor | None = None, sum_sq: bool = False,
                        max_before: bool = False) -> RankStats:
-    """Every rank's packed statistics ``[W, R, C]`` -> ``vpce.parallel.RankStats`` in one launch (the same
-    formulas as ``vpce.parallel.combine_rank_stats``)."""
+    """Every rank's packed statistics ``[W, R, C]`` -> ``vpce.rank_stats.RankStats`` in one launch (the same
+    formulas as ``vpce.rank_stats.combine_rank_stats``)."""
     w, r, c = every.shape
     n_w = r - 3 - n_sums - sum_sq - 2 * max_before
     out = torch.empty(r + 1 - max_before, c, dtype=torch.float32, device=every.device)

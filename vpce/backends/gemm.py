@@ -10,8 +10,8 @@ An error from a real GEMM (out of memory, a bad shape) propagates; it never swit
 
 With the ``hopper`` extra (quack-kernels' CuTe GEMMs) on an sm_90 GPU, ``scaled_weight_grad`` finishes the fast
 route's dW in one GEMM that reads the fp32 accumulator as C, scales by the upstream gradient (a device scalar: no
-host sync) and writes the weight's 16-bit dtype: no separate scale-and-cast pass over ``[V_local, D]`` fp32 (1.07 ms
-on the Llama-3-8B head, one H100). Which library computes a rank's dW changes no collective.
+host sync) and writes the weight's 16-bit dtype: no separate scale-and-cast pass over ``[V_local, D]`` fp32
+(docs/benchmarks.md has the measurement). Which library computes a rank's dW changes no collective.
 """
 
 from __future__ import annotations
@@ -119,23 +119,13 @@ def hopper_dw_ready(g: torch.Tensor, x: torch.Tensor) -> bool:
 
 
 # quack's sm_90 GEMM configs for the dW finish, pinned (the autotuner's pick could differ from run to run, and its
-# first call tunes for minutes). One H100, 2026-11-27 (docs/results/gpu-2026-11-27c), each the fastest of those
-# timed on both the Llama-3-8B and the Gemma-2-2B heads:
-# - one chunk, no accumulator (``DW_TILE``: 256 x 192 tiles, cooperative, clusters of 1 x 2): Llama (16384 tokens)
-#   22.24 ms against cuBLAS's fp32 GEMM 24.47 + scale_cast 1.07, Gemma (8192 tokens) 12.93 against 13.67 + 1.22,
-#   the same bits as cuBLAS + cast; quack's default (128 x 192 pingpong) 26.37 and 14.08;
-# - the last of several chunks, the accumulator read as C (``DW_ADD_TILE``: 128 x 256, cooperative, 2 x 1): Llama
-#   (8192 tokens) 12.13 ms against cuBLAS's addmm 12.80 + 1.08, Gemma (4096) 7.44 against 8.64 + 1.20; there
-#   ``DW_TILE`` took 16.94 and 9.73.
+# first call tunes for minutes): each the fastest of those timed on both bench heads (Llama-3-8B, Gemma-2-2B),
+# with the same bits as cuBLAS + cast (docs/benchmarks.md). ``DW_TILE``: one chunk, no accumulator; ``DW_ADD_TILE``:
+# the last of several chunks, the accumulator read as C.
 DW_TILE = dict(tile_m=256, tile_n=192, cluster_m=1, cluster_n=2, pingpong=False)
 DW_ADD_TILE = dict(tile_m=128, tile_n=256, cluster_m=2, cluster_n=1, pingpong=False)
-# dX of one whole chunk (``scaled_hidden_grad``), per device, each with the same bits as cuBLAS + cast:
-# - one H100, 2026-11-27 (6 configs): on Llama-3-8B (16384 x 4096 over K = 128256) 128 x 256, cooperative, 2 x 1
-#   took 23.35 ms against cuBLAS's fp32 GEMM 25.10 + scale_cast 0.15; DW_TILE's config 24.62, the others 26.3-33.5;
-# - one H200, 2026-11-27 (16 configs, docs/results/gpu-2026-11-27g): DW_TILE's config was the fastest on both heads,
-#   Llama 24.98 ms and Gemma-2-2B (8192 x 2304 over K = 256000) 13.35, against 25.92 and 15.77 for 128 x 256 2 x 1
-#   and cuBLAS's bf16 GEMM 25.79 and 13.60; the bench's Gemma step took 1.1-2.1 ms less with it.
-# An sm_90 part that is not an H200 takes the H100's.
+# dX of one whole chunk (``scaled_hidden_grad``), per device, each the fastest timed there with the same bits as
+# cuBLAS + cast (docs/benchmarks.md): the H200 takes ``DW_TILE``'s config, any other sm_90 part the H100's.
 DX_TILE = DW_ADD_TILE
 DX_TILE_H200 = DW_TILE
 
@@ -149,11 +139,8 @@ def _dx_tile(device_index: int) -> dict:
 # Every quack GEMM here takes its output tiles from a counter in global memory (quack's dynamic persistent
 # scheduler) instead of a fixed share per CTA. Under a group a collective's kernels (NCCL, on a high-priority
 # stream) take some SMs at the start of the GEMM queued after them; with fixed shares the CTAs left without an SM
-# did all of their tiles after the collective ended, so the GEMM ran about the collective's time longer: on two
-# H100s at tp=2 (Llama-3-8B head, 2026-11-27, docs/results/gpu-2026-11-27j) the dX all-reduce beside the next
-# chunk's statistics GEMM added 0.6-1.4 ms to it and beside the dW GEMM 0.9 ms, per step. With the counter the
-# other CTAs take those tiles (+0.1 ms). In one process, the A/B interleaved (``ab.py``): tp=2 40.84 -> 40.42 ms a
-# step, tp=1 77.89 -> 77.48 (the floor 37.71 and 76.27).
+# did all of their tiles after the collective ended, so the GEMM ran about the collective's time longer. With the
+# counter the other CTAs take those tiles (docs/benchmarks.md has the tp=2 A/B).
 @functools.cache
 def _config_of(tile: tuple):
     from quack.gemm_config import GemmConfig
@@ -193,13 +180,11 @@ def scaled_hidden_grad(g: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, dt
     return out
 
 
-# The logits GEMM with the statistics in its epilogue (``logits_with_stats``), at the fastest of five configs for
-# the whole statistics step (the GEMM, the select, ``kernels.target_out_of_lse``, the reduction and the combine),
-# plain and soft-capped, on both bench heads (one H200, 2026-11-27, docs/results/gpu-2026-11-27f/qlse2.json):
-# Llama-3-8B 16384 rows 25.03 ms plain / 25.09 capped against cuBLAS's logits + target logit + statistics pass
-# 25.28 / 26.23; Gemma-2-2B 8192 rows 13.65 / 14.01 against 15.52 / 16.35. A ping-pong schedule: one warp group's
+# The logits GEMM with the statistics in its epilogue (``logits_with_stats``), at the fastest of the configs timed
+# for the whole statistics step (the GEMM, the select, ``kernels.target_out_of_lse``, the reduction and the
+# combine), plain and soft-capped, on both bench heads (docs/benchmarks.md). A ping-pong schedule: one warp group's
 # epilogue (an exp per logit; with the cap an exp2 and a reciprocal more) runs under the other's main loop; the
-# cooperative configs ran it exposed (up to 1.9 ms slower).
+# cooperative configs ran it exposed.
 LOGITS_TILE = dict(tile_m=128, tile_n=192, cluster_m=2, cluster_n=1, pingpong=True)
 
 
@@ -208,55 +193,6 @@ def stats_epilogue_ready(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | Non
     ``hopper`` extra on sm_90, bf16 operands (the epilogue rounds as a bf16 ``P`` stores), no bias, and ``P``'s
     rows (``cols`` wide) 16-byte aligned."""
     return b is None and h.dtype == torch.bfloat16 and cols % 8 == 0 and hopper_dw_ready(h, w)
-
-
-@functools.cache
-def _stats_epilogue(capped: bool = False, sum_z: bool = False):
-    """The epilogue (quack's epilogue DSL), per element of the fp32 accumulator ``acc``: ``D`` the logits; ``lse``
-    the per-row online log-sum-exp of the logits as ``D`` holds them (bf16-rounded, so that ``exp(z - lse)`` over
-    ``P`` sums to 1), every column's; ``target_logit`` the raw fp32 accumulator at the target column
-    (``kernels.target_out_of_lse`` then takes the target's rounded logit out of the LSE and puts its exact one in,
-    as the statistics pass leaves the target column out and ``kernels.target_logits`` adds it). Nothing per element
-    but the rounding (and the cap): the target column is picked by quack's select, not by a compare per element.
-    ``capped``: the LSE of the soft-capped and scaled logit ``(r 2c - c) t``, ``r = 1 / (1 + 2^(kz))``, ``k = -2
-    log2(e) / c``, with the hardware's approximate ``exp2`` and reciprocal, as ``kernels.common._softcap_value``
-    takes it in the statistics pass. ``sum_z`` (label smoothing): also ``sumz``, the per-row sum of those logits
-    times the class weights ``cw`` (ones without them), the target's included, as the statistics pass sums them."""
-    import cutlass.cute as cute
-    from cutlass import BFloat16, Float32
-    from quack.epilogue.frontend import gemm_epilogue
-    from quack.epilogue.math import pexp2
-    from quack.epilogue.ops import ColVecLoad, ColVecReduce, ColVecSelect, OnlineLSEReduce, RowVecLoad, Scalar
-
-    target = ColVecLoad("target")
-    ops = dict(k=Scalar("k"), cap=Scalar("cap"), scale=Scalar("scale")) if capped else {}
-    if sum_z:
-        ops["cw"] = RowVecLoad("cw")
-    spec = dict(ops=ops, outs={"lse": OnlineLSEReduce("lse"),
-                               "target_logit": ColVecSelect("target_logit", idx_op=target)},
-                reduces={"sumz": ColVecReduce("sumz")} if sum_z else {}, extra_ops=(target,))
-
-    if not capped and not sum_z:
-        @gemm_epilogue(**spec)
-        def vpce_stats(acc):
-            return {"D": acc, "lse": acc.to(BFloat16).to(Float32), "target_logit": acc}
-    elif not capped:
-        @gemm_epilogue(**spec)
-        def vpce_stats(acc, cw):
-            z = acc.to(BFloat16).to(Float32)
-            return {"D": acc, "lse": z, "target_logit": acc, "sumz": z * cw}
-    elif not sum_z:
-        @gemm_epilogue(**spec)
-        def vpce_stats(acc, k, cap, scale):
-            r = cute.arch.rcp_approx(Float32(1.0) + pexp2(acc.to(BFloat16).to(Float32) * k))
-            return {"D": acc, "lse": (r * (cap + cap) - cap) * scale, "target_logit": acc}
-    else:
-        @gemm_epilogue(**spec)
-        def vpce_stats(acc, k, cap, scale, cw):
-            r = cute.arch.rcp_approx(Float32(1.0) + pexp2(acc.to(BFloat16).to(Float32) * k))
-            z = (r * (cap + cap) - cap) * scale
-            return {"D": acc, "lse": z, "target_logit": acc, "sumz": z * cw}
-    return vpce_stats
 
 
 def logits_with_stats(p: torch.Tensor, h: torch.Tensor, w: torch.Tensor, t_local: torch.Tensor, zt: torch.Tensor,
@@ -275,6 +211,9 @@ def logits_with_stats(p: torch.Tensor, h: torch.Tensor, w: torch.Tensor, t_local
         ops.update(k=-2 * math.log2(math.e) / float(softcap), cap=float(softcap), scale=float(inv_t))
     if sum_z:
         ops["cw"] = class_weight if class_weight is not None else torch.ones(v, dtype=torch.float32, device=p.device)
-    res = _stats_epilogue(softcap is not None, sum_z)(h, w.t(), out={"D": p}, tuned=False,
-                                                      config=_config(LOGITS_TILE), **ops)
+    # the CuTe kernel, imported here: ``vpce.kernels`` loads Triton, which the CPU path never needs
+    from ..kernels.epilogue import stats_epilogue
+
+    res = stats_epilogue(softcap is not None, sum_z)(h, w.t(), out={"D": p}, tuned=False,
+                                                     config=_config(LOGITS_TILE), **ops)
     return res["lse"], res.get("sumz")

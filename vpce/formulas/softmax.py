@@ -2,7 +2,7 @@
 coefficients of the gradient.
 
 With ``z`` the (soft-capped, tempered) logits over the real global vocab ``V`` and ``t`` the target, every output
-vpce offers is a function of the per-token statistics of ``vpce.parallel.RankStats`` (exchanged once per chunk
+vpce offers is a function of the per-token statistics of ``vpce.rank_stats.RankStats`` (exchanged once per chunk
 under a group): the max ``M``, ``log S = log sum_j exp(z_j - M)``, ``nll = -log p_t`` and ``q = 1 - p_t`` (both
 formed without cancellation), ``sum_j z_j`` and ``E[z] = sum_j p_j z_j``.
 
@@ -35,13 +35,13 @@ from typing import NamedTuple
 
 import torch
 
-from .options import LogProbLossOptions, LossOptions
-from .parallel import RankStats
-from .targets import TokenTargets
+from ..options import LogProbLossOptions, LossOptions
+from ..rank_stats import RankStats
+from ..targets import TokenTargets
 
 __all__ = ["RowStats", "Coefficients", "ce_loss", "ce_coefficients", "ce_token_outputs", "logprob_outputs",
-           "logprob_coefficients", "target_probability", "ce_metrics", "logprob_extras", "Evaluation", "evaluate_loss_fn",
-           "logprob_part_outputs", "loss_fn_coefficients"]
+           "logprob_coefficients", "target_probability", "ce_metrics", "logprob_extras", "Evaluation",
+           "evaluate_loss_fn", "logprob_part_outputs", "loss_fn_coefficients"]
 
 
 class RowStats(NamedTuple):

@@ -1,8 +1,9 @@
 """The distillation's formulas, per-chunk statistics and their exchange, shared by both backends
-(``torch_backend.distill_forward``, ``triton_backend.distill_forward``) of ``vpce.distill.linear_distillation_loss``:
-the divergence between a student head ``hidden @ weight.T (+ bias)`` and a teacher head
-``teacher_hidden @ teacher_weight.T (+ teacher_bias)`` over a vocab that may be sharded over a tensor-parallel
-group, with exact loss and exact student gradients. (The cross-entropy's are ``vpce.formulas``.)
+(``backends.pytorch.distill_forward``, ``backends.triton.distill_forward``) of
+``vpce.distill.linear_distillation_loss``: the divergence between a student head ``hidden @ weight.T (+ bias)`` and a
+teacher head ``teacher_hidden @ teacher_weight.T (+ teacher_bias)`` over a vocab that may be sharded over a
+tensor-parallel group, with exact loss and exact student gradients. (The softmax family's are
+``vpce.formulas.softmax``.)
 
 What is computed, per token (global vocab ids ``j`` in ``[0, V)``, padding rows excluded; ``T`` the temperature,
 ``cap`` each head's optional soft cap, ``t`` the hard label)::
@@ -19,7 +20,7 @@ The hard-label cross-entropy uses the untempered student logits ``z1`` (Hinton e
 distillation losses do the same). The teacher gets no gradient: its tensors are used detached.
 
 Statistics. Every term is a function of per-token statistics that combine across vocab shards exactly like the
-softmax statistics of the cross-entropy (``vpce.parallel.combine_rank_stats``): each rank sends local maxima and
+softmax statistics of the cross-entropy (``vpce.rank_stats.combine_rank_stats``): each rank sends local maxima and
 sums of ``exp`` relative to them, and every rank rescales them to the global max. With ``lse`` the log-sum-exp::
 
     forward_kl = E_q[y - z] - (lse(y) - lse(z))          E_q[y - z] = sum_j e^{y_j - M_y} (y_j - z_j) / S_y
@@ -56,8 +57,8 @@ in forward (each head's max and ``log S``, ``E_p[z - y]`` or ``K_p``, the cross-
 backward needs no statistics exchange. ``dX`` is this shard's part, summed over the group by
 ``vpce.parallel.enter_vocab_parallel``.
 
-The torch backend (CPU, or ``backend="torch"``; ``vpce.torch_backend``) holds a few fp32 ``[C, V_local]`` chunk
-tensors, never ``[N, V]``. The Triton backend (``vpce.triton_backend``; ``backend="triton"``) computes the same
+The torch backend (CPU, or ``backend="torch"``; ``vpce.backends.pytorch``) holds a few fp32 ``[C, V_local]`` chunk
+tensors, never ``[N, V]``. The Triton backend (``vpce.backends.triton``; ``backend="triton"``) computes the same
 statistics with bandwidth-bound kernels over cuBLAS-written logits and exchanges them through the same
 ``exchange_chunk_stats``.
 """
@@ -69,10 +70,11 @@ from typing import NamedTuple
 
 import torch
 
-from . import parallel
-from .options import DistillOptions
-from .routing import Call
-from .targets import TokenTargets
+from .. import parallel
+from ..options import DistillOptions
+from ..rank_stats import RankStats, combine_rank_stats
+from ..routing import Call
+from ..targets import TokenTargets
 
 __all__ = ["DistillStats", "DistillRows", "KL_HEAD", "rows_layout", "local_stats", "exchange_chunk_stats",
            "mixture_sums", "token_loss", "row_weights", "heads", "log_softmax", "log_mixture"]
@@ -91,7 +93,7 @@ class DistillStats(NamedTuple):
     """forward_kl: ``E_q[y - z]``; reverse_kl: ``E_p[z - y]``; jsd: ``K_p = KL(p || m)``."""
     k_q: torch.Tensor | None
     """jsd: ``KL(q || m)``."""
-    ce: parallel.RankStats | None
+    ce: RankStats | None
     """The untempered student's softmax statistics (target kept apart), when ``ce_weight > 0``."""
 
 
@@ -183,7 +185,7 @@ def local_stats(z1, y, tg: TokenTargets, sl: slice, o: DistillOptions, c: int, a
 
 def _combine_head(m_all: torch.Tensor, x_all: torch.Tensor, w_all: torch.Tensor | None, poison):
     """One head's ``(M, log S, E)`` from every rank's ``(m_r, x_r[, w_r])`` ``[W, C]``, in rank order, as
-    ``vpce.parallel.combine_rank_stats`` does: ``M = max_r m_r``, ``S = sum_r x_r exp(m_r - M)``,
+    ``vpce.rank_stats.combine_rank_stats`` does: ``M = max_r m_r``, ``S = sum_r x_r exp(m_r - M)``,
     ``E = sum_r w_r exp(m_r - M) / S``."""
     m = m_all.amax(0)
     if poison is not None:
@@ -235,7 +237,7 @@ def mixture_sums(z1, y, st: DistillStats, o: DistillOptions) -> torch.Tensor:
 
 
 def exchange_chunk_stats(packed: torch.Tensor, mixture_sums, o: DistillOptions, call: Call,
-                         combine_heads=_combine_heads, combine_ce=parallel.combine_rank_stats) -> DistillStats:
+                         combine_heads=_combine_heads, combine_ce=combine_rank_stats) -> DistillStats:
     """The chunk's global statistics from this shard's ``packed [R, c]`` (``rows_layout``): one all-gather
     (KLs) or two (JSD: ``mixture_sums(stats)`` gives this shard's ``[K_q, K_p]`` partial sums ``[2, c]`` from the
     first exchange's statistics) under a group, on every rank. Both backends go through here, so their

@@ -10,9 +10,9 @@ Per chunk: logits -> local statistics (max, sum of exp but the target's, target 
 ``RankStats`` (one packed collective under a group, ``vpce.parallel``) -> per-token outputs and, on the fast route,
 the chunk's gradient while its logits are live: ``dX`` rows written once, ``dW`` accumulated across chunks in fp32
 (``vpce.routing`` picks the route). One chunk loop (``_chunk_loop``) serves every loss and route: each loss
-(cross-entropy, log-probs, the distillation of ``vpce.distill_stats``) passes a per-chunk step that returns the
+(cross-entropy, log-probs, the distillation of ``vpce.formulas.distill``) passes a per-chunk step that returns the
 chunk's logit gradient; the recompute (``_recompute_loop``) walks the same chunks. The formulas are
-``vpce.formulas``, shared with the Triton backend. Under a group every rank runs the same number of chunks (the
+``vpce.formulas.softmax``, shared with the Triton backend. Under a group every rank runs the same number of chunks (the
 chunk size depends only on values that are equal on every rank), so the per-chunk collectives line up. ``dX`` is
 this shard's contribution; the caller (``vpce.parallel.enter_vocab_parallel``) sums it over the group.
 """
@@ -23,15 +23,16 @@ import math
 
 import torch
 
-from .formulas import Coefficients, RowStats, ce_coefficients, ce_token_outputs
+from ..formulas.distill import DistillRows, DistillStats, exchange_chunk_stats, heads, local_stats, log_mixture, \
+    log_softmax, mixture_sums, row_weights, token_loss
+from ..formulas.softmax import Coefficients, RowStats, ce_coefficients, ce_token_outputs
+from ..options import DistillOptions, LogProbOptions, LossOptions
+from ..parallel import exchange_softmax_stats
+from ..rank_stats import RankStats
+from ..routing import Call
+from ..targets import TokenTargets
 from .gemm import mm_out
 from .grads import FastGrads, pad_rows, weight_grad
-from .distill_stats import DistillRows, DistillStats, exchange_chunk_stats, heads, local_stats, log_mixture, \
-    log_softmax, mixture_sums, row_weights, token_loss
-from .options import DistillOptions, LogProbOptions, LossOptions
-from .parallel import RankStats, exchange_softmax_stats
-from .routing import Call
-from .targets import TokenTargets
 
 __all__ = ["cross_entropy", "log_probs", "recompute_grads", "scale_cast", "distill_forward",
            "distill_recompute_grads"]
@@ -90,8 +91,8 @@ def _chunk_stats(hidden, w, b, tg: TokenTargets, sl: slice, call: Call, softcap,
 
 def _logit_grad_(z: torch.Tensor, rows: RowStats, co: Coefficients, t_idx: torch.Tensor, in_shard: torch.Tensor,
                  softcap: float | None, inv_t: float = 1.0, class_weight=None) -> torch.Tensor:
-    """Turn the chunk's logits ``z`` [c, v] into the gradient of ``vpce.formulas``, in place (``class_weight``: the
-    columns' weights ``[v]``, which the ``d`` term is multiplied by)."""
+    """Turn the chunk's logits ``z`` [c, v] into the gradient of ``vpce.formulas.softmax``, in place
+    (``class_weight``: the columns' weights ``[v]``, which the ``d`` term is multiplied by)."""
     cap = None if softcap is None else 1 - (z / (softcap * inv_t)) ** 2
     zc = z.sub_(rows.m[:, None])  # z - M: exact where z is the max
     idx = t_idx[:, None]
@@ -254,7 +255,7 @@ def scale_cast(src: torch.Tensor, g: torch.Tensor, dtype: torch.dtype) -> torch.
 
 
 # ------------------------------------------------------------------------------------------------------------
-# the distillation (``vpce.distill_stats``): statistics, the gradient of a chunk, forward and the recompute
+# the distillation (``vpce.formulas.distill``): statistics, the gradient of a chunk, forward and the recompute
 
 
 def _distill_chunk_stats(z1, y, tg: TokenTargets, sl: slice, o: DistillOptions, call: Call, acc,

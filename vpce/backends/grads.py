@@ -27,8 +27,8 @@ class FastGrads(NamedTuple):
     ``summed()`` waits for it. Backward waits only after dW's scale and cast, which the last chunk's all-reduce
     runs beside: in forward it would wait behind the last dW GEMM, which holds every SM until it ends.
 
-    ``last``: ``(g, x)``, the last chunk's gradient ``[c, V_local]`` and hidden rows, whose dW GEMM was left to
-    backward (``vpce.gemm.hopper_dw_ready``): there it reads ``dw`` (None: there was one chunk) as C and writes the
+    ``last``: ``(g, x)``, the last chunk's gradient ``[c, V_local]`` and hidden rows, whose dW GEMM was left to backward
+    (``vpce.backends.gemm.hopper_dw_ready``): there it reads ``dw`` (None: there was one chunk) as C and writes the
     weight's dtype, scaled (``finish_fast_grads``)."""
 
     dx: torch.Tensor | None
@@ -144,7 +144,7 @@ def written_rows(rows: int, cols: int, written: int, dtype: torch.dtype, device)
 def add_block(gz: torch.Tensor, h: torch.Tensor, w_block: torch.Tensor, vs: slice, tok: slice, *, dx, dx_acc, dw, db,
               token_major: bool, main_grad=None):
     """One recomputed gradient block ``gz = dL/dz [tok, vs]`` of a lean backward into its results, in the order
-    the caller walks (``vpce.triton_backend.recompute_grads`` says which accumulator each order keeps):
+    the caller walks (``vpce.backends.triton.recompute_grads`` says which accumulator each order keeps):
     vocab-major: the block's dW in one GEMM over all tokens, dX summed in fp32 (the first block's written, the
     others' added); token-major: dW summed in fp32 (or into ``main_grad``), dX in one GEMM when the vocab is one
     block (``dx_acc`` None), else summed in ``dx_acc``; ``db`` summed in fp32."""
