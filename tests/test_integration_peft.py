@@ -186,3 +186,44 @@ def test_trainer_trains_a_peft_model_as_stock(tmp_path):
     for (loss, norm), (stock_loss, stock_norm) in zip(got, want):
         assert abs(loss - stock_loss) <= LOSS_RTOL * abs(stock_loss), (got, want)
         assert abs(norm - stock_norm) <= 1e-4 * abs(stock_norm), (got, want)
+
+
+def test_trl_sft_with_peft_config_matches_trls_own_head(tmp_path):
+    """TRL's SFTTrainer with ``peft_config=`` (LoRA on attention; TRL itself refuses LoRA on lm_head, whose
+    log-probs it reads from ``lm_head.weight``): vpce's head (``vpce.integrations.trl``) logs TRL's losses,
+    gradient norms and token accuracy step by step."""
+    trl = pytest.importorskip("trl", minversion="1.16")
+    datasets = pytest.importorskip("datasets")
+    tokenizers = pytest.importorskip("tokenizers")
+    import vpce.integrations.trl as vtrl
+
+    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{f"w{i}": i + 3 for i in range(V - 3)}}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
+                                                     unk_token="<unk>")
+    words = [" ".join(f"w{(i + 2 * j) % (V - 3)}" for j in range(3 + i % 4)) for i in range(8)]
+    data = datasets.Dataset.from_dict({"prompt": words, "completion": words[::-1]})
+
+    def train(head):
+        vtrl.remove()
+        if head == "vpce":
+            vtrl.apply(losses=False)
+        model = hf_models.model("llama", pad_token_id=0, eos_token_id=1, bos_token_id=1)
+        args = trl.SFTConfig(output_dir=str(tmp_path / head), max_steps=3, per_device_train_batch_size=4,
+                             learning_rate=3e-2, logging_steps=1, report_to=[], save_strategy="no", seed=0,
+                             data_seed=0, use_cpu=True, disable_tqdm=True, bf16=False)
+        config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=ATTENTION, lora_dropout=0.0)
+        trainer = trl.SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer,
+                                 peft_config=config)
+        try:
+            trainer.train()
+        finally:
+            vtrl.remove()
+        return [e for e in trainer.state.log_history if "loss" in e and "train_runtime" not in e]
+
+    got, want = train("vpce"), train("trl")
+    assert len(got) == len(want) == 3, (got, want)
+    for g, w in zip(got, want):
+        for key in ("loss", "grad_norm", "mean_token_accuracy"):
+            assert abs(g[key] - w[key]) <= 2e-5 * max(abs(w[key]), 1.0), f"{key}: vpce {g} TRL {w}"

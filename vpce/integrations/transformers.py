@@ -82,7 +82,8 @@ except ImportError as err:  # pragma: no cover - exercised only without transfor
     raise ImportError("vpce.integrations.transformers needs the `transformers` package: "
                       "pip install 'transformers>=4.57,<6' (or vpce's `transformers` extra, README.md#install)") from err
 
-__all__ = ["OPTIONS", "apply", "remove", "is_applied", "causal_lm_loss", "logits_options"]
+__all__ = ["OPTIONS", "apply", "remove", "is_applied", "patch", "VpceAutoModelForCausalLM", "causal_lm_loss",
+           "logits_options"]
 
 #: The vpce options ``apply`` accepts. ``reduction``, ``softcap``, ``logit_scale`` and ``ignore_index`` come from
 #: the model and the forward's keywords; the vocab-parallel options do not apply to a whole, unsharded ``lm_head``.
@@ -279,18 +280,31 @@ def apply(model, **options):
     return model
 
 
-def remove(model):
-    """Undo ``apply``: restore the forward that was there before it. Harmless on an unpatched model."""
+def remove(*targets):
+    """Undo ``apply`` or ``patch``.
+
+    ``remove(model)`` (a model, ``PeftModel`` or Trainer) restores the forward that was there before ``apply``;
+    harmless on an unpatched model. ``remove("llama")`` / ``remove(LlamaForCausalLM)`` withdraws those ``patch``
+    targets, and ``remove()`` all of them: models built afterwards are stock again (models already built keep
+    their instance patch until ``remove(model)``).
+    """
+    if len(targets) == 1 and not isinstance(targets[0], (str, type)):
+        return _remove_instance(targets[0])
+    _unpatch(targets)
+    return None
+
+
+def _remove_instance(model):
     if _is_trainer(model):
         remove(model.model)
         return model
     wrapper, model = model, _unwrap(model)
-    patch = model.__dict__.get(_ATTR)
-    if patch is None:
+    state = model.__dict__.get(_ATTR)
+    if state is None:
         return wrapper
     del model.forward
-    if patch.previous is not None:
-        model.forward = patch.previous
+    if state.previous is not None:
+        model.forward = state.previous
     delattr(model, _ATTR)
     return wrapper
 
@@ -300,6 +314,124 @@ def is_applied(model) -> bool:
     if _is_trainer(model):
         model = model.model
     return _ATTR in _unwrap(model).__dict__
+
+
+# -- before loading: class-level patch and an Auto loader -------------------------------------------------------------
+
+_ALL = "*"
+_CLASS_PATCHES: dict = {}
+"""``patch`` targets (a model type or class name string, a class, or ``_ALL``) -> their vpce options."""
+_POST_INIT: list = []
+"""``PreTrainedModel.post_init`` as it was before ``patch`` wrapped it (empty while nothing is patched)."""
+
+
+def _causal_lm_names() -> set:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    return set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+
+
+def _is_causal_lm(model) -> bool:
+    names = _causal_lm_names()
+    return hasattr(model, "lm_head") and any(c.__name__ in names or c.__name__.endswith("ForCausalLM")
+                                             for c in type(model).__mro__)
+
+
+def _check_target(target):
+    if isinstance(target, type):
+        from transformers import PreTrainedModel
+        if not issubclass(target, PreTrainedModel):
+            raise TypeError(f"targets: expected transformers model classes, model types or class names, got the "
+                            f"class {target.__name__}")
+        return target
+    if not isinstance(target, str) or not target:
+        raise TypeError(f"targets: expected model types ('llama'), class names or classes, got {target!r}")
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    if target not in CONFIG_MAPPING_NAMES and target not in _causal_lm_names() and not target.endswith("ForCausalLM"):
+        raise ValueError(f"targets: expected a transformers model type (a key of CONFIG_MAPPING_NAMES, e.g. 'llama') "
+                         f"or a causal-LM class name, got {target!r}")
+    return target
+
+
+def patch(*targets, **options) -> None:
+    """Make every causal LM built from now on compute its ``labels`` loss with vpce, as ``apply`` would.
+
+    ``targets`` are model types (``"llama"``, matched against ``config.model_type``), class names
+    (``"LlamaForCausalLM"``) or classes (``LlamaForCausalLM``, subclasses included); none means every causal LM.
+    ``options`` are ``apply``'s, used for models of these targets (patching a target again replaces them). The
+    hook runs at the end of each model's construction (``PreTrainedModel.post_init``), so ``from_pretrained``,
+    ``from_config`` and a recipe's own loading code all get a patched instance; PEFT may wrap it afterwards. A
+    model of a class or class name named here that ``apply`` refuses raises at its construction; one reached
+    through a model type or ``patch()`` is left stock, with a warning naming the reason. ``remove`` undoes it.
+    """
+    unknown = sorted(set(options) - set(OPTIONS))
+    if unknown:
+        raise TypeError(f"options: expected keywords among {OPTIONS}, got {unknown}")
+    vpce.LinearCrossEntropy(**options)  # validated now, not at each model's construction
+    checked = [_check_target(t) for t in targets] or [_ALL]
+    from transformers import PreTrainedModel
+    if not _POST_INIT:
+        original = PreTrainedModel.post_init
+        _POST_INIT.append(original)
+
+        @functools.wraps(original)
+        def post_init(self, *args, **kwargs):
+            out = original(self, *args, **kwargs)
+            _apply_built(self)
+            return out
+
+        PreTrainedModel.post_init = post_init
+    for target in checked:
+        _CLASS_PATCHES[target] = dict(options)
+
+
+def _unpatch(targets) -> None:
+    for target in targets or list(_CLASS_PATCHES):
+        _CLASS_PATCHES.pop(target, None)
+    if not _CLASS_PATCHES and _POST_INIT:
+        from transformers import PreTrainedModel
+        PreTrainedModel.post_init = _POST_INIT.pop()
+
+
+def _apply_built(model) -> None:
+    """``post_init``'s hook: ``apply`` to a model a ``patch`` target matches."""
+    if _ATTR in model.__dict__:
+        return
+    named = [options for target, options in _CLASS_PATCHES.items()
+             if (isinstance(target, type) and isinstance(model, target)) or target == type(model).__name__]
+    if named:
+        options = named[-1]
+    else:
+        model_type = getattr(getattr(model, "config", None), "model_type", None)
+        options = _CLASS_PATCHES.get(model_type, _CLASS_PATCHES.get(_ALL))
+        if options is None or not _is_causal_lm(model):
+            return
+    try:
+        apply(model, **options)
+    except (TypeError, ValueError) as err:
+        if named:
+            raise
+        warnings.warn(f"vpce.integrations.transformers.patch: {type(model).__name__} is left stock: {err}",
+                      stacklevel=3)
+
+
+class VpceAutoModelForCausalLM:
+    """``transformers.AutoModelForCausalLM`` whose models come back patched by ``apply``.
+
+    ``from_pretrained(...)`` and ``from_config(...)`` take ``AutoModelForCausalLM``'s arguments plus ``apply``'s
+    options (``OPTIONS``: ``memory_budget="lean"``, ...) as keywords.
+    """
+
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs):
+        from transformers import AutoModelForCausalLM
+        options = {k: kwargs.pop(k) for k in OPTIONS if k in kwargs}
+        return apply(AutoModelForCausalLM.from_pretrained(*args, **kwargs), **options)
+
+    @classmethod
+    def from_config(cls, *args, **kwargs):
+        from transformers import AutoModelForCausalLM
+        options = {k: kwargs.pop(k) for k in OPTIONS if k in kwargs}
+        return apply(AutoModelForCausalLM.from_config(*args, **kwargs), **options)
 
 
 # -- Trainer -------------------------------------------------------------------------------------------------------
