@@ -247,9 +247,9 @@ def apply(model, **options):
 
     ``options`` are among ``OPTIONS`` (``label_smoothing``, ``z_loss``, ``backend``, ``memory_budget``,
     ``validate``), passed to every ``vpce.linear_cross_entropy`` call. Applying again replaces the options.
-    ``model`` may be a ``transformers.Trainer`` (built, not yet trained): then its model is patched, its
-    ``label_smoothing_factor`` becomes vpce's ``label_smoothing``, and a ``compute_metrics`` is refused
-    (it needs logits); returns the trainer.
+    ``model`` may be a ``transformers.Trainer`` (built, not yet trained): then its model is patched and its
+    ``label_smoothing_factor`` becomes vpce's ``label_smoothing``; returns the trainer. ``model`` may be a
+    ``peft.PeftModel``: the transformers model inside it is patched; returns the ``PeftModel``.
     """
     if _is_trainer(model):
         return _apply_trainer(model, **options)
