@@ -32,8 +32,8 @@ output embedding is not an ``nn.Linear``, whose forward has no ``labels``/``**kw
 
 The returned output is stock's output class (``CausalLMOutputWithPast``, ``MoeCausalLMOutputWithPast``, ...) with
 vpce's loss and ``logits=None`` (but see Evaluation below); everything else (cache, hidden states, attentions,
-``aux_loss``, ``router_logits``) is stock's. Without ``labels`` the stock forward runs untouched (``generate`` included); a
-training forward without labels builds the logits, and warns once.
+``aux_loss``, ``router_logits``) is stock's. Without ``labels`` the stock forward runs untouched (``generate``
+included); a training forward without labels builds the logits, and warns once.
 
 PEFT: ``apply(peft_model)`` patches the transformers model inside it (``get_base_model()``) and returns the
 ``PeftModel``. A LoRA or DoRA adapter on ``lm_head`` (or ``modules_to_save=["lm_head"]``) reaches vpce as one
