@@ -11,7 +11,7 @@ NPROC ?= 2
 TORCH ?= torch==2.13.0
 TORCH_INDEX ?= $(if $(shell command -v nvidia-smi 2>/dev/null),,https://download.pytorch.org/whl/cpu)
 
-.PHONY: setup setup-test test demo bench
+.PHONY: setup setup-test setup-demo test demo bench
 
 setup:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) "$(TORCH)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
@@ -33,12 +33,21 @@ setup-test: setup
 test: setup-test
 	$(PYTHON) -m pytest -q tests
 
+# `make demo` installs vpce (editable) only when $(PYTHON) does not already import it from this checkout, so a second
+# run starts at once; a fresh venv (CI: `make demo PYTHON=<venv>/bin/python`) still gets torch and the install.
+# The check drops the current directory from sys.path, where this checkout's vpce would always be found.
+DEMO_INSTALLED = import sys, pathlib; sys.path.pop(0); import vpce; \
+	sys.exit(pathlib.Path(vpce.__file__).resolve().parents[1] != pathlib.Path.cwd().resolve())
+
+setup-demo:
+	@$(PYTHON) -c "$(DEMO_INSTALLED)" 2>/dev/null || $(MAKE) --no-print-directory setup PYTHON="$(PYTHON)"
+
 # The main job (launch/demo.py): a tiny causal LM trained with its lm_head vocab-sharded over $(NPROC) torchrun
 # ranks, its loss checked at every step against a 1-process unsharded baseline; fails if they disagree. It needs
 # only torch and vpce; torch's import-time warning that numpy is missing is silenced (nothing here uses numpy).
 demo: TORCHRUN = OMP_NUM_THREADS=1 PYTHONWARNINGS="ignore:Failed to initialize NumPy" \
 	$(PYTHON) -m torch.distributed.run --standalone
-demo: setup
+demo: setup-demo
 	$(TORCHRUN) --nproc-per-node 1 launch/demo.py --baseline-out demo-out/baseline.json
 	$(TORCHRUN) --nproc-per-node $(NPROC) launch/demo.py --compare demo-out/baseline.json --report demo-out/report.json
 

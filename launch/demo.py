@@ -372,7 +372,9 @@ def run_sharded(args, cfg: DemoConfig, tokens, vocab: int, rank: int, world: int
                          + (f" ({pad} of them padding)" if pad else ""), peaks[r]))
     width = max(len(label) for label, _ in rows_mem)
     say(f"\npeak memory of the loss step alone (forward + backward, dX and dW included; {cfg.batch * cfg.seq_len} "
-        f"tokens, D={cfg.dim}; vpce chunk budget {cfg.loss_chunk_mib:g} MiB):")
+        f"tokens, D={cfg.dim}; vpce chunk budget {cfg.loss_chunk_mib:g} MiB: vpce's memory_budget for live chunk "
+        f"data, set this low so that the toy's tokens run in several chunks as at real sizes; the library "
+        f"default, 256 MiB, would hold these logits whole):")
     for label, nbytes in rows_mem:
         say(f"  {label:<{width}}  {nbytes / 2**20:6.2f} MiB")
     if rank == 0 and args.report:

@@ -180,24 +180,3 @@ def test_label_smoothing_factor_with_apply_model_is_refused_at_the_first_step(tm
     trainer = two_steps(apply(hf_models.model("llama")), tmp_path, "vpce", label_smoothing_factor=0.1)
     with pytest.raises(ValueError, match=r"label_smoothing_factor=0.1.*apply\(trainer\)"):
         trainer.train()
-
-
-def test_compute_metrics_is_refused_never_given_an_empty_tuple(tmp_path):
-    """compute_metrics needs logits: apply(trainer) refuses it at once; a model patched before the Trainer was
-    built raises at the first evaluation step, before compute_metrics could receive ``predictions == ()``."""
-    seen = []
-
-    def metrics(prediction):
-        seen.append(prediction)
-        return {}
-
-    trainer = two_steps(hf_models.model("llama"), tmp_path, "a", compute_metrics=metrics, eval_dataset=Rows(2))
-    with pytest.raises(ValueError, match="compute_metrics needs the .tokens, vocab. logits"):
-        apply(trainer)
-    assert not is_applied(trainer)
-    trainer = two_steps(apply(hf_models.model("llama")), tmp_path, "b", compute_metrics=metrics, eval_dataset=Rows(2))
-    with pytest.raises(ValueError, match="compute_metrics needs the .tokens, vocab. logits"):
-        trainer.evaluate()
-    assert not seen
-    trainer.args.prediction_loss_only = True  # eval_loss only: vpce's, no logits
-    assert "eval_loss" in trainer.evaluate()

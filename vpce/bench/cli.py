@@ -10,6 +10,7 @@ import os
 import platform
 import shlex
 import sys
+import textwrap
 from pathlib import Path
 
 import torch
@@ -96,12 +97,19 @@ def _csv(choices: list[str], what: str, expand_all: bool = True):
     return parse
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """argparse's defaults in ``--help``, except a ``None`` default: its help text says what None stands for."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m vpce.bench",
         description="Side-by-side fwd+bwd time, peak extra memory and float64 error of fused linear + "
                     "cross-entropy implementations against the three-GEMM floor.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=_HelpFormatter)
     p.add_argument("--shapes", default=None,
                    help=f"comma-separated names ({', '.join(SHAPES)}) or NxDxV; default {DEFAULT_SHAPES} "
                         f"({TP_DEFAULT_SHAPES} with --tp, {QUICK_SHAPES} with --quick)")
@@ -271,6 +279,12 @@ def main(argv: list[str] | None = None) -> int:
     if big:
         warnings.append(f"note: {', '.join(big)}: GPU-sized, on {device.type} this may run for hours")
     caveat = timings_caveat(device)
+    if caveat and args.dtype != "fp32":
+        caveat += ";\n" + textwrap.fill(
+            f"{args.dtype} matmuls on a CPU take CPU-specific paths whose speed differs many-fold with the output "
+            f"dtype (the floor's GEMMs write {args.dtype}, vpce's torch backend writes fp32 logits), so the "
+            f"'x floor' ratios compare CPU arithmetic paths, not methods; --dtype fp32 compares like with like",
+            width=110)
     if caveat:
         warnings.append(caveat)
     settings = Settings(

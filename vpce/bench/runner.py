@@ -404,7 +404,7 @@ def fwd_bwd_phases(row: dict, method: Method, env: Env, settings: Settings, prob
             row["_dw_sq"] = None if method.frozen else sq_err(dw, ref.dweight)
             row["dx_err"], row["dw_err"] = err_from_sq(row["_dx_sq"]), err_from_sq(row["_dw_sq"])
         else:
-            row["loss"] = float(loss)
+            row["loss"] = float(loss.detach())
 
     def timed():
         live.x.grad = live.w.grad = None

@@ -137,6 +137,11 @@ class LinearCrossEntropyLoss(*_BASES):
         return vpce.linear_cross_entropy(outputs, weight, targets, bias, ignore_index=self.ignore_index,
                                          reduction="mean", **self.options)
 
+    def extra_repr(self) -> str:
+        options = "".join(f", {k}={v!r}" for k, v in self.options.items())
+        output = "not set (call set_model_output)" if self.output_layer is None else type(self.output_layer).__name__
+        return f"ignore_index={self.ignore_index}{options}, output_layer={output}"
+
     # The rest of main's SFTLoss protocol, defined here for 0.6.x too. Tensor parallelism is refused above.
     @property
     def tp_requires_loss_parallel_ctx_manager(self) -> bool:

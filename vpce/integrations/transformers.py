@@ -31,17 +31,23 @@ output embedding is not an ``nn.Linear``, whose forward has no ``labels``/``**kw
 ``self.loss_function``, or whose ``loss_function`` is not ``ForCausalLMLoss``.
 
 The returned output is stock's output class (``CausalLMOutputWithPast``, ``MoeCausalLMOutputWithPast``, ...) with
-vpce's loss and ``logits=None``; everything else (cache, hidden states, attentions, ``aux_loss``,
-``router_logits``) is stock's. Without ``labels`` the stock forward runs untouched (``generate`` included); a
-training forward without labels builds the logits, and warns once.
+vpce's loss and ``logits=None`` (but see Evaluation below); everything else (cache, hidden states, attentions,
+``aux_loss``, ``router_logits``) is stock's. Without ``labels`` the stock forward runs untouched (``generate``
+included); a training forward without labels builds the logits, and warns once.
+
+PEFT: ``apply(peft_model)`` patches the transformers model inside it (``get_base_model()``) and returns the
+``PeftModel``. A LoRA or DoRA adapter on ``lm_head`` (or ``modules_to_save=["lm_head"]``) reaches vpce as one
+linear map of a wider input, ``[x, dropout(x) @ A.T] @ [W, s * B].T``, with LoRA dropout drawn as PEFT draws it
+(``vpce.integrations.peft``); the first forward checks that form against the head's real output.
 
 ``transformers.Trainer``: ``apply(trainer)`` (after building it) patches ``trainer.model`` and maps
 ``label_smoothing_factor`` onto vpce's ``label_smoothing`` (the same definition as Trainer's ``LabelSmoother``),
-so Trainer no longer pops the labels to smooth full logits. Trainer's ``compute_metrics`` needs logits, which
-the patched forward does not build: ``apply(trainer)`` refuses it at once, and a model patched with
-``apply(model)`` raises at the first evaluation step that would hand ``compute_metrics`` an empty tuple. A model
-patched with ``apply(model)`` inside a Trainer with ``label_smoothing_factor`` raises at the first step too,
-naming ``apply(trainer)``.
+so Trainer no longer pops the labels to smooth full logits. A model patched with ``apply(model)`` inside a Trainer
+with ``label_smoothing_factor`` raises at the first step, naming ``apply(trainer)``. Evaluation: a no-grad forward
+with labels called from ``Trainer.prediction_step`` with ``prediction_loss_only=False`` (``compute_metrics`` set,
+or ``predict()``) also returns the logits, from the real ``lm_head`` (the Trainer hands them to
+``preprocess_logits_for_metrics`` and ``compute_metrics``, so they exist in stock too); its loss is still vpce's.
+Training forwards never build them.
 
 Numerics: in fp32 the loss and gradients equal stock transformers to rounding. In bf16/fp16 (or under autocast,
 where the GEMM operands are cast to the autocast dtype as ``nn.Linear`` would cast them) vpce keeps the logits and
@@ -54,6 +60,7 @@ and ``remove(model)`` restores the forward that was there before.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -75,7 +82,8 @@ except ImportError as err:  # pragma: no cover - exercised only without transfor
     raise ImportError("vpce.integrations.transformers needs the `transformers` package: "
                       "pip install 'transformers>=4.57,<6' (or vpce's `transformers` extra, README.md#install)") from err
 
-__all__ = ["OPTIONS", "apply", "remove", "is_applied", "causal_lm_loss", "logits_options"]
+__all__ = ["OPTIONS", "apply", "remove", "is_applied", "patch", "VpceAutoModelForCausalLM", "causal_lm_loss",
+           "logits_options"]
 
 #: The vpce options ``apply`` accepts. ``reduction``, ``softcap``, ``logit_scale`` and ``ignore_index`` come from
 #: the model and the forward's keywords; the vocab-parallel options do not apply to a whole, unsharded ``lm_head``.
@@ -168,26 +176,57 @@ _ALTERNATIVE = ("the alternative: run the model with output_hidden_states=True a
                 "vpce.linear_cross_entropy(hidden_states[-1], weight, shifted_labels) yourself")
 
 
-def _check_model(model) -> tuple[inspect.Signature, str, str | None]:
+def _peft():
+    """``vpce.integrations.peft`` when PEFT is in use (imported), else None: nothing imports peft for a user who
+    does not."""
+    if "peft" not in sys.modules:
+        return None
+    from vpce.integrations import peft as vpce_peft
+    return vpce_peft
+
+
+def _unwrap(model):
+    """The transformers model a ``PeftModel`` wraps; ``model`` itself otherwise."""
+    vpce_peft = _peft()
+    return vpce_peft.base_model(model) if vpce_peft is not None else model
+
+
+def _plain_head(head) -> bool:
+    return isinstance(head, torch.nn.Linear) and not (_peft() and _peft().is_peft_head(head))
+
+
+def _check_head(head, name: str) -> None:
+    if _plain_head(head):
+        if not head.weight.is_floating_point():
+            raise TypeError(f"model.lm_head: expected a floating-point weight, got {head.weight.dtype} "
+                            f"({type(head).__name__} in {name}: a quantized lm_head); keep lm_head unquantized")
+        return
+    vpce_peft = _peft()
+    if vpce_peft is None or not vpce_peft.is_peft_head(head):
+        raise TypeError(f"model.lm_head: expected a torch.nn.Linear (or a PEFT LoRA layer over one), got "
+                        f"{type(head).__name__} in {name}; {_ALTERNATIVE}")
+    vpce_peft.check_head(head)
+
+
+def _check_model(model, forward=None) -> tuple[inspect.Signature, str, str | None]:
     """Refuse, naming the reason, a model the generic path cannot reproduce; return the forward's signature, the
-    name of its ``**kwargs`` and the router aux-loss coefficient's attribute (None without one)."""
+    name of its ``**kwargs`` and the router aux-loss coefficient's attribute (None without one). ``forward`` is the
+    class's stock forward (default: the class attribute)."""
     name = type(model).__name__
+    forward = type(model).forward if forward is None else forward
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if head is None or getattr(model, "lm_head", None) is not head:
         raise TypeError(f"model: expected a transformers causal LM whose output embedding is `lm_head`, got "
                         f"{name} (output embedding {type(head).__name__}); vpce computes the loss of that "
                         f"head; {_ALTERNATIVE}")
-    if not isinstance(head, torch.nn.Linear):
-        raise TypeError(f"model.lm_head: expected a torch.nn.Linear, got {type(head).__name__} in {name}; "
-                        f"{_ALTERNATIVE}")
-    cls = type(model)
-    sig = inspect.signature(cls.forward)
+    _check_head(head, name)
+    sig = inspect.signature(forward)
     var_kw = [p.name for p in sig.parameters.values() if p.kind is inspect.Parameter.VAR_KEYWORD]
     if "labels" not in sig.parameters or not var_kw:
         raise TypeError(f"model: {name}.forward{sig} has no `labels` and `**kwargs` (the loss keywords); this is "
                         f"not a transformers causal-LM forward vpce can patch; {_ALTERNATIVE}")
     try:
-        source = inspect.getsource(cls.forward)
+        source = inspect.getsource(forward)
     except (OSError, TypeError):  # no source (frozen, compiled): the first forward's check still guards
         source = "self.loss_function("
     if "self.loss_function(" not in source:
@@ -208,12 +247,16 @@ def apply(model, **options):
 
     ``options`` are among ``OPTIONS`` (``label_smoothing``, ``z_loss``, ``backend``, ``memory_budget``,
     ``validate``), passed to every ``vpce.linear_cross_entropy`` call. Applying again replaces the options.
-    ``model`` may be a ``transformers.Trainer`` (built, not yet trained): then its model is patched, its
-    ``label_smoothing_factor`` becomes vpce's ``label_smoothing``, and a ``compute_metrics`` is refused
-    (it needs logits); returns the trainer.
+    ``model`` may be a ``transformers.Trainer`` (built, not yet trained): then its model is patched and its
+    ``label_smoothing_factor`` becomes vpce's ``label_smoothing``; returns the trainer. ``model`` may be a
+    ``peft.PeftModel``: the transformers model inside it is patched; returns the ``PeftModel``.
     """
     if _is_trainer(model):
         return _apply_trainer(model, **options)
+    wrapper, model = model, _unwrap(model)
+    if wrapper is not model:
+        apply(model, **options)
+        return wrapper
     unknown = sorted(set(options) - set(OPTIONS))
     if unknown:
         raise TypeError(f"options: expected keywords among {OPTIONS}, got {unknown}")
@@ -237,35 +280,161 @@ def apply(model, **options):
     return model
 
 
-def remove(model):
-    """Undo ``apply``: restore the forward that was there before it. Harmless on an unpatched model."""
+def remove(*targets):
+    """Undo ``apply`` or ``patch``.
+
+    ``remove(model)`` (a model, ``PeftModel`` or Trainer) restores the forward that was there before ``apply``;
+    harmless on an unpatched model. ``remove("llama")`` / ``remove(LlamaForCausalLM)`` withdraws those ``patch``
+    targets, and ``remove()`` all of them: models built afterwards are stock again (models already built keep
+    their instance patch until ``remove(model)``).
+    """
+    if len(targets) == 1 and not isinstance(targets[0], (str, type)):
+        return _remove_instance(targets[0])
+    _unpatch(targets)
+    return None
+
+
+def _remove_instance(model):
     if _is_trainer(model):
         remove(model.model)
         return model
-    patch = model.__dict__.get(_ATTR)
-    if patch is None:
-        return model
+    wrapper, model = model, _unwrap(model)
+    state = model.__dict__.get(_ATTR)
+    if state is None:
+        return wrapper
     del model.forward
-    if patch.previous is not None:
-        model.forward = patch.previous
+    if state.previous is not None:
+        model.forward = state.previous
     delattr(model, _ATTR)
-    return model
+    return wrapper
 
 
 def is_applied(model) -> bool:
     """Whether ``apply`` patched this model instance (or this Trainer's model)."""
     if _is_trainer(model):
         model = model.model
-    return _ATTR in model.__dict__
+    return _ATTR in _unwrap(model).__dict__
+
+
+# -- before loading: class-level patch and an Auto loader -------------------------------------------------------------
+
+_ALL = "*"
+_CLASS_PATCHES: dict = {}
+"""``patch`` targets (a model type or class name string, a class, or ``_ALL``) -> their vpce options."""
+_POST_INIT: list = []
+"""``PreTrainedModel.post_init`` as it was before ``patch`` wrapped it (empty while nothing is patched)."""
+
+
+def _causal_lm_names() -> set:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    return set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+
+
+def _is_causal_lm(model) -> bool:
+    names = _causal_lm_names()
+    return hasattr(model, "lm_head") and any(c.__name__ in names or c.__name__.endswith("ForCausalLM")
+                                             for c in type(model).__mro__)
+
+
+def _check_target(target):
+    if isinstance(target, type):
+        from transformers import PreTrainedModel
+        if not issubclass(target, PreTrainedModel):
+            raise TypeError(f"targets: expected transformers model classes, model types or class names, got the "
+                            f"class {target.__name__}")
+        return target
+    if not isinstance(target, str) or not target:
+        raise TypeError(f"targets: expected model types ('llama'), class names or classes, got {target!r}")
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    if target not in CONFIG_MAPPING_NAMES and target not in _causal_lm_names() and not target.endswith("ForCausalLM"):
+        raise ValueError(f"targets: expected a transformers model type (a key of CONFIG_MAPPING_NAMES, e.g. 'llama') "
+                         f"or a causal-LM class name, got {target!r}")
+    return target
+
+
+def patch(*targets, **options) -> None:
+    """Make every causal LM built from now on compute its ``labels`` loss with vpce, as ``apply`` would.
+
+    ``targets`` are model types (``"llama"``, matched against ``config.model_type``), class names
+    (``"LlamaForCausalLM"``) or classes (``LlamaForCausalLM``, subclasses included); none means every causal LM.
+    ``options`` are ``apply``'s, used for models of these targets (patching a target again replaces them). The
+    hook runs at the end of each model's construction (``PreTrainedModel.post_init``), so ``from_pretrained``,
+    ``from_config`` and a recipe's own loading code all get a patched instance; PEFT may wrap it afterwards. A
+    model of a class or class name named here that ``apply`` refuses raises at its construction; one reached
+    through a model type or ``patch()`` is left stock, with a warning naming the reason. ``remove`` undoes it.
+    """
+    unknown = sorted(set(options) - set(OPTIONS))
+    if unknown:
+        raise TypeError(f"options: expected keywords among {OPTIONS}, got {unknown}")
+    vpce.LinearCrossEntropy(**options)  # validated now, not at each model's construction
+    checked = [_check_target(t) for t in targets] or [_ALL]
+    from transformers import PreTrainedModel
+    if not _POST_INIT:
+        original = PreTrainedModel.post_init
+        _POST_INIT.append(original)
+
+        @functools.wraps(original)
+        def post_init(self, *args, **kwargs):
+            out = original(self, *args, **kwargs)
+            _apply_built(self)
+            return out
+
+        PreTrainedModel.post_init = post_init
+    for target in checked:
+        _CLASS_PATCHES[target] = dict(options)
+
+
+def _unpatch(targets) -> None:
+    for target in targets or list(_CLASS_PATCHES):
+        _CLASS_PATCHES.pop(target, None)
+    if not _CLASS_PATCHES and _POST_INIT:
+        from transformers import PreTrainedModel
+        PreTrainedModel.post_init = _POST_INIT.pop()
+
+
+def _apply_built(model) -> None:
+    """``post_init``'s hook: ``apply`` to a model a ``patch`` target matches."""
+    if _ATTR in model.__dict__:
+        return
+    named = [options for target, options in _CLASS_PATCHES.items()
+             if (isinstance(target, type) and isinstance(model, target)) or target == type(model).__name__]
+    if named:
+        options = named[-1]
+    else:
+        model_type = getattr(getattr(model, "config", None), "model_type", None)
+        options = _CLASS_PATCHES.get(model_type, _CLASS_PATCHES.get(_ALL))
+        if options is None or not _is_causal_lm(model):
+            return
+    try:
+        apply(model, **options)
+    except (TypeError, ValueError) as err:
+        if named:
+            raise
+        warnings.warn(f"vpce.integrations.transformers.patch: {type(model).__name__} is left stock: {err}",
+                      stacklevel=3)
+
+
+class VpceAutoModelForCausalLM:
+    """``transformers.AutoModelForCausalLM`` whose models come back patched by ``apply``.
+
+    ``from_pretrained(...)`` and ``from_config(...)`` take ``AutoModelForCausalLM``'s arguments plus ``apply``'s
+    options (``OPTIONS``: ``memory_budget="lean"``, ...) as keywords.
+    """
+
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs):
+        from transformers import AutoModelForCausalLM
+        options = {k: kwargs.pop(k) for k in OPTIONS if k in kwargs}
+        return apply(AutoModelForCausalLM.from_pretrained(*args, **kwargs), **options)
+
+    @classmethod
+    def from_config(cls, *args, **kwargs):
+        from transformers import AutoModelForCausalLM
+        options = {k: kwargs.pop(k) for k in OPTIONS if k in kwargs}
+        return apply(AutoModelForCausalLM.from_config(*args, **kwargs), **options)
 
 
 # -- Trainer -------------------------------------------------------------------------------------------------------
-
-_METRICS = ("compute_metrics needs the [tokens, vocab] logits, which the model patched by vpce does not build. "
-            "Evaluate with the stock forward (vpce.integrations.transformers.remove(model) before "
-            "trainer.evaluate(), apply again after), or drop compute_metrics / set prediction_loss_only=True "
-            "(eval_loss is then vpce's)")
-
 
 def _is_trainer(obj) -> bool:
     trainer = sys.modules.get("transformers.trainer")
@@ -273,8 +442,6 @@ def _is_trainer(obj) -> bool:
 
 
 def _apply_trainer(trainer, **options):
-    if trainer.compute_metrics is not None and not trainer.args.prediction_loss_only:
-        raise ValueError(f"trainer.compute_metrics: {_METRICS}")
     smoothing = trainer.args.label_smoothing_factor
     if trainer.label_smoother is not None:
         if "label_smoothing" in options and options["label_smoothing"] != smoothing:
@@ -301,6 +468,19 @@ def _calling_trainer(names: tuple[str, ...], depth: int = 30):
                 return owner
         frame = frame.f_back
     return None
+
+
+def _prediction_keeps_logits(depth: int = 30) -> bool:
+    """Whether a ``Trainer.prediction_step`` up the stack keeps the logits it gets (``prediction_loss_only``
+    False: ``compute_metrics`` is set, or ``predict()``), as it decides for Liger's ``skip_logits`` too."""
+    frame = sys._getframe(2)
+    for _ in range(depth):
+        if frame is None:
+            return False
+        if frame.f_code.co_name == "prediction_step" and _is_trainer(frame.f_locals.get("self")):
+            return not frame.f_locals.get("prediction_loss_only", True)
+        frame = frame.f_back
+    return False
 
 
 # -- the patched forward -------------------------------------------------------------------------------------------
@@ -335,6 +515,36 @@ def _transform(z: torch.Tensor, softcap=None, logit_scale: float = 1.0) -> torch
     return z if softcap is None else softcap * torch.tanh(z / softcap)
 
 
+@contextlib.contextmanager
+def _quiet(head, plain: bool):
+    """Around a look at the real head: no dropout drawn (a PEFT head in eval mode, so the random stream stays
+    stock's) and, outside a traced graph, autocast's cache off (nothing cast is kept)."""
+    training = head.training
+    if not plain and training:
+        head.train(False)
+    cache = None
+    if not torch.compiler.is_compiling():  # a traced graph has no autocast cache (nor can Dynamo trace one)
+        cache = torch.is_autocast_cache_enabled()
+        torch.set_autocast_cache_enabled(False)
+    try:
+        yield
+    finally:
+        if cache is not None:
+            torch.set_autocast_cache_enabled(cache)
+        if not plain and training:
+            head.train(True)
+
+
+def _check_head_linear(model, want: torch.Tensor, got: torch.Tensor):
+    """A PEFT head's real output for one position against vpce's linear form of it (vpce.integrations.peft)."""
+    eps = torch.finfo(want.dtype).eps
+    want, got = want.detach().float(), got.detach().float()
+    err = (want - got).abs().max().item()
+    if not err <= 16 * eps * max(want.abs().max().item(), 1.0):
+        raise TypeError(f"model.lm_head: {type(model.lm_head).__name__}'s output differs from vpce's linear form "
+                        f"of it by {err:.3g}; vpce cannot reproduce this PEFT head exactly; {_ALTERNATIVE}")
+
+
 def _check_logits(model, logits, head_out, extra: dict):
     """Stock's logits for the probe position against vpce's transform of lm_head's output for it."""
     name = type(model).__name__
@@ -361,10 +571,7 @@ def _patched_forward(model, *args, **kwargs):
     if model.loss_function is not ForCausalLMLoss:
         _warn_logits(model, patch, f"{type(model).__name__}.loss_function was replaced after apply")
         return _stock_forward(model, patch)(*args, **kwargs)
-    if not torch.is_grad_enabled() and not patch.label_smoothing_from_trainer:
-        trainer = _calling_trainer(("prediction_step",))
-        if trainer is not None and trainer.compute_metrics is not None and not trainer.args.prediction_loss_only:
-            raise ValueError(f"Trainer(compute_metrics=...): {_METRICS}")
+    want_logits = not torch.is_grad_enabled() and _prediction_keeps_logits()
 
     extras = logits_options(model)  # read (and checked) as stock reads them, before the stock forward runs
     extra = dict(call.get(patch.var_kw, {}))
@@ -387,24 +594,30 @@ def _patched_forward(model, *args, **kwargs):
     kept = {"calls": 0}
     probe = not patch.checked
     head = model.lm_head
+    plain = _plain_head(head)
     own = head.__dict__.get("forward")  # an instance forward (accelerate's hooks) is put back as found
     real = own if own is not None else types.MethodType(type(head).forward, head)
 
+    def linear(x):
+        return (x, head.weight, head.bias) if plain else _peft().head_linear(head, x)
+
     def stand_in(x, *rest, **kw):
         kept["calls"] += 1
-        kept["hidden"] = x
-        if probe:
-            one = x.narrow(-2, 0, min(1, x.shape[-2]))
-            with torch.no_grad():
-                if torch.compiler.is_compiling():  # a traced graph has no autocast cache (nor can Dynamo trace one)
-                    kept["head_out"] = real(one, *rest, **kw)
-                else:
-                    cache = torch.is_autocast_cache_enabled()
-                    torch.set_autocast_cache_enabled(False)
-                    try:
-                        kept["head_out"] = real(one, *rest, **kw)
-                    finally:
-                        torch.set_autocast_cache_enabled(cache)
+        if not plain and (rest or kw):
+            raise TypeError(f"model.lm_head: expected a call with the hidden states only, got extra arguments "
+                            f"{sorted(kw) or len(rest)} (PEFT's mixed-adapter batches, adapter_names=, are not "
+                            f"supported by vpce's loss)")
+        if probe or want_logits:
+            # the real head's output: all positions when the caller keeps the logits, else one position that
+            # checks vpce's transform (and, for a PEFT head, vpce's linear form of it); no dropout is drawn here
+            part = x if want_logits else x.narrow(-2, 0, min(1, x.shape[-2]))
+            with torch.no_grad(), _quiet(head, plain):
+                kept["head_out"] = real(part, *rest, **kw)
+                if probe and not plain:
+                    one = part.narrow(-2, 0, min(1, part.shape[-2]))
+                    kept["head_check"] = (kept["head_out"].narrow(-2, 0, one.shape[-2]), F.linear(*linear(one)))
+        kept["linear"] = linear(x)
+        if "head_out" in kept:
             return kept["head_out"]
         autocast = torch.is_autocast_enabled(x.device.type)
         dtype = torch.get_autocast_dtype(x.device.type) if autocast else x.dtype
@@ -422,11 +635,13 @@ def _patched_forward(model, *args, **kwargs):
         raise TypeError(f"model: {type(model).__name__}'s forward called lm_head {kept.get('calls', 0)} times, not "
                         f"once; vpce computes the loss of one call's logits; {_ALTERNATIVE}")
     if probe:
+        if "head_check" in kept:
+            _check_head_linear(model, *kept["head_check"])
         _check_logits(model, out.get("logits"), kept.get("head_out"), extras)
         patch.checked = True
 
-    loss = causal_lm_loss(kept["hidden"], head.weight, labels, bias=head.bias, **extras, **loss_kwargs,
-                          **patch.options)
+    hidden, weight, bias = kept["linear"]
+    loss = causal_lm_loss(hidden, weight, labels, bias=bias, **extras, **loss_kwargs, **patch.options)
     aux = out.get("aux_loss")
     if aux is not None:
         if patch.aux_coef is None or not hasattr(model, patch.aux_coef):
@@ -434,5 +649,5 @@ def _patched_forward(model, *args, **kwargs):
                             f"coefficient its forward multiplies it by; {_ALTERNATIVE}")
         loss = loss + getattr(model, patch.aux_coef) * aux.to(loss.device)
     fields = {k: v for k, v in out.items() if k not in ("loss", "logits")}
-    output = type(out)(loss=loss, **fields)
+    output = type(out)(loss=loss, logits=out.get("logits") if want_logits else None, **fields)
     return output if return_dict else output.to_tuple()

@@ -1,0 +1,32 @@
+"""Small things a new user meets first: what a loss module shows, what ``--help`` says, what the demo prints."""
+
+import pathlib
+import re
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_torchtune_loss_repr_shows_its_options():
+    pytest.importorskip("torchtune")
+    from vpce.integrations.torchtune import LinearCrossEntropyLoss
+
+    text = repr(LinearCrossEntropyLoss(ignore_index=-1, memory_budget="lean", label_smoothing=0.1))
+    for part in ("ignore_index=-1", "memory_budget='lean'", "label_smoothing=0.1", "set_model_output"):
+        assert part in text, text
+
+
+def test_bench_help_gives_each_default_once():
+    from vpce.bench.cli import build_parser
+
+    text = build_parser().format_help()
+    assert "(default: None)" not in text
+    rep_time = re.search(r"\n  --rep-time REP_TIME(.*?)\n  --", text, flags=re.S).group(1)
+    assert rep_time.count("default") == 1, rep_time
+
+
+def test_demo_explains_its_chunk_budget():
+    source = (ROOT / "launch" / "demo.py").read_text()
+    line = source[source.index("vpce chunk budget {cfg.loss_chunk_mib"):].split(":\")", 1)[0]
+    assert "memory_budget" in line and "default" in line, line
