@@ -98,9 +98,10 @@ def linear_cross_entropy(hidden, weight, target, bias=None, *, ignore_index=-100
         memory_budget: ``"fast"`` (gradients formed in forward), ``"lean"`` (recomputed in backward), ``"auto"``
             (fast where its buffers fit in free device memory, else lean; the same on every rank; see
             docs/api.md), or GiB of live chunk data on the fast route.
-        validate: check target ids and the group's agreement eagerly on GPU too (a host sync). On CPU they are
-            always checked; on GPU without it a bad target gives NaN for that token and a disagreement between
-            ranks NaN everywhere.
+        validate: check target ids and the group's agreement eagerly on GPU too (a host sync), and that the hidden
+            states are the same on every rank of ``group`` (without ``sequence_parallel``). On CPU the targets and
+            the agreement are always checked; on GPU without it a bad target gives NaN for that token and a
+            disagreement between ranks NaN everywhere.
         accumulate_main_grad: add the weight gradient in fp32 into ``weight.main_grad`` (Megatron).
         logit_scale: a finite number > 0 that multiplies the logits after the bias and before the soft cap
             (Cohere's ``logit_scale``; Granite's ``1 / logits_scaling``).

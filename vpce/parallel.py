@@ -14,12 +14,16 @@ By default ``start_r`` is the sum of the rows of lower ranks and ``vocab_size`` 
 Agreement (``agree``). Every call under a group starts with exactly one collective, the same on every rank
 whatever its arguments: an all-gather of a fixed-size int64 fingerprint of the call (shapes, dtypes, options,
 the route, the shard's rows and claimed ``vocab_start``/``vocab_size``, a checksum and the range of the targets,
-and any argument error this rank found, with its message). Nothing is cached: no rank-local fact (a cache, an
+and any argument error this rank found, with its message; without ``vocab_start`` a checksum of the first weight
+rows, and with ``validate=True`` one of the hidden states). Nothing is cached: no rank-local fact (a cache, an
 import, a fallback flag) can change the number, order or size of collectives. Then:
 
 * where a rank must read it on the host (CPU tensors, ``validate=True``, or a layout to learn because
   ``vocab_start`` or ``vocab_size`` was not given), every rank reads the same bytes and reaches the same verdict:
-  either all go on, or all raise the same ``ValueError``/``TypeError`` naming the field and each rank's value;
+  either all go on, or all raise the same ``ValueError``/``TypeError`` naming the field and each rank's value.
+  Two mistakes that no shape reveals are caught there too: the whole lm_head passed on every rank without
+  ``vocab_start`` (equal, non-constant first rows on every rank: a sharded head's ranks hold different rows), and,
+  with ``validate=True`` and no sequence parallelism, hidden states that differ between the ranks;
 * otherwise (CUDA, layout given) nothing is read: the verdict is a device scalar, 0 or NaN, that the statistics
   combine adds to every token's max, so a disagreement makes the loss and gradients NaN on every rank and never a
   finite wrong value, with no host sync. That all-gather is left in flight (``PendingPoison``): the call's first
@@ -180,6 +184,12 @@ class CallFacts:
     ignore_index: int = -100
     error: Exception | None = None
     """An argument error this rank found; with a group, every rank raises it."""
+    weight: torch.Tensor | None = None
+    """This rank's weight shard where ``vocab_start`` was not given (the layout is learned): the checksum of its
+    first rows tells a full lm_head passed on every rank from a sharded one."""
+    hidden: torch.Tensor | None = None
+    """The hidden states where ``validate=True`` and they must be the same on every rank (no sequence
+    parallelism): their checksum must agree."""
     fast_fits: int | None = None
     """Only where the route is left to memory (``memory_budget="auto"`` on a long call): what fits in this rank's
     free device memory (``vpce.routing.FIT_LEAN``, ``FIT_FAST`` or ``FIT_WHOLE``). The agreement returns the
@@ -190,8 +200,10 @@ _EQUAL = ("call", "vocab_start given", "vocab_size", "host check")  # compared f
 _N_FIELDS = 40                       # slots for ``_EQUAL`` and ``fields``: a (type, payload) pair each
 _MSG_WORDS = 32                      # 256 bytes of error message
 # fingerprint layout: head, then the (type, payload) pairs, then the message words
-_ERR, _ROWS, _START, _TSUM, _TMIN, _TMIN_AT, _TMAX, _TMAX_AT, _FITS = range(9)
-_HEAD = 9
+_ERR, _ROWS, _START, _TSUM, _TMIN, _TMIN_AT, _TMAX, _TMAX_AT, _FITS, _WSUM, _WVARIED, _HSUM = range(12)
+_HEAD = 12
+_WEIGHT_ROWS = 4                     # rows of the weight checksummed (a full head repeated on every rank)
+_BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 _ERROR_TYPES = {1: ValueError, 2: TypeError}
 _NONE, _INT, _FLOAT, _STR, _LONG_STR = range(5)
 
@@ -225,6 +237,16 @@ def _decode(kind: int, payload: int) -> str:
     return str(payload)
 
 
+def _checksum(x: torch.Tensor) -> torch.Tensor:
+    """An int64 checksum of a 2-D float tensor's bits, the same on any rank that holds the same values, and
+    changed by an edit of any element or by moving a row or a column; no copy of ``x`` is made."""
+    bits = x.detach().view(_BITS[x.element_size()])
+    pos = lambda n: torch.arange(n, device=x.device, dtype=torch.int64) % 65521 + 1  # noqa: E731
+    rows = bits.sum(dim=1, dtype=torch.int64)
+    cols = bits.sum(dim=0, dtype=torch.int64)
+    return (rows * pos(rows.numel())).sum() + 7 * (cols * pos(cols.numel())).sum()
+
+
 def _fingerprint(facts: CallFacts, device: torch.device, read: bool) -> torch.Tensor:
     pairs = [facts.entry, facts.vocab_start is not None, facts.vocab_size, read]
     pairs = [_encode(v) for v in pairs] + [_encode(v) for _, v in facts.fields]
@@ -254,6 +276,14 @@ def _fingerprint(facts: CallFacts, device: torch.device, read: bool) -> torch.Te
             hi = torch.where(keep, t, -big)
             out[_TMIN], out[_TMIN_AT] = lo.min(), lo.argmin()
             out[_TMAX], out[_TMAX_AT] = hi.max(), hi.argmax()
+    w = facts.weight
+    if w is not None and facts.error is None and w.numel():
+        w = w[:_WEIGHT_ROWS].reshape(-1, w.shape[-1])
+        out[_WSUM] = _checksum(w)
+        out[_WVARIED] = (w != w.reshape(-1)[0]).any()
+    h = facts.hidden
+    if h is not None and facts.error is None and h.numel():
+        out[_HSUM] = _checksum(h.reshape(-1, h.shape[-1]))
     return out
 
 
@@ -376,6 +406,19 @@ def agree(group, facts: CallFacts, device: torch.device, *, read: bool) -> Agree
                 value, at = (lo, int(host[r, _TMIN_AT])) if lo < 0 else (hi, int(host[r, _TMAX_AT]))
                 _raise_bad_target(facts.target, facts.ignore_index, size, value, at,
                                   f" on rank {r} of the group")
+    if facts.weight is not None and facts.vocab_start is None:
+        wsums, varied = host[:, _WSUM].tolist(), host[:, _WVARIED].tolist()
+        if len(set(rows)) == 1 and len(set(wsums)) == 1 and all(varied):
+            raise ValueError(f"weight: expected this rank's shard of the lm_head rows under a group of {world} ranks "
+                             f"(vocab_start not given: each rank's rows follow those of the lower ranks), got the same "
+                             f"{rows[0]} rows on every rank (a full lm_head on each rank?); pass each rank's own "
+                             f"rows, with vocab_start and vocab_size where they are not stacked by rank")
+    if facts.hidden is not None:
+        hsums = host[:, _HSUM].tolist()
+        if len(set(hsums)) > 1:
+            raise ValueError(f"hidden: expected the same hidden states on every rank of the group (each rank computes "
+                             f"every token's loss over its vocab shard; with sequence_parallel=True each passes its "
+                             f"own slice), got different hidden states (checksums {hsums} on ranks 0..{world - 1})")
     sums = host[:, _TSUM].tolist()
     if any(s != sums[0] for s in sums):
         raise ValueError(f"target: expected the same targets on every rank of the group (each rank computes every "

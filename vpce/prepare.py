@@ -288,7 +288,9 @@ def prepare_call(entry: Entry, hidden, weight, target, bias, *, group, vocab_sta
                       vocab_start=vocab_start if error is None else None,
                       vocab_size=vocab_size if error is None else None,
                       target=target.reshape(-1) if error is None else None, ignore_index=entry.ignore_index,
-                      error=error, fast_fits=fast_fits)
+                      weight=weight if error is None and world > 1 and vocab_start is None else None,
+                      hidden=hidden if error is None and world > 1 and validate is True and not sequence_parallel
+                      else None, error=error, fast_fits=fast_fits)
     shard, poison, all_fit = parallel.agree(group, facts, device, read=read)
     if all_fit is not None:  # the route left to memory: fast (in one chunk) only where it fits on every rank
         call_plan = settle(call_plan, all_fit)
