@@ -30,3 +30,21 @@ def test_demo_explains_its_chunk_budget():
     source = (ROOT / "launch" / "demo.py").read_text()
     line = source[source.index("vpce chunk budget {cfg.loss_chunk_mib"):].split(":\")", 1)[0]
     assert "memory_budget" in line and "default" in line, line
+
+
+def test_second_backward_message_names_every_way_out():
+    """vpce.nn's default fast route hands its gradients out once; the error for a second backward says how to get
+    one (the lean budget, vpce.nn's allow_retain_graph option) instead of naming only one of them."""
+    import torch
+
+    import vpce.nn
+
+    torch.manual_seed(0)
+    h = torch.randn(6, 8, requires_grad=True)
+    w = torch.randn(11, 8, requires_grad=True)
+    loss = vpce.nn.linear_cross_entropy(h, w, torch.randint(0, 11, (6,)), memory_budget="fast")
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError) as e:
+        loss.backward()
+    for part in ("memory_budget='lean'", "allow_retain_graph=True", "second backward"):
+        assert part in str(e.value), str(e.value)

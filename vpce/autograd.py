@@ -150,8 +150,10 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             return (*cross_entropy_grads(hidden, weight, bias, target, token_weight, rows, grad,
                                          ctx.denominator, opts, call, ctx.main_weight, cw, scaling), *none)
         if ctx.fast is None:
-            raise RuntimeError("vpce: this loss formed its gradients in forward and they were already used; for "
-                               "a second backward pass use memory_budget='lean'")
+            raise RuntimeError("vpce: this loss formed its gradients in forward and they were already used by a "
+                               "first backward; for a second backward through the same loss compute it with "
+                               "memory_budget='lean' (through vpce.nn: memory_budget='lean', or "
+                               "options=LinearCrossEntropyOptions(allow_retain_graph=True)), or recompute the loss")
         g = grad.detach().to(ctx.denominator.dtype)
         if ctx.opts.reduction == "mean":
             g = g / ctx.denominator
@@ -257,8 +259,9 @@ class LinearDistillationFunction(torch.autograd.Function):
             return (*recompute(hidden, weight, bias, t_hidden, t_weight, t_bias, tg, DistillRows(*rows), scale, o,
                                call), *none)
         if ctx.fast is None:
-            raise RuntimeError("vpce: this loss formed its gradients in forward and they were already used; for "
-                               "a second backward pass use memory_budget='lean'")
+            raise RuntimeError("vpce: this loss formed its gradients in forward and they were already used by a "
+                               "first backward; for a second backward through the same loss compute it with "
+                               "memory_budget='lean', or recompute the loss")
         grads, ctx.fast = ctx.fast, None
         scale_cast = backend_module(call.plan.backend).scale_cast
         return (*finish_fast_grads(grads, g, ctx.dtypes, ctx.rows, None, scale_cast), *none)
