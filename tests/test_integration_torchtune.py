@@ -179,10 +179,53 @@ def test_errors():
     with pytest.raises(ValueError, match="output layer"):
         loss_fn(torch.randn(B, S, V), labels)  # logits where hidden states belong
 
-    lora = build(tied=False)
-    lora.output = LoRALinear(D, V, rank=4, alpha=8)
-    with pytest.raises(TypeError, match="LoRA"):
-        vtt.LinearCrossEntropyLoss().set_model_output(lora)
+    qlora = build(tied=False)
+    qlora.output = LoRALinear(D, V, rank=4, alpha=8)
+    qlora.output._quantize_base = True  # as QLoRA's builders make it (the NF4 weight itself needs torchao's kernels)
+    with pytest.raises(TypeError, match="NF4"):
+        vtt.LinearCrossEntropyLoss().set_model_output(qlora)
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.25])
+@pytest.mark.parametrize("disabled", [False, True])
+def test_lora_on_the_output_layer_matches_the_stock_model(dropout, disabled):
+    """``apply_lora_to_output``: the loss and every trainable gradient (LoRA's A and B on the output layer and the
+    attention) equal the stock model's logits + cross-entropy, LoRA dropout on (the same mask: the loss draws it where
+    the layer's forward would); the base weights stay frozen. A disabled adapter is the base layer."""
+    from torchtune.models.llama3 import lora_llama3
+    from torchtune.modules.peft import get_adapter_params, set_trainable_params
+
+    torch.manual_seed(0)
+    model = lora_llama3(lora_attn_modules=["q_proj", "v_proj"], apply_lora_to_output=True, vocab_size=V,
+                        num_layers=2, num_heads=4, num_kv_heads=2, embed_dim=D, max_seq_len=64, intermediate_dim=64,
+                        lora_rank=4, lora_alpha=8.0, lora_dropout=dropout)
+    with torch.no_grad():
+        for p in model.parameters():  # LoRA's B starts at zero: give every term a value that shows in the loss
+            p.normal_(0.0, 0.2)
+    set_trainable_params(model, get_adapter_params(model))
+    model.output.disabled = disabled
+    stock = copy.deepcopy(model)
+    batch = make_batch()
+    labels = batch["labels"]
+
+    loss_fn = vtt.LinearCrossEntropyLoss()
+    loss_fn.set_model_output(model)
+    torch.manual_seed(7)
+    ours = loss_fn(model(batch["tokens"]), labels)
+    torch.manual_seed(7)
+    logits = stock(batch["tokens"])
+    ref = torch.nn.functional.cross_entropy(logits.reshape(-1, V).float(), labels.reshape(-1), ignore_index=-100)
+    ours.backward()
+    ref.backward()
+    assert_close(ours, ref, LOSS_RTOL, "loss")
+    trainable = [n for n, p in stock.named_parameters() if p.requires_grad]
+    assert any("output.lora_a" in n for n in trainable) and any("output.lora_b" in n for n in trainable)
+    assert_grads_close(model, stock, GRAD_RTOL)
+    assert model.output.weight.grad is None, "the frozen base weight got a gradient"
+    if dropout and not disabled:  # control: another dropout mask moves the loss past the tolerance
+        torch.manual_seed(8)
+        other = loss_fn(model(batch["tokens"]), labels)
+        assert abs(float(other) - float(ref)) > 10 * LOSS_RTOL * abs(float(ref))
 
 
 def _docs_block(lang: str, after: str) -> str:

@@ -30,9 +30,15 @@ sum over non-ignored tokens divided by their count, which is what ``CEWithChunke
 ``0/0 = NaN`` there. The logits are formed in fp32 from the hidden states and weight in their own dtype. A bf16
 model therefore gets a more accurate loss than stock, which rounds the logits to bf16 before upcasting them.
 
-Not supported: LoRA on the output layer (``apply_lora_to_output``) and output weights that are DTensors. FSDP2
+LoRA on the output layer (``apply_lora_to_output``, torchtune's ``LoRALinear``) adds ``(alpha / rank) *
+lora_b(lora_a(dropout(h)))`` to ``h @ W.T + b``. That is one linear map of a wider input, exactly:
+``[h, u] @ [W, (alpha / rank) * B].T + b`` with ``u = lora_a(dropout(h))`` (``rank`` more columns), so the loss
+hands vpce that hidden and weight, built at every call from the parameters as they are. The dropout mask is drawn
+by the layer's own dropout module where its forward draws it; gradients reach ``lora_a`` and ``lora_b`` (and ``W``
+only where it requires one). A disabled adapter is the base layer. Not supported, with an error: DoRA
+(``DoRALinear``), an NF4-quantized base weight (QLoRA's output layer), and output weights that are DTensors (FSDP2
 shards the weight over data-parallel ranks and tensor parallelism over a TP mesh; vpce would take either for a
-vocab shard of the same tokens. Both raise an error.
+vocab shard of the same tokens).
 """
 
 from __future__ import annotations
@@ -58,24 +64,47 @@ except ImportError:  # torchtune 0.6.x: no protocol; the recipe calls the loss a
     _BASES = (torch.nn.Module,)
 
 try:
+    from torchtune.modules.peft import LoRALinear
+except ImportError:  # pragma: no cover - a torchtune without LoRA modules
+    LoRALinear = ()
+
+try:
     from torch.distributed.tensor import DTensor
 except ImportError:  # torch < 2.5, or a build without torch.distributed
     DTensor = ()
 
-__all__ = ["LinearCrossEntropyLoss", "OPTIONS", "output_weight"]
+__all__ = ["LinearCrossEntropyLoss", "OPTIONS", "output_weight", "output_linear"]
 
 #: The vpce options the loss accepts besides ``ignore_index``; the reduction is the recipe's mean.
 OPTIONS = ("label_smoothing", "z_loss", "backend", "memory_budget", "validate")
 
 
 def output_weight(output) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(weight, bias)`` of a torchtune output layer: an ``nn.Linear`` or a ``TiedLinear``."""
+    """``(weight, bias)`` of a torchtune output layer: an ``nn.Linear``, a ``TiedLinear``, or a ``LoRALinear``'s
+    base layer; anything else is refused with a ``TypeError`` naming it."""
     if isinstance(output, TiedLinear):
         return output.tied_module.weight, None
-    if type(output) is torch.nn.Linear:  # not a subclass: LoRALinear and friends add terms of their own
+    if type(output) is torch.nn.Linear:  # not a subclass: other layers add terms of their own
         return output.weight, output.bias
-    raise TypeError(f"model.output: expected a torch.nn.Linear or torchtune's TiedLinear, got "
-                    f"{type(output).__name__}; LoRA on the output layer (apply_lora_to_output) is not supported")
+    if LoRALinear and type(output) is LoRALinear:  # DoRALinear and other variants are not LoRALinear itself
+        if getattr(output, "_quantize_base", False):
+            raise TypeError("model.output: expected a LoRALinear with a plain base weight, got an NF4-quantized one "
+                            "(QLoRA on the output layer); vpce needs the weight as a tensor")
+        return output.weight, output.bias
+    raise TypeError(f"model.output: expected a torch.nn.Linear, torchtune's TiedLinear or its LoRALinear, got "
+                    f"{type(output).__name__}")
+
+
+def output_linear(output, hidden: torch.Tensor):
+    """``(hidden, weight, bias)`` whose ``hidden @ weight.T + bias`` is the output layer's ``output(hidden)``: the
+    layer's own for a linear layer; for a ``LoRALinear`` the wider input ``[h, lora_a(dropout(h))]`` against
+    ``[W, (alpha / rank) * lora_b.weight]`` (module docstring)."""
+    weight, bias = output_weight(output)
+    if not (LoRALinear and type(output) is LoRALinear) or output.disabled:
+        return hidden, weight, bias
+    u = output.lora_a(output.dropout(hidden))
+    scaled_b = (output.alpha / output.rank) * output.lora_b.weight
+    return torch.cat([hidden, u.to(hidden.dtype)], -1), torch.cat([weight, scaled_b.to(weight.dtype)], 1), bias
 
 
 def _unembed_hidden(self, h: torch.Tensor) -> torch.Tensor:
@@ -127,14 +156,15 @@ class LinearCrossEntropyLoss(*_BASES):
         if isinstance(outputs, (list, tuple)):
             raise TypeError("outputs: expected the hidden-state tensor, got a list: the model was set up for "
                             "CEWithChunkedOutputLoss (set_num_output_chunks); call loss.set_model_output(model)")
-        weight, bias = output_weight(self.output_layer)
+        weight, _ = output_weight(self.output_layer)
         if isinstance(weight, DTensor):
             raise ValueError("model.output: expected a plain weight tensor, got a DTensor (FSDP or tensor "
                              "parallel); vpce would take its shards for a vocab split of the same tokens")
         if outputs.shape[-1] != weight.shape[1]:
             raise ValueError(f"outputs: expected hidden states [..., {weight.shape[1]}], got {tuple(outputs.shape)}; "
                              f"does the model still apply its output layer? (loss.set_model_output(model))")
-        return vpce.linear_cross_entropy(outputs, weight, targets, bias, ignore_index=self.ignore_index,
+        hidden, weight, bias = output_linear(self.output_layer, outputs)
+        return vpce.linear_cross_entropy(hidden, weight, targets, bias, ignore_index=self.ignore_index,
                                          reduction="mean", **self.options)
 
     def extra_repr(self) -> str:
