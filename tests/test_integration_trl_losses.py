@@ -55,14 +55,14 @@ def train(kind, fused, tmp_path, steps=3, options=None, moe=False, **config):
     common = dict(output_dir=str(tmp_path / f"{kind}-{fused}"), max_steps=steps, learning_rate=3e-2,
                   lr_scheduler_type="constant", logging_steps=1, report_to=[], save_strategy="no", seed=0,
                   data_seed=0, use_cpu=True, disable_tqdm=True, bf16=False)
-    grpo_real, dpo_real = post_training._linear_grpo_loss, post_training._linear_dpo_loss
+    grpo_real, dpo_real = vpce.linear_grpo_loss, vpce.linear_dpo_loss
     fused_real = post_training._log_prob_loss
 
     def count(name, real):
         return lambda *a, **k: runs.__setitem__(name, runs[name] + 1) or real(*a, **k)
 
-    post_training._linear_grpo_loss = count("grpo", grpo_real)
-    post_training._linear_dpo_loss = count("dpo", dpo_real)
+    vpce.linear_grpo_loss = count("grpo", grpo_real)
+    vpce.linear_dpo_loss = count("dpo", dpo_real)
     post_training._log_prob_loss = count("fused", fused_real)
     try:
         if kind == "grpo":
@@ -80,7 +80,7 @@ def train(kind, fused, tmp_path, steps=3, options=None, moe=False, **config):
                                      args=trl.DPOConfig(**{**common, "per_device_train_batch_size": 4, **config}))
         trainer.train()
     finally:
-        post_training._linear_grpo_loss, post_training._linear_dpo_loss = grpo_real, dpo_real
+        vpce.linear_grpo_loss, vpce.linear_dpo_loss = grpo_real, dpo_real
         post_training._log_prob_loss = fused_real
         vtrl.remove()
     logs = trainer.state.log_history
@@ -117,13 +117,16 @@ GRPO_CASES = {
                        loss_type="grpo", importance_sampling_level="sequence", per_device_train_batch_size=2,
                        num_generations=4, gradient_accumulation_steps=2, num_iterations=2, temperature=0.8,
                        epsilon=0.02, epsilon_high=0.04, learning_rate=1e-4),
-    # beyond linear_grpo_loss (TRL's per-token math on whole rows, linear_log_prob_loss): SAPO with the off-policy
-    # sequence mask (old log-probs from steps_per_generation=2), VESPO, LUSPO with sequence-level sampling and KL
+    # SAPO with the off-policy sequence mask (old log-probs from steps_per_generation=2), VESPO, LUSPO with
+    # sequence-level sampling and KL
     "sapo-opm": dict(loss_type="sapo", off_policy_mask_threshold=0.05, per_device_train_batch_size=4,
                      num_generations=4, steps_per_generation=2),
     "vespo": dict(loss_type="vespo", per_device_train_batch_size=4, num_generations=4, num_iterations=2),
     "luspo-seq-kl": dict(loss_type="luspo", importance_sampling_level="sequence", beta=0.04,
                          per_device_train_batch_size=4, num_generations=4, num_iterations=2),
+    # top-entropy masking (one process) with the entropy bonus over the kept tokens, and accumulation
+    "top-entropy": dict(top_entropy_quantile=0.5, entropy_coef=0.05, loss_type="dapo", beta=0.04,
+                        per_device_train_batch_size=2, num_generations=4, gradient_accumulation_steps=2),
     # a MoE: the router's auxiliary loss, scaled for accumulation as TRL does
     "moe-bnpo": dict(moe=True, loss_type="bnpo", per_device_train_batch_size=2, num_generations=4,
                      gradient_accumulation_steps=2),
@@ -144,9 +147,7 @@ def test_grpo_trainer_matches_trl_step_by_step(case, tmp_path, monkeypatch):
         warnings.simplefilter("error", UserWarning)  # no fallback
         got, runs = train("grpo", True, tmp_path, **config)
     assert runs["fused"] >= 3, "vpce's GRPO loss did not run"
-    # the loss types of linear_grpo_loss go through it
-    assert (runs["grpo"] >= 3) == (config["loss_type"] in post_training.GRPO_LOSS_TYPES
-                                   and "off_policy_mask_threshold" not in config)
+    assert runs["grpo"] >= 3  # every loss type goes through the public linear_grpo_loss
     compare(got, want, 3)
     if "eval_strategy" in config:
         assert len(want_evals) >= 1
@@ -159,8 +160,11 @@ def test_grpo_trainer_matches_trl_step_by_step(case, tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("config", [dict(loss_type=["sigmoid"]), dict(loss_type=["ipo"], beta=0.2),
                                     dict(loss_type=["hinge"], precompute_ref_log_probs=True),
-                                    dict(loss_type=["sigmoid"], loss_weights=[0.5], moe=True)],
-                         ids=["sigmoid", "ipo", "hinge-precomputed", "moe-weighted"])
+                                    dict(loss_type=["sigmoid"], loss_weights=[0.5], moe=True),
+                                    dict(loss_type=["sigmoid", "robust", "sft"], loss_weights=[0.8, 0.2, 1.0],
+                                         label_smoothing=0.1, f_divergence_type="js_divergence", ld_alpha=0.5),
+                                    dict(loss_type=["aot", "sigmoid_norm"], label_smoothing=0.1)],
+                         ids=["sigmoid", "ipo", "hinge-precomputed", "moe-weighted", "mixed-js-ld", "aot-norm"])
 def test_dpo_trainer_matches_trl_step_by_step(config, tmp_path):
     want, runs = train("dpo", False, tmp_path, **config)
     assert runs["dpo"] == 0
@@ -184,13 +188,13 @@ def test_dpo_without_logit_metrics(tmp_path):
 
 
 def test_unsupported_loss_falls_back_with_one_warning(tmp_path):
-    config = dict(top_entropy_quantile=0.5, per_device_train_batch_size=4, num_generations=4)
-    want, _ = train("grpo", False, tmp_path, steps=2, **config)
+    config = dict(use_weighting=True)
+    want, _ = train("dpo", False, tmp_path, steps=2, **config)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        got, runs = train("grpo", True, tmp_path, steps=2, **config)
+        got, runs = train("dpo", True, tmp_path, steps=2, **config)
     ours = [str(w.message) for w in caught if "vpce.integrations.trl" in str(w.message)]
-    assert len(ours) == 1 and "top_entropy_quantile" in ours[0] and "GRPOTrainer" in ours[0], ours
+    assert len(ours) == 1 and "use_weighting" in ours[0] and "DPOTrainer" in ours[0], ours
     assert runs["fused"] == 0
     compare(got, want, 2)  # TRL's loss on vpce's head
 

@@ -154,7 +154,9 @@ def grpo_inputs(case: dict, seed=3):
 
 
 def grpo_kwargs(case: dict):
-    return {k: v for k, v in case.items() if k not in ("adv", "old")}
+    """``linear_grpo_loss``'s keywords of a case; the KL term without the importance ratio (``trl_grpo``'s; the
+    bias-corrected one: tests/test_rl_grpo.py)."""
+    return {"use_bias_correction_kl": False, **{k: v for k, v in case.items() if k not in ("adv", "old")}}
 
 
 def grpo_reference(case, h, w, bias, y, adv, old, ref):
@@ -307,10 +309,10 @@ def test_exported():
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("scope,budget", [("token", "auto"), ("sequence", "auto"), ("token", "lean")])
 def test_metric_outputs_from_the_fused_pass(backend, scope, budget):
-    """The private ``top1`` / ``mean_logits`` outputs of ``_log_prob_loss`` (DPO's logged metrics in
-    ``vpce.integrations.trl``), from the fused pass's statistics: ``linear_log_probs``' ``is_top1`` and
-    ``mean_logits``, on the fused route and the two-pass form; ``_linear_dpo_loss`` returns them in its layout."""
-    from vpce.post_training import _linear_dpo_loss, _log_prob_loss
+    """The ``top1`` / ``mean_logits`` outputs of the fused pass (``linear_dpo_loss(return_logit_metrics=True)``,
+    DPO's logged metrics in ``vpce.integrations.trl``): ``linear_log_probs``' ``is_top1`` and ``mean_logits``, on
+    the fused route and the two-pass form, in the DPO layout."""
+    from vpce import post_training
 
     gen = torch.Generator().manual_seed(3)
     h, w, b = torch.randn(4, 10, 16, generator=gen), torch.randn(50, 16, generator=gen) * 0.5, torch.randn(50, generator=gen)
@@ -323,15 +325,16 @@ def test_metric_outputs_from_the_fused_pass(backend, scope, budget):
     want = vpce.linear_log_probs(h, w, t, b, return_entropy=True, return_top1=True, return_mean_logits=True,
                                  temperature=0.7, softcap=4.0, backend="torch")
     hl = h.clone().requires_grad_()
-    loss, logp, _, top1, mean_z = _log_prob_loss(hl, w, t, lambda lp, e: 0.3 * lp, b, scope=scope, top1=True,
-                                                 mean_logits=True, **args)
+    loss, logp, _, top1, mean_z = post_training._log_prob_loss(hl, w, t, lambda lp, e: 0.3 * lp, b, scope=scope,
+                                                               top1=True, mean_logits=True, **args)
     loss.backward()
     assert top1.dtype == torch.bool and top1.any() and torch.equal(top1, want[2])
     torch.testing.assert_close(mean_z, want[3], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(logp, want[0], rtol=1e-5, atol=1e-5)
     if scope == "sequence":
-        out, logp, ent, top1, mean_z = _linear_dpo_loss(h, w, t, torch.zeros(2, device=h.device), torch.zeros(2, device=h.device), b,
-                                                        entropy_stats=True, logit_metrics=True, **args)
+        zeros = torch.zeros(2, device=h.device)
+        out, logp, ent, top1, mean_z = vpce.linear_dpo_loss(h, w, t, zeros, zeros, b, return_outputs=True,
+                                                            return_logit_metrics=True, **args)
         for name, got, ref in (("log_probs", logp, want[0]), ("entropy", ent, want[1]),
                                ("mean_logits", mean_z, want[3])):
             torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5, msg=name)

@@ -22,9 +22,11 @@ from .distill import linear_distillation_loss  # noqa: E402
 
 __all__ += ["linear_distillation_loss"]
 
-from .post_training import DPOOutput, GRPOOutput, linear_dpo_loss, linear_grpo_loss, linear_log_prob_loss  # noqa: E402
+from .post_training import (DPOOutput, GRPOOutput, high_entropy_mask, linear_dpo_loss, linear_grpo_loss,  # noqa: E402
+                            linear_log_prob_loss, vllm_importance_sampling_ratio)
 
-__all__ += ["linear_log_prob_loss", "linear_grpo_loss", "GRPOOutput", "linear_dpo_loss", "DPOOutput"]
+__all__ += ["linear_log_prob_loss", "linear_grpo_loss", "GRPOOutput", "linear_dpo_loss", "DPOOutput",
+            "vllm_importance_sampling_ratio", "high_entropy_mask"]
 
 from importlib import metadata as _metadata
 

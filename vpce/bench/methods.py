@@ -125,7 +125,7 @@ class Method:
 
 
 #: ``Method.requires`` module -> the distribution that provides it (the ``missing`` row names it, as the peers do).
-_DISTRIBUTIONS = {"trl": "trl", "megatron": "megatron-core", "liger_kernel": "liger-kernel",
+_DISTRIBUTIONS = {"trl": "trl", "verl": "verl", "megatron": "megatron-core", "liger_kernel": "liger-kernel",
                   "cut_cross_entropy": "cut-cross-entropy", "quack": "quack-kernels"}
 
 
@@ -280,6 +280,22 @@ def _vpce_log_prob_loss(env: Env) -> LossFn:
         return linear_log_prob_loss(_rows(x, c), w, c["y"], lambda lp, ent, a: (-a * lp - 0.01 * ent) / count,
                                     inputs={"a": adv}, use_entropy=True, backend=device_backend(env),
                                     **env.vpce_layout())
+    return fn
+
+
+def _vpce_verl(env: Env) -> LossFn:
+    """verl's actor loss through ``vpce.integrations.verl.ppo_loss`` (``peers.verl_actor_config``: PPO,
+    ``token-mean``, ``entropy_coeff=0.01``), fused, on ``[B, T]`` rows of 2048 tokens, per-sequence advantages, old
+    log-probs near the current ones; the same loss as the ``liger-verl`` row."""
+    from ..integrations import verl as vverl
+    config = peers.verl_actor_config()
+    cache = {}
+
+    def fn(x, w, y):
+        c = _post_training_inputs(env, x, w, y, cache)
+        adv = c["adv"][:, None].expand_as(c["old"])
+        return vverl.ppo_loss(config, _rows(x, c), w, c["y"], c["old"], adv, backend=device_backend(env),
+                              group=env.group, vocab_start=env.vocab_start, vocab_size=env.vocab_size)[0]
     return fn
 
 
@@ -460,6 +476,11 @@ _ROWS = [
            plain=False),
     Method(name="vpce-logprob-loss", label="vpce {backend} linear_log_prob_loss with an entropy bonus",
            package="vpce", build=_vpce_log_prob_loss, plain=False),
+    Method(name="vpce-verl", label="vpce.integrations.verl.ppo_loss (PPO, token-mean, entropy 0.01), fused",
+           package="verl", build=_vpce_verl, plain=False, requires=("verl",)),
+    Method(name="liger-verl", label="liger-kernel scaled CE (NLL + entropy), then verl's loss (PPO, entropy 0.01)",
+           package="liger-kernel", build=peers.liger_verl, plain=False, needs_cuda=True,
+           requires=("liger_kernel", "verl")),
     Method(name="trl-grpo", label="TRL fused LM head + entropy, then TRL's GRPO loss (dapo, beta 0.04)",
            build=peers.trl_grpo, package="trl", plain=False, requires=("trl",)),
     Method(name="vpce-metrics", label="vpce {backend} + accuracy, entropy, z-loss metrics", package="vpce",

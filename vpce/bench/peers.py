@@ -91,7 +91,7 @@ from .meta import package_version
 __all__ = ["Unavailable", "LossFn", "DistillFn", "torch_eager", "torch_compile", "torch_lce", "TORCH_LCE", "liger",
            "cce", "quack", "trl", "megatron", "liger_tp", "chunked_tp", "loss_parallel", "megatron_tp_group",
            "shutdown_megatron", "hidden_entry", "chunked_vocab_parallel_nll", "torch_distill", "liger_jsd",
-           "divergence_per_token"]
+           "divergence_per_token", "verl_actor_config", "verl_loss", "liger_verl"]
 
 LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 DistillFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -233,6 +233,58 @@ def trl_grpo(env: Env) -> LossFn:
                          eps_high=0.2, delta=None, loss_type="dapo", level="token", max_completion_length=t,
                          num_items_in_batch=mask.sum())[0]
     return _with_note(loss, kernel)
+
+
+# -- verl's policy loss (its actor's loss on per-token log-probs and entropy) -----------------------------------------
+
+def verl_actor_config():
+    """The verl actor configuration of the RL rows: PPO (``vanilla``), ``token-mean``, ``entropy_coeff=0.01``,
+    no KL loss: the loss ``mean(-A r) - 0.01 mean(H)`` with ``r`` the clipped ratio to the old log-probs."""
+    _import("verl.trainer.ppo.core_algos", "verl")
+    from verl.workers.config import ActorConfig
+    from verl.workers.config.actor import PolicyLossConfig
+    return ActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=1, loss_agg_mode="token-mean",
+                       entropy_coeff=0.01, policy_loss=PolicyLossConfig(loss_mode="vanilla"))
+
+
+def verl_loss(config, logp, ent, old, adv, mask):
+    """verl's ``workers.utils.losses.ppo_loss`` composition (its policy loss, minus ``entropy_coeff`` times the
+    aggregated entropy) on per-token values ``[B, T]``."""
+    core_algos = _import("verl.trainer.ppo.core_algos", "verl")
+    pg, _ = core_algos.get_policy_loss_fn(config.policy_loss.get("loss_mode", "vanilla"))(
+        old_log_prob=old, log_prob=logp, advantages=adv, response_mask=mask, loss_agg_mode=config.loss_agg_mode,
+        config=config)
+    return pg - config.entropy_coeff * core_algos.agg_loss(loss_mat=ent, loss_mask=mask,
+                                                           loss_agg_mode=config.loss_agg_mode)
+
+
+def liger_verl(env: Env) -> LossFn:
+    """verl's actor with ``use_fused_kernels`` and ``impl_backend="liger"``: liger-kernel's
+    ``LigerFusedLinearScaledCrossEntropyFunction`` (per-token NLL and entropy; Hopper CuTe kernel in 0.8.5) called as
+    ``verl.utils.experimental.torch_functional.FusedLinearForPPO`` calls it, then verl's loss on ``[B, T]`` rows of
+    2048 tokens (``verl_loss``), per-sequence advantages, old log-probs near the current ones."""
+    mod = _import("liger_kernel.ops", "liger-kernel")
+    fn = getattr(mod, "LigerFusedLinearScaledCrossEntropyFunction", None)
+    if fn is None:
+        raise Unavailable(f"liger-kernel {package_version('liger-kernel')} has no "
+                          f"LigerFusedLinearScaledCrossEntropyFunction (0.8.5 has)")
+    config = verl_actor_config()
+    cache = {}
+
+    def loss(x, w, y):
+        n = y.shape[0]
+        t = 2048 if n % 2048 == 0 else n
+        if "adv" not in cache:
+            gen = torch.Generator(device=y.device).manual_seed(0)
+            with torch.no_grad():
+                lp = -fn.apply(x, w, y, 1.0, -100, 1, True)[0].float()
+            cache["adv"] = torch.randn(n // t, 1, generator=gen, device=y.device).expand(-1, t)
+            cache["old"] = (lp + 0.1 * torch.randn(n, generator=gen, device=y.device)).reshape(-1, t)
+        nll, ent = fn.apply(x, w, y, 1.0, -100, 1, True)
+        mask = (y != -100).reshape(-1, t)
+        return verl_loss(config, -nll.float().reshape(-1, t), ent.float().reshape(-1, t), cache["old"], cache["adv"],
+                         mask)
+    return loss
 
 
 # -- megatron-core ------------------------------------------------------------------------------------------------

@@ -156,9 +156,8 @@ def is_applied() -> bool:
 # with the head in capture mode: each head call records its operands and returns placeholders (``_capture``), whose
 # ``log_probs`` carry each token's row number, so that the layout TRL's forward builds from them (compact: only the
 # valid tokens, on Triton devices; or every position) maps back to ``[B, T]``. The loss is then vpce's fused GRPO or
-# DPO loss on those hidden states and the lm_head: its gradients are formed in forward, at the fast route's cost
-# (GRPO: ``vpce.linear_grpo_loss``, or for SAPO, VESPO, LUSPO and the off-policy mask ``linear_log_prob_loss`` on
-# TRL's per-token math for whole rows, ``_grpo_mirror``).
+# DPO loss on those hidden states and the lm_head (``vpce.linear_grpo_loss`` / ``vpce.linear_dpo_loss``, every
+# option through their public keywords): its gradients are formed in forward, at the fast route's cost.
 # GRPO: TRL's ``_compute_loss`` itself then runs on vpce's detached per-token log-probs and entropy (its
 # ``_get_per_token_logps_and_entropies`` answered by the fused call), and logs every metric it logs, with its own
 # code; its loss value is replaced by vpce's. DPO: the metrics are TRL's, computed here from vpce's log-probs,
@@ -286,14 +285,8 @@ def _zero3() -> bool:
 
 def _grpo_fallback(trainer) -> str | None:
     """Why TRL's GRPO loss must run instead of vpce's (None: covered)."""
-    from vpce.post_training import GRPO_LOSS_TYPES
-
-    if trainer.loss_type not in GRPO_LOSS_TYPES + _GRPO_MIRRORED:
+    if trainer.loss_type not in vpce.post_training.GRPO_LOSS_TYPES:
         return f"loss_type={trainer.loss_type!r}"
-    if trainer.top_entropy_quantile < 1.0:
-        return "top_entropy_quantile < 1"
-    if trainer.use_vllm and trainer.vllm_importance_sampling_correction:
-        return "vllm_importance_sampling_correction"
     if _zero3():
         return "DeepSpeed ZeRO-3 (the lm_head is gathered only inside the head call)"
     return None
@@ -302,182 +295,104 @@ def _grpo_fallback(trainer) -> str | None:
 #: The GRPO inputs laid out as the completion tokens ``[B, T]`` (moved with the tokens: ``_Layout.take``).
 _GRPO_TOKEN_INPUTS = ("advantages", "old_per_token_logps", "ref_per_token_logps", "sampling_per_token_logps",
                       "importance_sampling_ratio", "completion_mask", "tool_mask")
-#: GRPO loss types outside ``vpce.linear_grpo_loss``, fused with ``_grpo_mirror`` (TRL's per-token math on rows).
-_GRPO_MIRRORED = ("sapo", "vespo", "luspo")
 
 
-def _grpo_mirror(trainer, adv, mask, norm, old, ref, sampling, bonus, rows=True):
-    """``(loss_fn, inputs)`` for ``linear_log_prob_loss`` in scope ``"sequence"``: TRL 1.16's per-token GRPO loss
-    (``GRPOTrainer._compute_loss``, every loss type but with the vLLM correction and the entropy mask), on whole
-    rows, times each token's normalizer ``norm``, minus ``bonus * entropy``. For the loss types and the off-policy
-    mask that ``linear_grpo_loss`` does not cover; TRL's own static methods compute the off-policy mask and the
-    VESPO weights. ``rows``: the advantages are one per sequence (TRL's ``[B, 1]``), else per token."""
-    from trl import GRPOTrainer
+def _grpo_normalizer(trainer, kept, train, num_items):
+    """Each token's share of TRL's GRPO normalizer, gradient accumulation folded in (``kept``: ``[B, T]``, 1 at
+    the scored tokens; ``num_items``: the batch's ``num_items_in_batch``)."""
+    b = kept.shape[0]
+    if trainer.loss_type in ("cispo", "dapo", "vespo"):
+        # TRL: num_items_in_batch spans the generation batch, rescaled to one accumulation window
+        normalizer = num_items.clamp(min=1.0) / trainer.accelerator.num_processes
+        if train:
+            normalizer = normalizer * trainer.current_gradient_accumulation_steps / trainer.args.steps_per_generation
+        return kept / normalizer.to(kept)
+    if trainer.loss_type in ("grpo", "sapo"):
+        norm = kept / kept.sum(-1, keepdim=True).clamp(min=1.0) / b
+    elif trainer.loss_type == "bnpo":
+        norm = kept / kept.sum().clamp(min=1.0)
+    elif trainer.loss_type == "dr_grpo":
+        norm = kept / (b * trainer.max_completion_length)
+    else:  # luspo
+        norm = kept / b
+    return norm / trainer.current_gradient_accumulation_steps if train else norm
 
-    args, level, loss_type = trainer.args, trainer.importance_sampling_level, trainer.loss_type
-    beta, eps_low, eps_high = trainer.beta, trainer.epsilon_low, trainer.epsilon_high
-    thr = trainer.off_policy_mask_threshold
-    inputs = {"adv": adv, "mask": mask, "norm": norm}
-    for k, v in (("old", old), ("ref", ref), ("sampling", sampling), ("bonus", bonus)):
-        if v is not None:
-            inputs[k] = v
 
-    def loss_fn(logp, entropy, adv, mask, norm, old=None, ref=None, sampling=None, bonus=None):
-        f = logp.dtype
-        adv, mask = (adv[:, :1] if rows else adv).to(f), mask.to(f)  # TRL's advantages: [B, 1]
-        old = logp.detach() if old is None else old.to(f)
-        sampling = old if thr is not None and sampling is None else sampling
-        log_ratio = logp - old
-        if level == "token":
-            log_w = log_ratio
-        else:
-            log_w = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
-        coef_1 = torch.exp(log_w)
-        if beta != 0.0:
-            r = ref.to(f)
-            per_token_kl = torch.exp(r - logp) - (r - logp) - 1
-            if args.use_bias_correction_kl:
-                per_token_kl = per_token_kl * coef_1
-        if loss_type == "cispo":
-            per_token_loss = -torch.clamp(coef_1, max=eps_high).detach() * adv * logp
-        elif loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo"):
-            coef_2 = torch.clamp(coef_1, 1 - eps_low, 1 + eps_high)
-            if args.delta is not None:
-                coef_1 = torch.clamp(coef_1, max=args.delta)
-            per_token_loss = -torch.min(coef_1 * adv, coef_2 * adv)
-        elif loss_type == "sapo":
-            temperatures = torch.where(adv > 0, args.sapo_temperature_pos, args.sapo_temperature_neg)
-            per_token_loss = -torch.sigmoid(temperatures * (coef_1 - 1)) * 4 / temperatures * adv
-        else:  # vespo (without vLLM: no importance_sampling_ratio)
-            phi_seq = GRPOTrainer.get_gamma_weights(
-                advantages=adv, log_ratio_per_token=log_ratio.detach(), mask=mask, importance_sampling_ratio=None,
-                k_pos=args.vespo_k_pos, lambda_pos=args.vespo_lambda_pos, k_neg=args.vespo_k_neg,
-                lambda_neg=args.vespo_lambda_neg)
-            per_token_loss = -phi_seq * adv * logp
-        if thr is not None:
-            per_token_loss = per_token_loss * GRPOTrainer.get_off_policy_mask(
-                advantages=adv, per_token_logps=logp.detach(), sampling_per_token_logps=sampling.to(f), mask=mask,
-                off_policy_threshold=thr)
-        if beta != 0.0:
-            per_token_loss = per_token_loss + beta * per_token_kl
-        out = per_token_loss.expand_as(logp) * norm.to(f)
-        return out if bonus is None else out - bonus.to(f) * entropy
+def _grpo_options(trainer, inputs, train):
+    """``linear_grpo_loss``'s keywords for TRL's configuration: its loss options, the vLLM correction, the masks and
+    the entropy bonus (its coefficient gated as TRL's, and scaled for accumulation)."""
+    args = trainer.args
+    opts = dict(beta=trainer.beta, epsilon_low=trainer.epsilon_low, epsilon_high=trainer.epsilon_high,
+                delta=args.delta, loss_type=trainer.loss_type,
+                importance_sampling_level=trainer.importance_sampling_level,
+                use_bias_correction_kl=args.use_bias_correction_kl, sapo_temperature_pos=args.sapo_temperature_pos,
+                sapo_temperature_neg=args.sapo_temperature_neg, vespo_k_pos=args.vespo_k_pos,
+                vespo_lambda_pos=args.vespo_lambda_pos, vespo_k_neg=args.vespo_k_neg,
+                vespo_lambda_neg=args.vespo_lambda_neg, off_policy_mask_threshold=trainer.off_policy_mask_threshold,
+                top_entropy_quantile=float(trainer.top_entropy_quantile))
+    if trainer.top_entropy_quantile < 1.0 and trainer.accelerator.num_processes > 1:
+        import torch.distributed as dist
 
-    return loss_fn, inputs
+        opts["top_entropy_group"] = dist.group.WORLD  # TRL gathers every process's entropies
+    vllm_is = trainer.use_vllm and trainer.vllm_importance_sampling_correction
+    if "importance_sampling_ratio" in inputs and (vllm_is or trainer.loss_type == "vespo"):
+        opts["importance_sampling_ratio"] = inputs["importance_sampling_ratio"]
+    if trainer.off_policy_mask_threshold is not None and "sampling_per_token_logps" in inputs:
+        opts["sampling_log_probs"] = inputs["sampling_per_token_logps"]
+    if trainer._entropy_bonus_enabled:  # TRL: - coef * masked mean entropy / accumulation, the coefficient gated
+        coef = trainer.entropy_coef
+        if trainer.use_adaptive_entropy and not trainer._last_world_entropy <= args.entropy_target:
+            coef = 0.0
+        opts["entropy_coef"] = float(coef) / (trainer.current_gradient_accumulation_steps if train else 1.0)
+    return opts
 
 
 def _grpo_fused(trainer, head: VpceLogProbHead, calls, codes, inputs):
-    """vpce's GRPO loss of the captured policy head, with TRL's normalizers: ``(loss, log_probs, entropy)``."""
-    from vpce.post_training import _linear_grpo_loss
-
+    """vpce's GRPO loss of the captured policy head, with TRL's normalizers: ``(loss, log_probs, entropy)``.
+    Token-level terms run on every scored token of the batch packed into one row (``[1, M]``, each token with its
+    sequence's normalizer: no padding reaches the logits GEMM); sequence-level ones (GSPO, VESPO, the off-policy
+    mask) on the rows."""
     mask = inputs["completion_mask"]
     if "tool_mask" in inputs:
         mask = mask * inputs["tool_mask"]
     hidden, target, layout = _rebuild(codes, calls, keep=mask)
-    inputs = {k: layout.take(v) if isinstance(v, torch.Tensor) and v.dim() == 2 and k in _GRPO_TOKEN_INPUTS else v
-              for k, v in inputs.items()}
+    width = codes.shape[1]
+    inputs = {k: layout.take(v) if isinstance(v, torch.Tensor) and v.dim() == 2 and v.shape[1] == width and
+              k in _GRPO_TOKEN_INPUTS else v for k, v in inputs.items()}
     train = trainer.model.training
-    num_items, scale = None, 1.0
-    if trainer.loss_type in ("dapo", "cispo", "vespo"):
-        # TRL: num_items_in_batch spans the generation batch, rescaled to one accumulation window
-        normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / trainer.accelerator.num_processes
-        if train:
-            normalizer = normalizer * trainer.current_gradient_accumulation_steps / trainer.args.steps_per_generation
-        num_items = normalizer.clamp(min=1.0)  # vpce clamps at 1: restore a smaller normalizer by a factor
-        scale = num_items / normalizer
-    elif train:
-        scale = 1.0 / trainer.current_gradient_accumulation_steps
-    bonus = None
-    if trainer._entropy_bonus_enabled:  # TRL: - coef * masked mean entropy / accumulation, the coefficient gated
-        coef = trainer.entropy_coef
-        if trainer.use_adaptive_entropy and not trainer._last_world_entropy <= trainer.args.entropy_target:
-            coef = 0.0
-        if coef != 0.0:
-            kept = (target != -100).to(torch.float32)
-            accumulation = trainer.current_gradient_accumulation_steps if train else 1.0
-            bonus = coef * kept / kept.sum().clamp(min=1.0) / accumulation / scale
+    kept = target != -100
+    opts = _grpo_options(trainer, inputs, train)
+    norm = _grpo_normalizer(trainer, kept.to(torch.float32), train, inputs.get("num_items_in_batch"))
+    old = inputs.get("old_per_token_logps")
+    ref = inputs["ref_per_token_logps"] if trainer.beta != 0.0 else None
+    adv = inputs["advantages"]
     call = calls[0]
     weight, bias, shard = _operands(head, call, hidden)
-    if trainer.loss_type in _GRPO_MIRRORED or trainer.off_policy_mask_threshold is not None:
-        loss, logp, ent = _grpo_mirrored(trainer, head, call, hidden, weight, bias, shard, target, inputs,
-                                         num_items, scale, bonus)
-        return loss, layout.put(logp), layout.put(ent)
-    if trainer.importance_sampling_level == "token" and bool((target != -100).any()):
-        loss, logp, ent = _grpo_packed(trainer, head, call, hidden, weight, bias, shard, target, inputs, num_items,
-                                       scale, bonus)
-        return loss, layout.put(logp), layout.put(ent)
-    with _autocast(call):
-        out, logp, ent = _linear_grpo_loss(
-            hidden, weight, target, inputs["advantages"], bias, old_log_probs=inputs.get("old_per_token_logps"),
-            ref_log_probs=inputs["ref_per_token_logps"] if trainer.beta != 0.0 else None, beta=trainer.beta,
-            epsilon_low=trainer.epsilon_low, epsilon_high=trainer.epsilon_high, delta=trainer.args.delta,
-            loss_type=trainer.loss_type, importance_sampling_level=trainer.importance_sampling_level,
-            max_completion_length=trainer.max_completion_length, num_items_in_batch=num_items,
-            bias_correction_kl=trainer.args.use_bias_correction_kl, entropy_bonus=bonus, **_common(head, call),
-            **shard)
-    return out.loss * scale, layout.put(logp), layout.put(ent)
-
-
-def _grpo_normalizer(trainer, kept, num_items):
-    """Each token's share of TRL's GRPO normalizer (``kept``: ``[B, T]``, 1 at the scored tokens)."""
-    b = kept.shape[0]
-    if trainer.loss_type in ("grpo", "sapo"):
-        return kept / kept.sum(-1, keepdim=True).clamp(min=1.0) / b
-    if trainer.loss_type == "bnpo":
-        return kept / kept.sum().clamp(min=1.0)
-    if trainer.loss_type == "dr_grpo":
-        return kept / (b * trainer.max_completion_length)
-    if trainer.loss_type == "luspo":
-        return kept / b
-    return kept / (kept.sum().clamp(min=1.0) if num_items is None else num_items)  # dapo, cispo, vespo
-
-
-def _grpo_packed(trainer, head, call, hidden, weight, bias, shard, target, inputs, num_items, scale, bonus):
-    """``_grpo_fused`` with token-level importance sampling: every scored token of the batch packed into one row
-    (``[1, M]``), each with TRL's normalizer of its sequence (``token_weight``), so that no padding reaches the
-    logits GEMM. Returns ``(loss, log_probs, entropy)`` in ``target``'s layout."""
-    from vpce.post_training import _linear_grpo_loss
-
-    kept = target != -100
+    rows = trainer.importance_sampling_level == "sequence" or trainer.loss_type == "vespo" or \
+        trainer.off_policy_mask_threshold is not None
     b, t = target.shape
-    pack = lambda x: None if x is None else x.to(kept.device).expand(b, t)[kept][None]  # noqa: E731
-    adv = inputs["advantages"]
-    adv = adv[:, None] if adv.dim() == 1 else adv
-    norm = _grpo_normalizer(trainer, kept.to(torch.float32), num_items)
+    if not rows and bool(kept.any()):
+        def pack(x):
+            if x is None:
+                return None
+            x = x.to(kept.device)
+            return (x[:, None] if x.dim() == 1 else x).expand(b, t)[kept][None]
+
+        for k in ("importance_sampling_ratio", "sampling_log_probs"):
+            if k in opts:
+                opts[k] = pack(opts[k])
+        with _autocast(call):
+            out, logp, ent = vpce.linear_grpo_loss(
+                hidden[kept][None], weight, target[kept][None], pack(adv), bias, old_log_probs=pack(old),
+                ref_log_probs=pack(ref), token_weight=pack(norm), return_outputs=True, **opts, **_common(head, call),
+                **shard)
+        unpack = lambda y: y.new_zeros(b, t).masked_scatter(kept, y[0])  # noqa: E731
+        return out.loss, layout.put(unpack(logp)), layout.put(unpack(ent))
     with _autocast(call):
-        out, logp, ent = _linear_grpo_loss(
-            hidden[kept][None], weight, target[kept][None], pack(adv), bias,
-            old_log_probs=pack(inputs.get("old_per_token_logps")),
-            ref_log_probs=pack(inputs["ref_per_token_logps"]) if trainer.beta != 0.0 else None, beta=trainer.beta,
-            epsilon_low=trainer.epsilon_low, epsilon_high=trainer.epsilon_high, delta=trainer.args.delta,
-            loss_type=trainer.loss_type, importance_sampling_level="token", token_weight=pack(norm),
-            bias_correction_kl=trainer.args.use_bias_correction_kl, entropy_bonus=pack(bonus),
-            **_common(head, call), **shard)
-    unpack = lambda y: y.new_zeros(b, t).masked_scatter(kept, y[0])  # noqa: E731
-    return out.loss * scale, unpack(logp), unpack(ent)
-
-
-def _grpo_mirrored(trainer, head, call, hidden, weight, bias, shard, target, inputs, num_items, scale, bonus):
-    """``_grpo_fused`` for the loss types and options beyond ``linear_grpo_loss``: ``linear_log_prob_loss`` (scope
-    ``"sequence"``) on ``_grpo_mirror``'s loss."""
-    from vpce.post_training import _log_prob_loss
-
-    kept = (target != -100).to(torch.float32)
-    b, t = target.shape
-    adv = inputs["advantages"].to(torch.float32)
-    adv = adv[:, None].expand(b, t) if adv.dim() == 1 else adv
-    norm = _grpo_normalizer(trainer, kept, num_items)
-    old = inputs.get("old_per_token_logps")
-    # the off-policy mask's log-probs, as TRL: the sampler's, else the old ones, else the current ones (loss_fn)
-    sampling = inputs.get("sampling_per_token_logps", old) if trainer.off_policy_mask_threshold is not None else None
-    loss_fn, loss_inputs = _grpo_mirror(trainer, adv, kept, norm, old,
-                                        inputs["ref_per_token_logps"] if trainer.beta != 0.0 else None,
-                                        sampling, bonus, rows=inputs["advantages"].dim() == 1)
-    with _autocast(call):
-        loss, logp, ent = _log_prob_loss(hidden, weight, target, loss_fn, bias, inputs=loss_inputs,
-                                         scope="sequence", use_entropy=bonus is not None, entropy_stats=True,
-                                         **_common(head, call), **shard)
-    return loss * scale, logp, ent
+        out, logp, ent = vpce.linear_grpo_loss(
+            hidden, weight, target, adv, bias, old_log_probs=old, ref_log_probs=ref, token_weight=norm,
+            return_outputs=True, **opts, **_common(head, call), **shard)
+    return out.loss, layout.put(logp), layout.put(ent)
 
 
 def _grpo_compute_loss(self, model, inputs):
@@ -524,14 +439,11 @@ def _grpo_compute_loss(self, model, inputs):
 
 def _dpo_fallback(trainer, return_outputs) -> str | None:
     """Why TRL's DPO loss must run instead of vpce's (None: covered)."""
-    from vpce.post_training import DPO_LOSS_TYPES
-
-    if len(trainer.loss_types) != 1 or trainer.loss_types[0] not in DPO_LOSS_TYPES:
-        return f"loss_type={trainer.loss_types if len(trainer.loss_types) != 1 else trainer.loss_types[0]!r}"
-    if trainer.f_divergence_type != "reverse_kl":
+    unknown = [t for t in trainer.loss_types if t not in vpce.post_training.DPO_LOSS_TYPES]
+    if unknown:
+        return f"loss_type={unknown[0]!r}"
+    if trainer.f_divergence_type not in vpce.post_training.F_DIVERGENCE_TYPES:
         return f"f_divergence_type={trainer.f_divergence_type!r}"
-    if trainer.ld_alpha is not None:
-        return "ld_alpha"
     if trainer.use_weighting:
         return "use_weighting"
     if return_outputs:
@@ -545,8 +457,6 @@ def _dpo_compute_loss(self, model, inputs, return_outputs):
     """``DPOTrainer._compute_loss`` with the loss from ``vpce.linear_dpo_loss`` (TRL's own where not covered); the
     metrics TRL logs, with its definitions and gathers."""
     from trl import DPOTrainer
-
-    from vpce.post_training import _linear_dpo_loss
 
     original = _PATCHED[(DPOTrainer, "_compute_loss")]
     head = _loss_head()
@@ -582,11 +492,14 @@ def _dpo_compute_loss(self, model, inputs, return_outputs):
     call = calls[0]
     weight, bias, shard = _operands(head, call, hidden)
     with _autocast(call):
-        out, per_token_logps, per_token_entropy, *logit_fields = _linear_dpo_loss(
+        out, per_token_logps, per_token_entropy, *logit_fields = vpce.linear_dpo_loss(
             hidden, weight, target, ref_chosen_logps.to(hidden.device), ref_rejected_logps.to(hidden.device), bias,
-            beta=self.beta, loss_type=self.loss_types[0], entropy_stats=True,
-            logit_metrics=head.dpo_logit_metrics, **_common(head, call), **shard)
-    loss = out.loss * self.loss_weights[0]
+            beta=self.beta, loss_type=list(self.loss_types), loss_weights=list(self.loss_weights),
+            label_smoothing=self.label_smoothing, discopop_tau=self.args.discopop_tau,
+            f_divergence_type=self.f_divergence_type, f_alpha_divergence_coef=self.f_alpha_divergence_coef,
+            ld_alpha=self.ld_alpha, completion_lengths=completion_mask.sum(1).to(hidden.device),
+            return_outputs=True, return_logit_metrics=head.dpo_logit_metrics, **_common(head, call), **shard)
+    loss = out.loss
     if self.aux_loss_enabled:
         aux_loss = outputs.aux_loss
         loss = loss + self.router_aux_loss_coef * aux_loss
@@ -595,7 +508,8 @@ def _dpo_compute_loss(self, model, inputs, return_outputs):
     per_token_logps = layout.put(per_token_logps).to(completion_mask.device)
     per_token_entropy = layout.put(per_token_entropy).to(completion_mask.device)
     logit_fields = [layout.put(x) for x in logit_fields]
-    chosen_logps, rejected_logps = per_token_logps.sum(dim=1).chunk(2, dim=0)
+    chosen_logps = out.chosen_log_probs.to(device=completion_mask.device, dtype=per_token_logps.dtype)
+    rejected_logps = out.rejected_log_probs.to(device=completion_mask.device, dtype=per_token_logps.dtype)
     chosen_logratios = chosen_logps - ref_chosen_logps
     rejected_logratios = rejected_logps - ref_rejected_logps
     _dpo_metrics(self, mode, inputs, per_token_entropy, logit_fields, chosen_logps, rejected_logps,

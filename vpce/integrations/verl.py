@@ -1,0 +1,246 @@
+"""verl: the actor's log-probs, entropy and policy loss computed by vpce (verl 0.9.x).
+
+verl's actor gets per-token log-probs and entropy from the model's forward, then applies its policy loss
+(``verl.workers.utils.losses.ppo_loss``: a ``core_algos`` policy loss by ``policy_loss.loss_mode``, aggregated by
+``loss_agg_mode``, minus ``entropy_coeff`` times the aggregated entropy, plus ``kl_loss_coef`` times the aggregated
+``kl_penalty`` against the reference). With ``use_fused_kernels`` the forward takes the log-probs and entropy from a
+fused head: ``verl.utils.experimental.torch_functional.FusedLinearForPPO`` (the FSDP worker's patched HF models)
+or ``verl.utils.kernel.linear_cross_entropy.linear_cross_entropy`` (the Megatron worker, its lm_head split by
+vocab over the tensor-parallel group).
+
+Two ways in, both exact against verl's own code:
+
+- ``apply()`` makes those two heads run on ``vpce.linear_log_probs`` (one fused GEMM + online-softmax pass, O(N)
+  memory; under ``torch.no_grad``, as for the old and reference log-probs, nothing is kept for backward).
+  ``VpceLinearForPPO`` is the FSDP worker's head; ``linear_cross_entropy`` the Megatron worker's, on the rank's
+  vocab shard with ``dist_process_group``. verl's loss code then runs unchanged on the per-token values: the lean
+  route (the logits recomputed in backward).
+- ``ppo_loss(...)`` is ``ppo_loss`` itself, fused: ``vpce.linear_log_prob_loss`` evaluates verl's registered policy
+  loss, ``agg_loss`` and ``kl_penalty`` on each chunk's log-probs and entropy while its logits are live, so the
+  gradients are formed in forward at the cross-entropy's cost. Chunks hold whole responses (scope ``"sequence"``)
+  for the loss modes whose loss is a sum over responses (``ROW_LOSS_MODES``); the aggregation's batch constants
+  (``batch_num_tokens``, ``global_batch_size``) are filled in from the whole micro-batch where verl leaves them to
+  ``agg_loss``, so every chunk's share adds up to verl's value. Other loss modes (``clip_cov``, ``kl_cov``: a
+  selection over the batch) see every token at once (scope ``"batch"``, one pass over the logits more). verl's
+  metrics are computed by its own function once, on the detached log-probs.
+
+Supported: verl 0.9.x (tested against 0.9.1's ``core_algos``, ``ppo_loss`` and ``FusedLinearForPPO`` on CPU), the
+FSDP worker's HF models patched with ``use_fused_kernels`` and the Megatron worker's fused forward
+(``model_forward_fused``). verl itself needs ``ray`` and ``tensordict`` to import.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import vpce
+
+try:
+    import verl.trainer.ppo.core_algos as core_algos
+except ImportError as err:  # pragma: no cover - exercised only without verl
+    raise ImportError("vpce.integrations.verl needs verl 0.9.x (pip install 'verl==0.9.1'; its core_algos imports "
+                      "ray and tensordict)") from err
+
+__all__ = ["ppo_loss", "VpceLinearForPPO", "linear_cross_entropy", "apply", "remove", "is_applied",
+           "ROW_LOSS_MODES"]
+
+#: verl policy loss modes whose loss is a sum of per-response terms (given the aggregation's batch constants):
+#: fused with chunks of whole responses. Any other registered mode sees the whole micro-batch at once.
+ROW_LOSS_MODES = ("vanilla", "gspo", "sapo", "gpg", "geo_mean", "cispo", "dppo_tv", "dppo_kl")
+
+
+def _filled_batch_info(info: dict, mask: torch.Tensor) -> dict:
+    """verl's ``global_batch_info`` with the constants ``agg_loss`` would take from the whole micro-batch filled in
+    (one process: ``dp_size`` 1), so that each chunk of responses adds its share."""
+    info = dict(info)
+    if info.get("dp_size", 1) in (None, 1):
+        info["dp_size"] = 1
+        if info.get("batch_num_tokens") is None:
+            info["batch_num_tokens"] = mask.sum()
+        if info.get("global_batch_size") is None:
+            info["global_batch_size"] = (mask.sum(-1) > 0).float().sum()
+    return info
+
+
+def ppo_loss(config, hidden, weight, target, old_log_probs, advantages, bias=None, *, response_mask=None,
+             rollout_is_weights=None, ref_log_prob=None, use_entropy=None, temperature=1.0, softcap=None,
+             ignore_index=-100, group=None, vocab_start=None, vocab_size=None, backend="auto", memory_budget="auto",
+             validate=False):
+    """verl's ``workers.utils.losses.ppo_loss`` of the policy head, fused.
+
+    Args:
+        config: verl's ``ActorConfig`` (``policy_loss.loss_mode``, ``loss_agg_mode``, ``clip_ratio*``,
+            ``entropy_coeff``, ``use_kl_loss``, ``kl_loss_type``, ``kl_loss_coef``, ``global_batch_info``, ...).
+        hidden: ``[B, T, D]`` the hidden states that predict the response tokens; weight (``[V_local, D]``), bias:
+            the lm_head (this rank's vocab shard under ``group``).
+        target: ``[B, T]`` the response tokens, ``ignore_index`` where ``response_mask`` is 0.
+        old_log_probs, advantages: ``[B, T]`` (verl's ``old_log_probs``, ``advantages``).
+        response_mask: ``[B, T]``; default ``target != ignore_index``.
+        rollout_is_weights, ref_log_prob: ``[B, T]`` where verl has them (``use_kl_loss`` needs the reference's).
+        use_entropy: add verl's entropy term (default: ``config.entropy_coeff != 0``).
+        temperature, softcap, ignore_index, group, vocab_start, vocab_size, backend, memory_budget, validate: as in
+            ``vpce.linear_log_prob_loss``.
+
+    Returns:
+        ``(loss, metrics, log_probs, entropy)``: the loss (0-d, differentiable), verl's metrics (``actor/pg_loss``,
+        the policy loss's own, ``actor/entropy_loss``, ``kl_loss``, ``kl_coef``), and the detached per-token
+        ``log_probs`` and ``entropy`` ``[B, T]``.
+    """
+    if not isinstance(target, torch.Tensor) or target.dim() != 2:
+        raise ValueError(f"target: expected a [B, T] tensor, got "
+                         f"{tuple(target.shape) if isinstance(target, torch.Tensor) else type(target).__name__}")
+    t_ = target.shape[1]
+    mask = (target != ignore_index) if response_mask is None else response_mask.to(torch.bool)
+    if tuple(mask.shape) != tuple(target.shape):
+        raise ValueError(f"response_mask: expected target's shape {tuple(target.shape)}, got {tuple(mask.shape)}")
+    target = target.masked_fill(~mask, ignore_index)
+    loss_mode = config.policy_loss.get("loss_mode", "vanilla")
+    policy_loss_fn = core_algos.get_policy_loss_fn(loss_mode)
+    agg_mode = config.loss_agg_mode
+    use_entropy = config.entropy_coeff != 0 if use_entropy is None else bool(use_entropy)
+    use_kl = bool(config.use_kl_loss)
+    if use_kl and ref_log_prob is None:
+        raise ValueError("ref_log_prob: expected the reference's [B, T] log-probs with config.use_kl_loss, got None")
+    # verl's policy losses read config.global_batch_info (verl's ppo_loss sets it per micro-batch): filled in for
+    # the call, restored after
+    saved = dict(config.global_batch_info)
+    info = _filled_batch_info(saved, mask.to(torch.float32))
+    config.global_batch_info.update(info)
+    scope = "sequence" if loss_mode in ROW_LOSS_MODES else "batch"
+    inputs = {"old": old_log_probs, "adv": advantages, "mask": mask}
+    if rollout_is_weights is not None:
+        inputs["is_w"] = rollout_is_weights
+    if use_kl:
+        inputs["ref"] = ref_log_prob
+
+    def terms(logp, ent, old, adv, mask, is_w=None, ref=None):
+        f = logp.dtype
+        rows = lambda x: None if x is None else x.reshape(-1, t_)  # noqa: E731 (scope "batch": flat tokens)
+        logp, ent, old, adv, mask = rows(logp), rows(ent), rows(old).to(f), rows(adv).to(f), rows(mask).bool()
+        is_w, ref = (None if x is None else rows(x).to(f) for x in (is_w, ref))
+        pg, metrics = policy_loss_fn(old_log_prob=old, log_prob=logp, advantages=adv, response_mask=mask,
+                                     loss_agg_mode=agg_mode, config=config, rollout_is_weights=is_w)
+        loss, parts = pg, {"actor/pg_loss": pg, **metrics}
+        if ent is not None:
+            entropy_loss = core_algos.agg_loss(loss_mat=ent, loss_mask=mask, loss_agg_mode=agg_mode, **info)
+            loss = loss - config.entropy_coeff * entropy_loss
+            parts["actor/entropy_loss"] = entropy_loss
+        if ref is not None:
+            kld = core_algos.kl_penalty(logprob=logp, ref_logprob=ref, kl_penalty=config.kl_loss_type)
+            kl_loss = core_algos.agg_loss(loss_mat=kld, loss_mask=mask, loss_agg_mode=agg_mode, **info)
+            loss = loss + kl_loss * config.kl_loss_coef
+            parts["kl_loss"], parts["kl_coef"] = kl_loss, config.kl_loss_coef
+        return loss, parts
+
+    rng = torch.get_rng_state()  # (clip_cov draws a random subset: the metrics see the loss's draw)
+    try:
+        loss, logp, ent = vpce.linear_log_prob_loss(
+            hidden, weight, target, lambda lp, en, **x: terms(lp, en, **x)[0], bias, inputs=inputs, scope=scope,
+            use_entropy=use_entropy, temperature=temperature, softcap=softcap, ignore_index=ignore_index,
+            group=group, vocab_start=vocab_start, vocab_size=vocab_size, backend=backend,
+            memory_budget=memory_budget, validate=validate, return_outputs=True)
+        with torch.no_grad():  # verl's metrics, once, on the whole micro-batch
+            x = {k: v.detach().to(logp.device) for k, v in inputs.items()}
+            after = torch.get_rng_state()
+            torch.set_rng_state(rng)
+            _, metrics = terms(logp, ent if use_entropy else None, **x)
+            torch.set_rng_state(after)
+    finally:
+        config.global_batch_info.clear()
+        config.global_batch_info.update(saved)
+    metrics = {k: (v.detach() if isinstance(v, torch.Tensor) else v) for k, v in metrics.items()}
+    return loss, metrics, logp, ent
+
+
+# -- the heads -----------------------------------------------------------------------------------------------------
+
+class VpceLinearForPPO(torch.nn.Module):
+    """Drop-in for verl's ``FusedLinearForPPO`` (the FSDP worker's fused head): ``forward(hidden_states,
+    vocab_weights, input_ids, temperature)`` returns ``(log_probs, entropy)`` of ``input_ids``' shape, computed by
+    ``vpce.linear_log_probs``. ``chunk_size`` and ``impl_backend`` are verl's arguments (accepted, not needed)."""
+
+    def __init__(self, chunk_size: int = 512, impl_backend: str = "torch", *, backend="auto", memory_budget="auto",
+                 validate=False):
+        super().__init__()
+        self.options = dict(backend=backend, memory_budget=memory_budget, validate=validate)
+
+    def forward(self, hidden_states, vocab_weights, input_ids, temperature=1.0):
+        if vocab_weights.dtype != hidden_states.dtype:
+            vocab_weights = vocab_weights.to(hidden_states.dtype)
+        return vpce.linear_log_probs(hidden_states, vocab_weights, input_ids.to(torch.int64),
+                                     temperature=float(temperature), return_entropy=True, **self.options)
+
+
+class _ShareGrad(torch.autograd.Function):
+    """Identity; backward hands each rank ``1 / world`` of vpce's complete hidden-state gradient, so that the sum
+    over the group that verl's Megatron path applies after its fused head (which returns each rank's partial
+    gradient) gives the complete one."""
+
+    @staticmethod
+    def forward(ctx, x, world):
+        ctx.world = world
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g / ctx.world, None
+
+
+def linear_cross_entropy(hidden, weight, labels, temperature=1.0, reduction="none", dist_process_group=None):
+    """Drop-in for ``verl.utils.kernel.linear_cross_entropy.linear_cross_entropy`` (the Megatron worker's fused
+    head): flat per-token ``(log_probs, entropy)`` of ``labels`` under ``hidden @ weight.T / temperature``;
+    ``weight`` is this rank's vocab shard of ``dist_process_group`` (the shards in rank order), computed by
+    ``vpce.linear_log_probs`` with ``group=``. ``reduction`` must be ``"none"`` (verl's only use)."""
+    if reduction != "none":
+        raise ValueError(f"reduction: expected 'none' (per-token log-probs and entropy), got {reduction!r}")
+    h = hidden.reshape(-1, hidden.shape[-1])
+    shard = {}
+    if dist_process_group is not None:
+        import torch.distributed as dist
+
+        world = dist.get_world_size(dist_process_group)
+        if world > 1:
+            shard = dict(group=dist_process_group)  # the shards in rank order (vpce agrees on the starts)
+            h = _ShareGrad.apply(h, world)
+    w = weight if weight.dtype == h.dtype else weight.to(h.dtype)
+    return vpce.linear_log_probs(h, w, labels.reshape(-1).to(torch.int64), temperature=float(temperature),
+                                 return_entropy=True, **shard)
+
+
+_PATCHED: dict = {}
+_MEGATRON_MODULES = ("verl.models.mcore.model_forward_fused", "verl.models.mcore.model_forward_1f1b_overlap")
+
+
+def apply(*, backend="auto", memory_budget="auto", validate=False, megatron=True) -> None:
+    """Make verl's fused heads run on vpce: ``FusedLinearForPPO`` (FSDP worker) and, with ``megatron`` (where
+    megatron-core imports), the Megatron worker's ``linear_cross_entropy``. Call before the workers build their
+    models; ``remove()`` restores verl's."""
+    import importlib
+
+    import verl.utils.experimental.torch_functional as tf
+
+    def head(*args, **kwargs):
+        return VpceLinearForPPO(*args, backend=backend, memory_budget=memory_budget, validate=validate, **kwargs)
+
+    _PATCHED.setdefault((tf, "FusedLinearForPPO"), tf.FusedLinearForPPO)
+    tf.FusedLinearForPPO = head
+    if megatron:
+        for name in _MEGATRON_MODULES:
+            try:
+                module = importlib.import_module(name)
+            except ImportError:
+                continue
+            _PATCHED.setdefault((module, "linear_cross_entropy"), module.linear_cross_entropy)
+            module.linear_cross_entropy = linear_cross_entropy
+
+
+def remove() -> None:
+    """Restore verl's own heads. Harmless when not applied."""
+    for (module, name), original in list(_PATCHED.items()):
+        setattr(module, name, original)
+        del _PATCHED[(module, name)]
+
+
+def is_applied() -> bool:
+    return bool(_PATCHED)
+
