@@ -25,10 +25,15 @@ TORCHTUNE ?= torchtune==0.6.1 torchao==0.15.0 torchdata==0.11.0
 # trl (the `trl` extra) also comes without its requirements: what it imports (transformers, accelerate, datasets) is
 # already there from the `test` and `torchtune` extras, so it can never change the installed torch or transformers.
 TRL ?= trl==1.16.0
+# verl and OpenRLHF (tests/test_integration_verl.py, tests/test_integration_openrlhf.py) come without their
+# requirements too (vLLM, flash-attn, deepspeed, wandb: GPU-only or unused); importing verl's loss code
+# (verl.trainer.ppo.core_algos, verl.workers.config) takes ray, tensordict and codetiming, which come with theirs.
+RL ?= verl==0.9.1 openrlhf==0.11.2
+RL_DEPS ?= ray==2.60.0 tensordict==0.10.0 codetiming==1.4.0
 
 setup-test: setup
-	@$(PIP) --no-deps $(TORCHTUNE) $(TRL)
-	@$(PIP) -e ".[test,torchtune]"
+	@$(PIP) --no-deps $(TORCHTUNE) $(TRL) $(RL)
+	@$(PIP) -e ".[test,torchtune]" $(RL_DEPS)
 
 test: setup-test
 	$(PYTHON) -m pytest -q tests
