@@ -25,7 +25,7 @@ TORCHTUNE ?= torchtune==0.6.1 torchao==0.15.0 torchdata==0.11.0
 # trl (the `trl` extra) also comes without its requirements: what it imports (transformers, accelerate, datasets) is
 # already there from the `test` and `torchtune` extras, so it can never change the installed torch or transformers.
 TRL ?= trl==1.16.0
-# verl and OpenRLHF (tests/test_integration_verl.py, tests/test_integration_openrlhf.py) come without their
+# verl and OpenRLHF (tests/integrations/test_integration_verl.py, tests/integrations/test_integration_openrlhf.py) come without their
 # requirements too (vLLM, flash-attn, deepspeed, wandb: GPU-only or unused); importing verl's loss code
 # (verl.trainer.ppo.core_algos, verl.workers.config) takes ray, tensordict and codetiming, which come with theirs.
 RL ?= verl==0.9.1 openrlhf==0.11.2

@@ -7,7 +7,7 @@ Every rank draws the same full problem (bf16 on CUDA, fp32 on CPU), computes the
 the whole lm_head on its own device, then the sharded ones with its rows of an **uneven, padded** vocab split over
 all processes of the launch (hidden replicated, or its token slice with ``sp``), for each memory budget. It prints
 each rank's relative differences (loss, dX or its slice, its dW rows) and exits 1 if any exceeds the tolerance
-(bf16: a few ulps from the extra rounding of summed partials). ``tests/test_multi_gpu.py`` runs the same
+(bf16: a few ulps from the extra rounding of summed partials). ``tests/parallel/test_multi_gpu.py`` runs the same
 ``check`` under NCCL on 2 and 4 GPUs. Several nodes: torchrun's rendezvous, the same command on every node
 (``--rdzv-endpoint``: host:port of one node that all of them reach; ``--rdzv-id``: any name the job shares)::
 

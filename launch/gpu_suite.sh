@@ -4,11 +4,11 @@
 #   bash launch/gpu_suite.sh                 # writes gpu-suite/summary.txt and one log per group
 #   OUT_DIR=/some/folder bash launch/gpu_suite.sh -x   # extra arguments go to every pytest process
 #
-# 1. tests/test_memory_route.py first, alone on GPU 0: it weighs the device's free memory;
+# 1. tests/backends/test_memory_route.py first, alone on GPU 0: it weighs the device's free memory;
 # 2. the other test files dealt round-robin (by size, largest first) into one group per GPU, each group one
 #    pytest process on its own GPU (CUDA_VISIBLE_DEVICES), with pytest-xdist's workers (WORKERS per GPU, default 4)
 #    where pytest-xdist is installed;
-# 3. the files with tests that need two GPUs (tests/test_multi_gpu.py, test_distillation_tp.py's NCCL case) once
+# 3. the files with tests that need two GPUs (tests/parallel/test_multi_gpu.py, test_distillation_tp.py's NCCL case) once
 #    more with every GPU visible, where there are two or more (with one GPU visible those tests skip).
 # The quack-based route is taken where quack-kernels (the `hopper` extra) is importable; the summary says which.
 # Exit status: 0 when every pytest process passed (or found nothing to run), 1 otherwise.
@@ -31,7 +31,7 @@ summary=$out/summary.txt
 } > "$summary"
 status=0
 
-CUDA_VISIBLE_DEVICES=0 "${pt[@]}" tests/test_memory_route.py > "$out/memory_route.log" 2>&1 || status=1
+CUDA_VISIBLE_DEVICES=0 "${pt[@]}" tests/backends/test_memory_route.py > "$out/memory_route.log" 2>&1 || status=1
 echo "memory_route: $(tail -1 "$out/memory_route.log")" >> "$summary"
 
 mapfile -t files < <(find tests -name 'test_*.py' ! -name test_memory_route.py ! -name test_multi_gpu.py \

@@ -52,7 +52,7 @@ and TE's norms (the ones megatron-core accepts under SP) are not installable wit
 so ``--sequence-parallel`` uses ``SequenceParallelNorm``: torch's norm whose weight gradient the loop all-reduces
 over the tensor-parallel group, which is what megatron-core's ``finalize_model_grads`` does for those norms. On the
 CPU (tp=2, ``--tiny``, 8 steps) its losses equal those without SP bit for bit, for Megatron's loss and for vpce's;
-tests/test_integration_megatron.py checks the gradients of every parameter under SP against the model without it.
+tests/integrations/test_integration_megatron.py checks the gradients of every parameter under SP against the model without it.
 
 Attention: ``--attention sdpa`` (default) replaces the local spec's ``DotProductAttention``, which materializes the
 ``[b, heads, s, s]`` scores, with ``torch.nn.functional.scaled_dot_product_attention`` (causal; flash on GPUs), so
@@ -66,7 +66,7 @@ goes on.
 On a machine without CUDA everything runs on the CPU, with gloo between torchrun's processes, in fp32, with RoPE
 replaced by learned absolute positions (megatron-core's RoPE moves its frequencies to CUDA), and megatron-core's
 other CUDA-only pieces stood in for by ``megatron_on_cpu`` (only here, never in the package). ``--tiny`` picks a
-configuration that trains in seconds there (tests/test_train_step.py runs it).
+configuration that trains in seconds there (tests/launch/test_train_step.py runs it).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Rank functions of tests/test_integration_trl.py, in a module that does not import TRL's trainers (spawned ranks
+"""Rank functions of tests/integrations/test_integration_trl.py, in a module that does not import TRL's trainers (spawned ranks
 import it; ``vpce.integrations.trl`` imports only the ``trl`` package itself)."""
 
 import torch

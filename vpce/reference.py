@@ -375,7 +375,7 @@ def chunked_reference_distillation(hidden, weight, teacher_hidden, teacher_weigh
     return Result(loss / n, dx, dw.float(), None)
 
 
-# -- TRL 1.16's post-training losses, written out (tests/test_post_training.py, the bench's TRL rows) ---------------
+# -- TRL 1.16's post-training losses, written out (tests/post_training/test_post_training.py, the bench's TRL rows) ---------------
 
 def trl_grpo(logp, old, ref, adv, mask, ent, *, beta, eps_low, eps_high, delta, loss_type, level,
              max_completion_length, num_items_in_batch):

@@ -3,7 +3,7 @@
 A ``--tp`` run leaves through ``os._exit`` once its output is written and flushed: its gloo process group object
 is still referenced when ``main`` returns (the run's ``Env`` holds it, among others), so it was freed during
 interpreter finalization, where a rank sometimes aborted ("terminate called without an active exception",
-SIGABRT) after every line of its output: twice in four CI runs of ``tests/test_bench_tp.py``'s ``--tp --distill``
+SIGABRT) after every line of its output: twice in four CI runs of ``tests/bench/test_bench_tp.py``'s ``--tp --distill``
 run on 2026-11-26, once with a barrier before ``destroy_process_group``.
 """
 

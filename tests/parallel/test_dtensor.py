@@ -63,7 +63,7 @@ def _run_docs_snippet(rank, world):
     import re
     from pathlib import Path
 
-    text = (Path(__file__).resolve().parents[1] / "docs" / "integrations.md").read_text()
+    text = (Path(__file__).resolve().parents[2] / "docs" / "integrations.md").read_text()
     section = text.split("## DTensor tensor parallelism (torchtitan)", 1)[1].split("\n## ", 1)[0]
     code = re.findall(r"```python\n(.*?)```", section, re.S)[0]
     exec(compile(code, "docs/integrations.md", "exec"), {})

@@ -21,7 +21,7 @@ from vpce.integrations.transformers import apply, is_applied  # noqa: E402
 V, D, S = 509, 32, 24
 STEPS, BATCH, ACCUM = 4, 2, 2
 LR, LOSS_RTOL, ADAM_TOL = 1e-2, 1e-5, 0.05
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def tiny_llama(seed: int = 0):
@@ -111,9 +111,9 @@ def test_negative_control_z_loss_shows(stock_run, tmp_path):
 
 
 def _snippet(document: str, test: str) -> str:
-    """The ```python block under ``<!-- tested-by: tests/test_trainer.py::TEST -->`` in ``document``."""
+    """The ```python block under ``<!-- tested-by: tests/integrations/test_trainer.py::TEST -->`` in ``document``."""
     text = (ROOT / document).read_text()
-    start = text.index(f"tested-by: tests/test_trainer.py::{test} -->")
+    start = text.index(f"tested-by: tests/integrations/test_trainer.py::{test} -->")
     return text[start:].split("```python\n", 1)[1].split("```", 1)[0]
 
 

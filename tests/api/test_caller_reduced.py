@@ -3,7 +3,7 @@ cost when the caller reduces the per-token outputs uniformly, exact for any upst
 
 Each test keeps one call site (the same weight shape and options across calls, whose history decides the route; the
 fixture forgets every history between tests) and checks every
-call against the float64 oracle, with ``tests/test_triton_backend.py``'s tolerances: fp32 2e-5 (loss 1e-5); fp16 no
+call against the float64 oracle, with ``tests/backends/test_triton_backend.py``'s tolerances: fp32 2e-5 (loss 1e-5); fp16 no
 worse than torch eager's error in the same dtype (times 1.25, plus 1e-6). The route comes from
 ``speculation.route_of``. The chunks are the smallest (128 tokens), so that 260 tokens make three chunks in forward
 and three gated blocks in backward, the last one ragged; V = 90 rows (83 real) and D = 24 leave ragged tiles. fp16
@@ -132,7 +132,7 @@ class Site:
         return eager_log_probs(p.hidden, p.weight, p.bias, p.target, g, VOCAB, **kw)
 
     def check(self, got, g, what=""):
-        """Every output against the oracle (``check`` of tests/test_triton_backend.py); a frozen weight's or bias's
+        """Every output against the oracle (``check`` of tests/backends/test_triton_backend.py); a frozen weight's or bias's
         gradient must be None."""
         want = self.oracle(g)
         base = self.eager(g) if self.p.hidden.dtype != torch.float32 else [None] * 4
@@ -625,7 +625,7 @@ def test_gpu_no_host_sync(entry):
 @pytest.mark.parametrize("entry", ["ce", "logprob"])
 def test_gpu_large_exact_and_bitwise_deterministic(entry, sizing):
     """bf16 on a GPU with several chunks (and gated blocks): a uniform call and a misprediction, each against the
-    float64 oracle with torch eager's error bar (as tests/test_triton_backend.py), and each twice: bitwise equal."""
+    float64 oracle with torch eager's error bar (as tests/backends/test_triton_backend.py), and each twice: bitwise equal."""
     sizing(fast_p_gib=0.05)  # about 1300 tokens per chunk: 7 chunks
     p = make_problem(9000, 512, 20011, dtype=torch.bfloat16, bias=True, ignore_frac=0.1, scale=3.0,
                      reduction="none", seed=4)

@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-CHECK = Path(__file__).resolve().parents[1] / "launch" / "check_tp.py"
+CHECK = Path(__file__).resolve().parents[2] / "launch" / "check_tp.py"
 DEADLINE_S = 150
 
 

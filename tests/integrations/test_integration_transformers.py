@@ -372,7 +372,7 @@ def test_training_forward_without_labels_warns_once():
 
 def test_docs_snippet_runs():
     """The snippet in docs/integrations.md, section "Hugging Face transformers", runs as written."""
-    text = (pathlib.Path(__file__).parents[1] / "docs" / "integrations.md").read_text()
+    text = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "integrations.md").read_text()
     section = text.split("## Hugging Face transformers", 1)[1].split("\n## ", 1)[0]
     blocks = re.findall(r"```python\n(.*?)```", section, flags=re.S)
     assert blocks, "no python snippet in the Hugging Face transformers section"

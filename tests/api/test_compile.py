@@ -190,7 +190,7 @@ def _snippet(heading: str) -> str:
     import re
     from pathlib import Path
 
-    text = (Path(__file__).resolve().parents[1] / "docs" / "integrations.md").read_text()
+    text = (Path(__file__).resolve().parents[2] / "docs" / "integrations.md").read_text()
     section = text.split(heading, 1)[1].split("\n## ", 1)[0]
     return re.findall(r"```python\n(.*?)```", section, re.S)[0]
 

@@ -62,7 +62,7 @@ def check_metrics(out, p, reduction, tol, **opts):
 
 
 # (reduction, budget): the fast route (mean, sum), the lean one (mean, sum, none; ("none", "auto") is the lean
-# route or, after a uniform call, the speculative one: tests/test_caller_reduced.py), and no gradient
+# route or, after a uniform call, the speculative one: tests/api/test_caller_reduced.py), and no gradient
 ROUTES = [("mean", "auto"), ("sum", "auto"), ("mean", "lean"), ("sum", "lean"), ("none", "lean")]
 
 

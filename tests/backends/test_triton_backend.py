@@ -56,7 +56,7 @@ def check(p, memory_budget="auto", **opts):
 
 # (reduction, memory_budget): the fast route ("auto": mean, sum) and the lean one (mean, sum, none). With "auto",
 # reduction="none" takes the lean route at a call site's first call and the speculative route after a uniform one;
-# tests/test_caller_reduced.py covers that route, so ("none", "auto") is not repeated here.
+# tests/api/test_caller_reduced.py covers that route, so ("none", "auto") is not repeated here.
 ROUTES = [("mean", "auto"), ("sum", "auto"), ("mean", "lean"), ("sum", "lean"), ("none", "lean")]
 
 

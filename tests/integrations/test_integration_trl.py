@@ -54,7 +54,7 @@ def train(kind, head, tmp_path, when="before", **config):
     """Train ``STEPS`` steps; ``head``: "trl" or "vpce", applied ``when`` ("before"/"after") the trainer is built."""
     vtrl.remove()
     if head == "vpce" and when == "before":
-        vtrl.apply(losses=False)  # the head only (tests/test_integration_trl_losses.py: the fused losses)
+        vtrl.apply(losses=False)  # the head only (tests/integrations/test_integration_trl_losses.py: the fused losses)
     common = dict(output_dir=str(tmp_path / f"{kind}-{head}"), max_steps=STEPS, per_device_train_batch_size=4,
                   learning_rate=3e-2, lr_scheduler_type="constant", logging_steps=1, report_to=[], save_strategy="no",
                   seed=0, data_seed=0, use_cpu=True, disable_tqdm=True, bf16=False)
@@ -166,8 +166,8 @@ def test_docs_snippet_runs():
     import pathlib
     import warnings
 
-    text = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "integrations.md").read_text()
-    start = text.index("tested-by: tests/test_integration_trl.py::test_docs_snippet_runs -->")
+    text = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "integrations.md").read_text()
+    start = text.index("tested-by: tests/integrations/test_integration_trl.py::test_docs_snippet_runs -->")
     code = text[start:].split("```python\n", 1)[1].split("```", 1)[0]
     namespace = {"__name__": "__snippet__"}
     try:

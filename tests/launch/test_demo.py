@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-DEMO = Path(__file__).resolve().parents[1] / "launch" / "demo.py"
+DEMO = Path(__file__).resolve().parents[2] / "launch" / "demo.py"
 STEPS = 20
 TIMEOUT_S = 120
 

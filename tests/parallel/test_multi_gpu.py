@@ -1,7 +1,7 @@
 """Vocab parallelism over NCCL, one GPU per rank (skips without 2 GPUs): the sharded result equals the
 single-GPU (tp=1) result within bf16 rounding, replicated and sequence-parallel, uneven shards, padded vocab,
 both memory routes. The check itself is ``launch/check_tp.py``'s (also a torchrun entry point); on CPU,
-``tests/test_launch_check_tp.py`` runs that script under torchrun with gloo."""
+``tests/launch/test_launch_check_tp.py`` runs that script under torchrun with gloo."""
 
 import importlib.util
 import sys
@@ -15,7 +15,7 @@ from distributed import run_ranks
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 pytestmark = pytest.mark.skipif(GPUS < 2, reason="needs 2 CUDA GPUs")
 
-CHECK = Path(__file__).resolve().parents[1] / "launch" / "check_tp.py"
+CHECK = Path(__file__).resolve().parents[2] / "launch" / "check_tp.py"
 
 
 def _check_module():

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-CHECK = Path(__file__).resolve().parents[1] / "launch" / "check_tp.py"
+CHECK = Path(__file__).resolve().parents[2] / "launch" / "check_tp.py"
 
 
 def _run(*extra):
@@ -20,7 +20,7 @@ def _run(*extra):
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU/gloo form; GPUs run tests/test_multi_gpu.py")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU/gloo form; GPUs run tests/parallel/test_multi_gpu.py")
 def test_check_tp_passes_on_gloo():
     out = _run()
     assert out.returncode == 0, out.stdout + out.stderr
@@ -46,5 +46,5 @@ def test_more_ranks_than_gpus_is_named(monkeypatch):
     with pytest.raises(SystemExit, match=r"LOCAL_RANK=1, but this process sees 1 CUDA device\(s\).*CUDA_VISIBLE_DEVICES="):
         launch_env.local_cuda_device()
     for script in ("demo.py", "train_step.py", "check_tp.py", "profile_tp.py"):
-        source = (Path(__file__).resolve().parents[1] / "launch" / script).read_text()
+        source = (Path(__file__).resolve().parents[2] / "launch" / script).read_text()
         assert "local_cuda_device()" in source and 'int(os.environ["LOCAL_RANK"])' not in source, script

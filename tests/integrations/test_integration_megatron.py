@@ -267,7 +267,7 @@ def _train_step():
     """launch/train_step.py (not a package): build_gpt, megatron_on_cpu, ModelShape."""
     name = "launch_train_step"
     if name not in sys.modules:
-        path = Path(__file__).resolve().parents[1] / "launch" / "train_step.py"
+        path = Path(__file__).resolve().parents[2] / "launch" / "train_step.py"
         spec = importlib.util.spec_from_file_location(name, path)
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module  # dataclasses look their module up there
@@ -495,7 +495,7 @@ def _main(rank, world, cases):
 def _doc_snippet() -> str:
     """The runnable python block (the one starting with its torchrun line) of docs/integrations.md's
     Megatron-core section."""
-    text = (Path(__file__).resolve().parents[1] / "docs" / "integrations.md").read_text()
+    text = (Path(__file__).resolve().parents[2] / "docs" / "integrations.md").read_text()
     if "## Megatron-core" not in text:
         raise AssertionError("no '## Megatron-core' section in docs/integrations.md")
     section = text.split("## Megatron-core", 1)[1]

@@ -23,7 +23,7 @@ def weights_for(p, seed=0):
 
 
 # (reduction, memory_budget): the fast route (mean, sum) and the lean one (mean, sum, none; ("none", "auto") is the
-# lean route or, after a uniform call, the speculative one, which tests/test_caller_reduced.py covers)
+# lean route or, after a uniform call, the speculative one, which tests/api/test_caller_reduced.py covers)
 ROUTES = [("mean", "auto"), ("sum", "auto"), ("mean", "lean"), ("sum", "lean"), ("none", "lean")]
 
 

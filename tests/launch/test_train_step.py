@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "launch" / "train_step.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "launch" / "train_step.py"
 TIMEOUT_S = 180
 # Largest |loss_vpce - loss_megatron| / loss_megatron allowed at any of the --tiny run's 8 steps (fp32 both): measured
 # 1.3e-7 (megatron, tp=2) and 6e-8 (transformers) on this CPU; a wrong gradient moves the curves apart by 1e-3 within

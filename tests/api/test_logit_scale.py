@@ -2,7 +2,7 @@
 routes, against the float64 oracle; it folds into the cap and the temperature, so the kernels are unchanged.
 
 The torch backend runs in float64 (tight bounds), the Triton one through the CPU interpreter where there is no CUDA
-(fp32). The sharded case is in tests/test_class_weight.py, together with the class weights.
+(fp32). The sharded case is in tests/api/test_class_weight.py, together with the class weights.
 """
 
 import math

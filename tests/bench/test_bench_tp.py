@@ -22,7 +22,7 @@ import torch
 from vpce.bench.harness import Env, Settings, Shape, make_problem
 from vpce.reference import chunked_reference
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 METHODS = ["floor", "megatron", "liger-tp", "chunked-tp", "loss-parallel", "vpce-triton", "vpce-torch"]
 SHAPES = {"tiny": (256, 64, 1024), "tiny-odd": (200, 72, 2003)}  # V=2003: uneven shards at tp=2
 EVEN_ONLY = {"megatron", "chunked-tp", "loss-parallel"}  # need V divisible by tp

@@ -23,7 +23,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 PNG = b"\x89PNG\r\n\x1a\n"

@@ -34,7 +34,7 @@ from vpce.integrations import torchtune as vtt  # noqa: E402
 V, D, B, S = 509, 32, 3, 17
 LOSS_RTOL, GRAD_RTOL = 1e-5, 1e-4
 COMPONENT = "vpce.integrations.torchtune.LinearCrossEntropyLoss"
-DOCS = pathlib.Path(__file__).resolve().parents[1] / "docs" / "integrations.md"
+DOCS = pathlib.Path(__file__).resolve().parents[2] / "docs" / "integrations.md"
 
 
 def build(tied: bool, seed: int = 0):
@@ -112,7 +112,7 @@ def test_recipe_training_step_matches_chunked_ce(tied):
             opt.step()
             opt.zero_grad()
     # Adam divides each gradient entry by its own RMS, so an entry with a ~0 gradient moves by up to lr on rounding
-    # noise alone: compare parameters in units of the Adam step (as tests/test_integration_transformers.py does).
+    # noise alone: compare parameters in units of the Adam step (as tests/integrations/test_integration_transformers.py does).
     tol = 0.05 * lr * steps
     for (name, p), q in zip(model.named_parameters(), stock_model.parameters()):
         moved, diff = (q - start[name]).abs().max().item(), (p - q).abs().max().item()
@@ -242,5 +242,5 @@ def test_docs_snippet_runs():
     cfg = OmegaConf.create(_docs_block("yaml", "## torchtune"))
     loss_fn = config.instantiate(cfg.loss)
     assert isinstance(loss_fn, vtt.LinearCrossEntropyLoss), type(loss_fn)
-    code = _docs_block("python", "tested-by: tests/test_integration_torchtune.py::test_docs_snippet_runs")
+    code = _docs_block("python", "tested-by: tests/integrations/test_integration_torchtune.py::test_docs_snippet_runs")
     exec(compile(code, "integrations.md:torchtune", "exec"), {"__name__": "__doc__"})

@@ -155,7 +155,7 @@ def grpo_inputs(case: dict, seed=3):
 
 def grpo_kwargs(case: dict):
     """``linear_grpo_loss``'s keywords of a case; the KL term without the importance ratio (``trl_grpo``'s; the
-    bias-corrected one: tests/test_rl_grpo.py)."""
+    bias-corrected one: tests/post_training/test_rl_grpo.py)."""
     return {"use_bias_correction_kl": False, **{k: v for k, v in case.items() if k not in ("adv", "old")}}
 
 
