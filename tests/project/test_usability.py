@@ -48,3 +48,27 @@ def test_second_backward_message_names_every_way_out():
         loss.backward()
     for part in ("memory_budget='lean'", "allow_retain_graph=True", "second backward"):
         assert part in str(e.value), str(e.value)
+
+
+def test_hopper_hint_is_said_once_and_can_be_silenced():
+    """On an sm_90 GPU without the `hopper` extra the fast route says once per process how to get the faster path;
+    the warning's category turns it off."""
+    import warnings
+
+    import vpce
+    from vpce.backends import gemm
+
+    gemm._suggest_hopper_extra.cache_clear()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        gemm._suggest_hopper_extra()
+        gemm._suggest_hopper_extra()
+    hints = [w for w in seen if issubclass(w.category, vpce.HopperExtraWarning)]
+    assert len(hints) == 1, [str(w.message) for w in seen]
+    assert "pip install 'vpce[hopper]'" in str(hints[0].message)
+    gemm._suggest_hopper_extra.cache_clear()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        warnings.filterwarnings("ignore", category=vpce.HopperExtraWarning)
+        gemm._suggest_hopper_extra()
+    assert not seen, [str(w.message) for w in seen]

@@ -22,7 +22,7 @@ import warnings
 
 import torch
 
-__all__ = ["mm_out", "mm_into", "addmm_out_", "add_product", "logits_into", "has_mixed_gemm", "hopper_dw_ready",
+__all__ = ["HopperExtraWarning", "mm_out", "mm_into", "addmm_out_", "add_product", "logits_into", "has_mixed_gemm", "hopper_dw_ready",
            "scaled_weight_grad", "scaled_hidden_grad", "stats_epilogue_ready", "logits_with_stats"]
 
 _UPCAST_ELEMS = 1 << 24  # elements of ``b`` upcast at a time on the fallback path
@@ -107,13 +107,31 @@ def _quack():
     return gemm_interface
 
 
+class HopperExtraWarning(UserWarning):
+    """Said once per process on an sm_90 GPU (H100, H200) where the ``hopper`` extra is not installed: the fast
+    route then runs on cuBLAS with a statistics pass and a cast pass. Turn it off with
+    ``warnings.filterwarnings("ignore", category=vpce.HopperExtraWarning)``."""
+
+
+@functools.cache
+def _suggest_hopper_extra() -> None:
+    warnings.warn("vpce: this is an sm_90 GPU (H100/H200) without the `hopper` extra; the fast route runs on cuBLAS "
+                  "with a statistics pass and a cast pass. `pip install 'vpce[hopper]'` (quack-kernels 0.6.5, "
+                  "nvidia-cutlass-dsl 4.7.1) gives the faster path (README, Install). Silence this with "
+                  "warnings.filterwarnings('ignore', category=vpce.HopperExtraWarning).", HopperExtraWarning,
+                  stacklevel=3)
+
+
 def hopper_dw_ready(g: torch.Tensor, x: torch.Tensor) -> bool:
     """Whether ``scaled_weight_grad(acc, g, x, ...)`` (and ``scaled_hidden_grad(g, x, ...)``, ``x`` then the weight
     ``[V, D]``) can run as one quack GEMM: an sm_90 GPU, the ``hopper`` extra, 16-bit row-major ``g`` and ``x`` of
     one dtype, 16-byte aligned (TMA)."""
     if not (g.is_cuda and g.dtype in (torch.float16, torch.bfloat16) and x.dtype == g.dtype):
         return False
-    if torch.cuda.get_device_capability(g.device)[0] != 9 or _quack() is None:
+    if torch.cuda.get_device_capability(g.device)[0] != 9:
+        return False
+    if _quack() is None:
+        _suggest_hopper_extra()
         return False
     return all(t.dim() == 2 and t.stride(1) == 1 and t.stride(0) % 8 == 0 and t.data_ptr() % 16 == 0 for t in (g, x))
 
