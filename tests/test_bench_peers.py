@@ -17,13 +17,13 @@ import json
 import os
 import subprocess
 import sys
-import time
 import types
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from distributed import run_commands
 
 REPO = Path(__file__).resolve().parents[1]
 NEW_ROWS = ("fla", "liger-cute", "liger-logprob-loss", "liger-verl")
@@ -161,8 +161,8 @@ def _loss_and_grads(fn, x, w, y):
                                                  ("liger-verl", "vpce-verl")])
 def test_liger_rl_rows_compute_the_loss_of_vpce_rows(monkeypatch, liger_row, vpce_row):
     """Through the stand-in, in float64 on two 2048-token rows of per-sequence advantages: the liger row's loss, dX
-    and dW are those of vpce's row of the same loss (to fp32 rounding), and it asks liger-kernel for NLL and entropy as verl does
-    (temperature 1, ignore index -100, one tile per cluster)."""
+    and dW are those of vpce's row of the same loss (to fp32 rounding), and it asks liger-kernel for NLL and
+    entropy as verl does (temperature 1, ignore index -100, one tile per cluster)."""
     if liger_row == "liger-verl":
         pytest.importorskip("verl.trainer.ppo.core_algos")
     from vpce.bench.harness import Env
@@ -242,24 +242,9 @@ def tp_runs(tmp_path_factory):
                   "vpce.bench", "--tp", "--device", "cpu", "--quick", "--shapes", "tiny", "--methods",
                   ",".join(TP_METHODS), "--reps", "1", "--rep-time", "0", "--timeout", "60", "--out", str(out / key),
                   *extra] for key, extra in (("replicated", ()), ("sp", ("--sp",)))}
-    t0 = time.perf_counter()
-    procs = {k: subprocess.Popen(c, cwd=REPO, env=_env(TRITON_INTERPRET="1"), stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, text=True) for k, c in cmds.items()}
-    docs = {}
-    try:
-        for key, proc in procs.items():
-            stdout, stderr = proc.communicate(timeout=max(1.0, TP_TIMEOUT - (time.perf_counter() - t0)))
-            assert proc.returncode == 0, f"{key}: exit {proc.returncode}\nstdout:\n{stdout}\nstderr:\n{stderr[-6000:]}"
-            name = "bench-tp2-sp.json" if key == "sp" else "bench-tp2.json"
-            docs[key] = json.loads((out / key / name).read_text())
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"the --tp runs did not finish within {TP_TIMEOUT} s (hung collective?)")
-    finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    return docs
+    run_commands(cmds, cwd=REPO, env=_env(TRITON_INTERPRET="1"), timeout=TP_TIMEOUT)
+    return {key: json.loads((out / key / ("bench-tp2-sp.json" if key == "sp" else "bench-tp2.json")).read_text())
+            for key in cmds}
 
 
 @pytest.mark.parametrize("key", ["replicated", "sp"])
