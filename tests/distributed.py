@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import os
 import queue
+import subprocess
 import sys
+import time
 import traceback
 from datetime import timedelta
 
@@ -119,3 +121,27 @@ def run_ranks(fn, world: int, *args, timeout: float = 240.0, backend: str = "glo
             if p.is_alive():
                 p.kill()
     return [results[r] for r in range(world)]
+
+
+def run_commands(cmds: dict[str, list[str]], *, cwd, env: dict, timeout: float) -> dict[str, tuple[str, str]]:
+    """Run every command of ``cmds`` at once (torchrun launches, say), each in its own process; return
+    ``{key: (stdout, stderr)}`` once all have exited 0. A non-zero exit fails with that command's output; commands
+    still running ``timeout`` seconds after the start (a hung collective) are killed and the call fails."""
+    t0 = time.perf_counter()
+    procs = {k: subprocess.Popen(c, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for k, c in cmds.items()}
+    results = {}
+    try:
+        for key, proc in procs.items():
+            stdout, stderr = proc.communicate(timeout=max(1.0, timeout - (time.perf_counter() - t0)))
+            assert proc.returncode == 0, f"{key}: exit {proc.returncode}\nstdout:\n{stdout}\nstderr:\n{stderr[-6000:]}"
+            results[key] = stdout, stderr
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"{sorted(set(cmds) - set(results))} did not finish within {timeout:.0f} s "
+                             f"(hung collective?)") from None
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return results

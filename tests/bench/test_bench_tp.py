@@ -13,12 +13,12 @@ import math
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from distributed import run_commands
 from vpce.bench.harness import Env, Settings, Shape, make_problem
 from vpce.reference import chunked_reference
 
@@ -50,22 +50,7 @@ def runs(tmp_path_factory):
     cmds = {"replicated": _command(out / "replicated", "--settle", "0.05"),
             "sp": _command(out / "sp", "--sp", "--inject-failure", "@".join(map(str, INJECTED))),
             "one": _command(out / "one", "--shapes", "tiny", torchrun=False)}
-    t0 = time.perf_counter()
-    procs = {k: subprocess.Popen(c, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for k, c in cmds.items()}
-    results = {}
-    try:
-        for key, proc in procs.items():
-            stdout, stderr = proc.communicate(timeout=max(1.0, TIMEOUT - (time.perf_counter() - t0)))
-            assert proc.returncode == 0, f"{key}: exit {proc.returncode}\nstdout:\n{stdout}\nstderr:\n{stderr[-6000:]}"
-            results[key] = stdout, stderr
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"the --tp runs did not finish within {TIMEOUT} s (hung collective?)")
-    finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+    results = run_commands(cmds, cwd=REPO, env=env, timeout=TIMEOUT)
     files = {"replicated": out / "replicated" / "bench-tp2.json", "sp": out / "sp" / "bench-tp2-sp.json",
              "one": out / "one" / "bench-tp1.json"}
     return {k: (results[k][0], results[k][1], json.loads(files[k].read_text()), files[k]) for k in cmds}

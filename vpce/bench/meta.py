@@ -45,7 +45,7 @@ def distill_settings(args) -> dict:
 
 #: Distributions whose versions the JSON records (None: not installed).
 PACKAGES = ("torch", "triton", "liger-kernel", "cut-cross-entropy", "megatron-core", "quack-kernels",
-            "nvidia-cutlass-dsl", "numpy", "matplotlib")
+            "nvidia-cutlass-dsl", "fla-core", "trl", "verl", "numpy", "matplotlib")
 
 
 def device_info(device: torch.device) -> dict:

@@ -21,6 +21,15 @@ vpce's rows call ``vpce.linear_cross_entropy`` (or ``vpce.linear_log_probs``) as
 torch backend; the loss-option rows (label smoothing, z-loss, soft cap, token weights) and the log-prob rows use
 the backend that fits the device (Triton on CUDA, torch elsewhere; their labels say which).
 
+The peers' rows are ``vpce.bench.peers``'s. Of note: ``liger`` (``LigerFusedLinearCrossEntropyLoss``: liger-kernel's
+Triton kernel, always) and ``liger-cute`` (the same FLCE through liger-kernel's dispatcher with its CuTe DSL
+implementation by name: needs ``nvidia-cutlass-dsl`` and an sm_90 or newer GPU); ``fla`` (fla-core's
+``FusedLinearCrossEntropyLoss``, vocab-parallel with ``process_group`` under ``--tp``; on a CPU only under
+``TRITON_INTERPRET=1``: ``Method.triton_interpret``); ``liger-logprob-loss``, the loss of ``vpce-logprob-loss``
+(``mean(A nll) - 0.01 mean(H)``, the same advantages) from liger-kernel's per-token NLL and entropy (its Hopper CuTe
+DSL kernel on sm_90, its torch fallback elsewhere; under ``--tp`` its tensor-parallel function, CUDA only); and
+``liger-verl`` beside ``vpce-verl`` (verl's PPO loss).
+
 Distillation (``--distill``): a row with ``distill=(divergence, beta)`` builds ``loss(x, w, y, xt, wt)`` (the
 teacher's hidden states and weight after the targets; ``vpce.bench.peers.DistillFn``) and is measured only in a
 ``--distill`` run, which measures only such rows; its errors are checked against the float64 reference of that
@@ -41,6 +50,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.util
+import os
 import sys
 from dataclasses import dataclass
 from typing import Callable
@@ -79,6 +89,9 @@ class Method:
     ``F.linear_cross_entropy``, which only some torch versions have); checked before it is built."""
     needs_cuda: bool = False
     """Has no CPU implementation."""
+    triton_interpret: bool = False
+    """With ``needs_cuda``: its Triton kernels also run on a CPU under ``TRITON_INTERPRET=1`` (fla-core's do; vpce's
+    Triton rows do not, as the interpreter computes no bfloat16 there)."""
     no_grad: bool = False
     """Also measure a forward under ``torch.no_grad()`` (against the single logits GEMM)."""
     tp: bool = False
@@ -111,8 +124,9 @@ class Method:
         """Raise ``Unavailable`` if this row cannot run on ``env`` (under ``--tp``: with these vocab shards)."""
         if env.group is not None and not self.tp:
             raise Unavailable("no vocab-parallel form (a single-GPU row)")
-        if self.needs_cuda and not env.cuda:
-            raise Unavailable(f"needs a CUDA device (running on {env.device})")
+        if self.needs_cuda and not env.cuda and not (self.triton_interpret and _interpreting()):
+            hint = "; or TRITON_INTERPRET=1 for its Triton kernels" if self.triton_interpret else ""
+            raise Unavailable(f"needs a CUDA device (running on {env.device}{hint})")
         if env.group is None and self.tp_only:
             raise Unavailable("a vocab-parallel row, measured only under --tp (torchrun)")
         if self.even_shards and shard_rows and len(set(shard_rows)) > 1:
@@ -126,7 +140,13 @@ class Method:
 
 #: ``Method.requires`` module -> the distribution that provides it (the ``missing`` row names it, as the peers do).
 _DISTRIBUTIONS = {"trl": "trl", "verl": "verl", "megatron": "megatron-core", "liger_kernel": "liger-kernel",
-                  "cut_cross_entropy": "cut-cross-entropy", "quack": "quack-kernels"}
+                  "cut_cross_entropy": "cut-cross-entropy", "quack": "quack-kernels", "fla": "fla-core",
+                  "cutlass": "nvidia-cutlass-dsl"}
+
+
+def _interpreting() -> bool:
+    """Whether Triton kernels run in its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def _installed(module: str) -> bool:
@@ -213,18 +233,17 @@ def _vpce_log_probs(env: Env, *, entropy: bool, top1: bool = False, primed: bool
 
 def _post_training_inputs(env: Env, x, w, y, cache: dict):
     """The bench's GRPO/DPO inputs, made once per row: ``y`` as ``[B, T]`` rows of ``T = 2048`` tokens (one row
-    where ``N`` is not a multiple), per-sequence advantages of both signs, and old / reference log-probs near the
-    current ones (ratios around 1, some clipped)."""
+    where ``N`` is not a multiple), per-sequence advantages of both signs (``peers.rl_batch``: the peers' RL rows
+    draw the same), and old / reference log-probs near the current ones (ratios around 1, some clipped)."""
     from .. import linear_log_probs
     if "y" not in cache:
         n = y.shape[0]
-        t = 2048 if n % 2048 == 0 else n
-        gen = torch.Generator(device=y.device).manual_seed(0)
+        t, adv, gen = peers.rl_batch(y)
         with torch.no_grad():
             logp = linear_log_probs(x, w, y, backend=device_backend(env), **env.vpce_layout()).float()
         cache["y"] = y.reshape(-1, t)
         cache["t"] = t
-        cache["adv"] = torch.randn(n // t, generator=gen, device=y.device)
+        cache["adv"] = adv
         cache["old"] = (logp + 0.1 * torch.randn(n, generator=gen, device=y.device)).reshape(-1, t)
         cache["ref"] = (logp + 0.1 * torch.randn(n, generator=gen, device=y.device)).reshape(-1, t)
     return cache
@@ -269,7 +288,8 @@ def _vpce_dpo(env: Env) -> LossFn:
 
 def _vpce_log_prob_loss(env: Env) -> LossFn:
     """``vpce.linear_log_prob_loss`` with an entropy bonus: ``-A_b log p_i - 0.01 H_i`` over ``[B, T]`` rows, the
-    mean over the non-ignored tokens (scope ``"token"``)."""
+    mean over the non-ignored tokens (scope ``"token"``); the same loss as the ``liger-logprob-loss`` row. Under
+    ``--sp`` the hidden states are a flat slice of the tokens, so the targets and advantages are passed flat."""
     from .. import linear_log_prob_loss
     cache = {}
 
@@ -277,7 +297,10 @@ def _vpce_log_prob_loss(env: Env) -> LossFn:
         c = _post_training_inputs(env, x, w, y, cache)
         count = (c["y"] != -100).sum().clamp(min=1)
         adv = c["adv"][:, None].expand_as(c["old"])
-        return linear_log_prob_loss(_rows(x, c), w, c["y"], lambda lp, ent, a: (-a * lp - 0.01 * ent) / count,
+        target = c["y"]
+        if env.sequence_parallel:
+            target, adv = target.reshape(-1), adv.reshape(-1)
+        return linear_log_prob_loss(_rows(x, c), w, target, lambda lp, ent, a: (-a * lp - 0.01 * ent) / count,
                                     inputs={"a": adv}, use_entropy=True, backend=device_backend(env),
                                     **env.vpce_layout())
     return fn
@@ -411,6 +434,10 @@ _ROWS = [
       for key, (label, opts) in peers.TORCH_LCE.items()],
     Method(name="liger", label="liger-kernel FLCE", build=peers.liger, package="liger-kernel", needs_cuda=True,
            requires=("liger_kernel",)),
+    Method(name="liger-cute", label="liger-kernel FLCE, CuTe DSL dispatch (impl='nvidia-cutedsl')",
+           build=peers.liger_cute, package="liger-kernel", needs_cuda=True, requires=("liger_kernel", "cutlass")),
+    Method(name="fla", label="fla-core FusedLinearCrossEntropyLoss", build=peers.fla, package="fla-core",
+           needs_cuda=True, triton_interpret=True, tp=True, even_shards=True, requires=("fla",)),
     Method(name="cce", label="cut-cross-entropy", build=functools.partial(peers.cce, exact=False),
            package="cut-cross-entropy", needs_cuda=True, requires=("cut_cross_entropy",)),
     Method(name="cce-exact", label="cut-cross-entropy exact", build=functools.partial(peers.cce, exact=True),
@@ -475,12 +502,14 @@ _ROWS = [
     Method(name="vpce-dpo", label="vpce {backend} linear_dpo_loss (sigmoid)", package="vpce", build=_vpce_dpo,
            plain=False),
     Method(name="vpce-logprob-loss", label="vpce {backend} linear_log_prob_loss with an entropy bonus",
-           package="vpce", build=_vpce_log_prob_loss, plain=False),
+           package="vpce", build=_vpce_log_prob_loss, plain=False, tp=True),
+    Method(name="liger-logprob-loss", label="liger-kernel scaled CE (NLL + entropy), the loss of vpce-logprob-loss",
+           package="liger-kernel", build=peers.liger_logprob_loss, plain=False, tp=True, even_shards=True,
+           requires=("liger_kernel",)),
     Method(name="vpce-verl", label="vpce.integrations.verl.ppo_loss (PPO, token-mean, entropy 0.01), fused",
            package="verl", build=_vpce_verl, plain=False, requires=("verl",)),
     Method(name="liger-verl", label="liger-kernel scaled CE (NLL + entropy), then verl's loss (PPO, entropy 0.01)",
-           package="liger-kernel", build=peers.liger_verl, plain=False, needs_cuda=True,
-           requires=("liger_kernel", "verl")),
+           package="liger-kernel", build=peers.liger_verl, plain=False, requires=("liger_kernel", "verl")),
     Method(name="trl-grpo", label="TRL fused LM head + entropy, then TRL's GRPO loss (dapo, beta 0.04)",
            build=peers.trl_grpo, package="trl", plain=False, requires=("trl",)),
     Method(name="vpce-metrics", label="vpce {backend} + accuracy, entropy, z-loss metrics", package="vpce",
@@ -505,9 +534,9 @@ def default_methods(tp: bool, distill: bool = False) -> list[str]:
 
 #: ``--quick`` without ``--methods``: a smoke run of one row per peer and vpce's main routes, those that run here
 #: (``runs_here``), in seconds on a CPU. ``--methods all`` still means every row.
-QUICK = ("floor", "torch", "torch-lce", "liger", "cce", "quack-base", "trl-sft", "megatron-fused", "vpce-triton",
-         "vpce-triton-lean", "vpce-torch", "vpce-all", "vpce-logprobs-top1", "vpce-trl-sft", "vpce-metrics",
-         "torch-frozen", "vpce-triton-frozen", "vpce-torch-frozen")
+QUICK = ("floor", "torch", "torch-lce", "liger", "liger-cute", "fla", "cce", "quack-base", "trl-sft",
+         "megatron-fused", "vpce-triton", "vpce-triton-lean", "vpce-torch", "vpce-all", "vpce-logprobs-top1",
+         "vpce-trl-sft", "vpce-metrics", "torch-frozen", "vpce-triton-frozen", "vpce-torch-frozen")
 
 
 def runs_here(name: str, env: Env) -> bool:

@@ -24,9 +24,24 @@ installed raises ``Unavailable`` (a ``missing: ...`` row). The peers are called 
   those are not installed (the GPU machine gets only the wheels ``vpce/bench/wheels.sh`` lists), the row registers
   a ``trl.trainer.utils`` holding that one function as TRL defines it without DeepSpeed ZeRO-3, a null context,
   and says so in its note.
-* megatron-core: ``vocab_parallel_cross_entropy`` / ``fused_vocab_parallel_cross_entropy`` on bf16 logits from
-  ``F.linear``, ``.mean()`` of the per-token losses; they need Megatron's ``parallel_state``, initialized here on
-  a process group of this one process (or, under torchrun, on the launched group).
+* megatron-core (0.16.1 in the test extra, 0.19.2 in ``vpce/bench/wheels.sh``): ``vocab_parallel_cross_entropy``
+  / ``fused_vocab_parallel_cross_entropy(logits, target, tp_group)`` on bf16 logits from ``F.linear``, ``.mean()``
+  of the per-token losses; they need Megatron's ``parallel_state``, initialized here on a process group of this one
+  process (or, under torchrun, on the launched group). The unfused one is called without its ``tp_group`` keyword
+  (0.19 added it; left out, it is ``parallel_state``'s group, as in 0.16).
+* fla-core 0.6.0 (``fla``): ``FusedLinearCrossEntropyLoss(process_group=group)(x, y, w)``, its defaults otherwise
+  (``num_chunks=8`` token chunks, each chunk's gradients formed in forward, ``dW`` accumulated in fp32); its
+  Triton kernels run on a CPU only under ``TRITON_INTERPRET=1``.
+* liger-kernel 0.8.5's FLCE through its kernel dispatcher with the CuTe DSL implementation asked for by name
+  (``liger_cute``): ``liger_kernel.functional.fused_linear_cross_entropy(x, w, y, impl="nvidia-cutedsl")``, whose
+  per-chunk cross-entropy is the CuTe DSL kernel (``nvidia-cutlass-dsl``, sm_90 or newer); the ``liger`` row's
+  ``LigerFusedLinearCrossEntropyLoss`` never dispatches (its Triton kernel always).
+* RL, the loss of vpce's ``vpce-logprob-loss`` row (``mean(A_i nll_i) - 0.01 mean(H_i)`` over the non-ignored
+  tokens, per-sequence advantages of ``[B, T]`` rows of 2048 tokens; ``liger_logprob_loss``): liger-kernel 0.8.5's
+  ``LigerFusedLinearScaledCrossEntropyFunction.apply(x, w, y, 1.0, -100, 1, True)`` (per-token NLL and entropy,
+  as verl's ``FusedLinearForPPO`` calls it). Its dispatch: the Hopper CuTe DSL kernel on sm_90 (which imports
+  ``nvidia-cutlass-dsl``: without it the row is ``missing``), otherwise its 512-token torch fallback (CPU
+  included); the row's note says which.
 
 Tensor parallelism (``--tp``): on each rank of ``env.group`` a loss function takes this rank's hidden input (all
 ``N`` tokens, or with ``env.sequence_parallel`` its ``N/tp`` slice), its contiguous vocab shard of ``w`` and the
@@ -39,7 +54,10 @@ and in ``w.grad`` its shard's gradient. The peers get their hidden states the wa
 * liger-kernel 0.8.5: ``LigerFusedLinearScaledCrossEntropyTPFunction.apply(x, w_shard, y, group)`` (per-token
   NLL, ``.mean()``): its native CUTLASS + NVSHMEM kernel for bf16 on Hopper/Blackwell when that is installed,
   otherwise its 512-token chunked fallback; the row's note says which. It all-reduces ``dX`` itself; it needs
-  CUDA. (``LigerFusedLinearCrossEntropyLoss``, the ``liger`` row, has no vocab-parallel mode.)
+  CUDA. (``LigerFusedLinearCrossEntropyLoss``, the ``liger`` row, has no vocab-parallel mode.) The RL row calls
+  the same function with ``return_entropy=True``: ``apply(x, w_shard, y, group, 1.0, -100, 1, True)``.
+* fla-core: ``FusedLinearCrossEntropyLoss(process_group=group)``, which takes equal contiguous vocab shards and
+  the replicated hidden states and targets, and all-reduces ``dX`` itself.
 * ``chunked-tp``: the idea of that fallback written here in plain torch (``chunked_vocab_parallel_nll``), so it
   runs anywhere, CPU included.
 * torch ``loss_parallel``: the shard's logits as a DTensor ``Shard(-1)`` on a 1-D mesh of the group and
@@ -91,7 +109,8 @@ from .meta import package_version
 __all__ = ["Unavailable", "LossFn", "DistillFn", "torch_eager", "torch_compile", "torch_lce", "TORCH_LCE", "liger",
            "cce", "quack", "trl", "megatron", "liger_tp", "chunked_tp", "loss_parallel", "megatron_tp_group",
            "shutdown_megatron", "hidden_entry", "chunked_vocab_parallel_nll", "torch_distill", "liger_jsd",
-           "divergence_per_token", "verl_actor_config", "verl_loss", "liger_verl"]
+           "divergence_per_token", "verl_actor_config", "verl_loss", "liger_verl", "fla", "liger_cute",
+           "liger_logprob_loss", "rl_advantages"]
 
 LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 DistillFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -258,33 +277,139 @@ def verl_loss(config, logp, ent, old, adv, mask):
                                                            loss_agg_mode=config.loss_agg_mode)
 
 
+def rl_batch(y: torch.Tensor) -> tuple[int, torch.Tensor, torch.Generator]:
+    """The RL rows' batch: the targets as ``[B, T]`` rows of ``T = 2048`` tokens (one row where ``N`` is not a
+    multiple) and per-sequence advantages ``[B]`` of both signs, the first draw of a generator seeded 0 on ``y``'s
+    device; returns ``(T, advantages, generator)``, the generator for the caller's further draws (vpce's rows draw
+    their old and reference log-probs next), so that every RL row sees the same advantages."""
+    n = y.shape[0]
+    t = 2048 if n % 2048 == 0 else n
+    gen = torch.Generator(device=y.device).manual_seed(0)
+    return t, torch.randn(n // t, generator=gen, device=y.device), gen
+
+
+def _liger_tp_path(mod, env: Env) -> str:
+    """Which path ``LigerFusedLinearScaledCrossEntropyTPFunction.apply`` takes on ``env`` (its own dispatch)."""
+    try:
+        native = env.dtype == torch.bfloat16 and mod._supports_native_tp_architecture(env.device)
+        if native:
+            try:
+                native = mod._load_native_tp_function() is not None
+            except ImportError:  # as liger-kernel's own dispatch: no native kernel, the fallback runs
+                native = False
+        return "liger: native CUTLASS + NVSHMEM path" if native else "liger: 512-token fallback path"
+    except Exception as e:  # noqa: BLE001 - liger-kernel 0.8.5's own private helpers; the row runs anyway
+        return f"liger: path unknown ({type(e).__name__}: {e})"
+
+
+def _liger_scaled_ce(env: Env) -> Callable:
+    """liger-kernel's per-token NLL and entropy, ``(x, w, y) -> (nll [N] fp32, entropy [N])`` (ignored tokens 0),
+    temperature 1, with a ``note`` saying which kernel runs. One rank: ``LigerFusedLinearScaledCrossEntropyFunction``,
+    which takes the Hopper CuTe DSL kernel on an sm_90 GPU (it imports ``nvidia-cutlass-dsl``: ``Unavailable``
+    without it) and its 512-token torch fallback elsewhere, CPU included. Under a group:
+    ``LigerFusedLinearScaledCrossEntropyTPFunction`` on this rank's equal vocab shard (CUDA only), which all-reduces
+    ``dX`` itself."""
+    ops = _import("liger_kernel.ops", "liger-kernel")
+    if env.group is None:
+        fn = getattr(ops, "LigerFusedLinearScaledCrossEntropyFunction", None)
+        if fn is None:
+            raise Unavailable(f"liger-kernel {package_version('liger-kernel')} has no "
+                              f"LigerFusedLinearScaledCrossEntropyFunction (0.8.5 has)")
+        hopper = env.cuda and torch.version.hip is None and torch.cuda.get_device_capability(env.device) == (9, 0)
+        if hopper:  # liger-kernel's own dispatch takes its sm_90 kernel here, and fails if it cannot import it
+            _import("liger_kernel.ops.cutedsl.ops.fused_scaled_cross_entropy_sm90",
+                    "liger-kernel's sm_90 scaled CE kernel (needs nvidia-cutlass-dsl)")
+        note = "liger: Hopper CuTe DSL kernel (sm_90)" if hopper else "liger: 512-token torch fallback"
+        return _with_note(lambda x, w, y: fn.apply(x, w, y, 1.0, -100, 1, True), note)
+    mod = _import("liger_kernel.ops.fused_linear_scaled_cross_entropy", "liger-kernel")
+    tp_fn = getattr(mod, "LigerFusedLinearScaledCrossEntropyTPFunction", None)
+    if tp_fn is None:
+        raise Unavailable(f"liger-kernel {package_version('liger-kernel')} has no "
+                          f"LigerFusedLinearScaledCrossEntropyTPFunction")
+    if not env.cuda:
+        raise Unavailable(f"liger-kernel's tensor-parallel function needs CUDA tensors (running on {env.device})")
+    group = env.group
+    enter = hidden_entry(env, reduce_grad=False)
+    return _with_note(lambda x, w, y: tp_fn.apply(enter(x), w, y, group, 1.0, -100, 1, True),
+                      _liger_tp_path(mod, env), enter)
+
+
 def liger_verl(env: Env) -> LossFn:
     """verl's actor with ``use_fused_kernels`` and ``impl_backend="liger"``: liger-kernel's
     ``LigerFusedLinearScaledCrossEntropyFunction`` (per-token NLL and entropy; Hopper CuTe kernel in 0.8.5) called as
     ``verl.utils.experimental.torch_functional.FusedLinearForPPO`` calls it, then verl's loss on ``[B, T]`` rows of
-    2048 tokens (``verl_loss``), per-sequence advantages, old log-probs near the current ones."""
-    mod = _import("liger_kernel.ops", "liger-kernel")
-    fn = getattr(mod, "LigerFusedLinearScaledCrossEntropyFunction", None)
-    if fn is None:
-        raise Unavailable(f"liger-kernel {package_version('liger-kernel')} has no "
-                          f"LigerFusedLinearScaledCrossEntropyFunction (0.8.5 has)")
+    2048 tokens (``verl_loss``), per-sequence advantages (``rl_batch``), old log-probs near the current ones."""
+    scaled_ce = _liger_scaled_ce(env)
     config = verl_actor_config()
     cache = {}
 
     def loss(x, w, y):
-        n = y.shape[0]
-        t = 2048 if n % 2048 == 0 else n
         if "adv" not in cache:
-            gen = torch.Generator(device=y.device).manual_seed(0)
+            t, adv, gen = rl_batch(y)
             with torch.no_grad():
-                lp = -fn.apply(x, w, y, 1.0, -100, 1, True)[0].float()
-            cache["adv"] = torch.randn(n // t, 1, generator=gen, device=y.device).expand(-1, t)
-            cache["old"] = (lp + 0.1 * torch.randn(n, generator=gen, device=y.device)).reshape(-1, t)
-        nll, ent = fn.apply(x, w, y, 1.0, -100, 1, True)
+                lp = -scaled_ce(x, w, y)[0].float()
+            cache["t"], cache["adv"] = t, adv[:, None].expand(-1, t)
+            cache["old"] = (lp + 0.1 * torch.randn(y.shape[0], generator=gen, device=y.device)).reshape(-1, t)
+        t = cache["t"]
+        nll, ent = scaled_ce(x, w, y)
         mask = (y != -100).reshape(-1, t)
         return verl_loss(config, -nll.float().reshape(-1, t), ent.float().reshape(-1, t), cache["old"], cache["adv"],
                          mask)
-    return loss
+    return _with_note(loss, scaled_ce)
+
+
+def liger_logprob_loss(env: Env) -> LossFn:
+    """The loss of vpce's ``vpce-logprob-loss`` row from liger-kernel's per-token NLL and entropy
+    (``_liger_scaled_ce``; under ``--tp`` its tensor-parallel function): ``sum((A nll - 0.01 H) * keep) /
+    count(keep)`` over the non-ignored tokens, with the per-sequence advantages of ``rl_batch`` (the same as
+    vpce's row) broadcast over each row's tokens."""
+    scaled_ce = _liger_scaled_ce(env)
+    cache = {}
+
+    def loss(x, w, y):
+        if "adv" not in cache:
+            t, adv, _ = rl_batch(y)
+            cache["adv"] = adv[:, None].expand(-1, t).reshape(-1)
+        keep = y != -100
+        nll, ent = scaled_ce(x, w, y)
+        return ((cache["adv"] * nll - 0.01 * ent.float()) * keep).sum() / keep.sum().clamp(min=1)
+    return _with_note(loss, scaled_ce)
+
+
+# -- fla-core -------------------------------------------------------------------------------------------------------
+
+def fla(env: Env) -> LossFn:
+    """fla-core's ``FusedLinearCrossEntropyLoss`` with its defaults; under ``--tp`` with ``process_group`` (equal
+    vocab shards, hidden states and targets replicated: under SP the peer gets the gathered tokens)."""
+    mod = _import("fla.modules.fused_linear_cross_entropy", "fla-core")
+    if env.group is not None and env.tp > 1 and dist.get_backend(env.group) == "gloo":
+        raise Unavailable("fla-core's vocab-parallel path gathers its [world, N] statistics with "
+                          "all_gather_into_tensor, whose shapes gloo refuses (NCCL takes them)")
+    loss = mod.FusedLinearCrossEntropyLoss(process_group=env.group)
+    enter = hidden_entry(env, reduce_grad=False)
+    return _with_note(lambda x, w, y: loss(enter(x), y, w), enter)
+
+
+# -- liger-kernel's FLCE through its dispatcher, CuTe DSL -------------------------------------------------------------
+
+def liger_cute(env: Env) -> LossFn:
+    """liger-kernel's FLCE with its CuTe DSL implementation asked for by name (``impl="nvidia-cutedsl"``), after
+    liger-kernel's own dispatcher says it can run on this device (``Unavailable`` with its reason otherwise)."""
+    functional = _import("liger_kernel.functional", "liger-kernel")
+    backends = _import("liger_kernel.backends", "liger-kernel")
+    flce = getattr(functional, "fused_linear_cross_entropy", None)
+    if flce is None:
+        raise Unavailable(f"liger-kernel {package_version('liger-kernel')} has no "
+                          f"liger_kernel.functional.fused_linear_cross_entropy (0.8.5 has)")
+    try:
+        backends.resolve_impl("fused_linear_cross_entropy", "nvidia-cutedsl", env.device if env.cuda else None)
+    except RuntimeError as e:  # ImplNotAvailableError: the capability it lacks here, in liger-kernel's words
+        raise Unavailable(f"liger-kernel's CuTe DSL FLCE is not available ({e})") from e
+
+    def loss(x, w, y):
+        return flce(x, w, y, impl="nvidia-cutedsl")[0]
+    return _with_note(loss, "liger: per-chunk CE by its CuTe DSL kernel (a vocab not a multiple of 16 bytes per "
+                            "row: its Triton kernel, with liger-kernel's warning)")
 
 
 # -- megatron-core ------------------------------------------------------------------------------------------------
@@ -394,17 +519,7 @@ def liger_tp(env: Env) -> LossFn:
                           f"LigerFusedLinearScaledCrossEntropyTPFunction")
     group = env.group
     enter = hidden_entry(env, reduce_grad=False)
-    try:  # the dispatch of LigerFusedLinearScaledCrossEntropyTPFunction.apply, to say which path is measured
-        native = env.dtype == torch.bfloat16 and mod._supports_native_tp_architecture(env.device)
-        if native:
-            try:
-                native = mod._load_native_tp_function() is not None
-            except ImportError:  # as liger-kernel's own dispatch: no native kernel, the fallback runs
-                native = False
-        path = "liger: native CUTLASS + NVSHMEM path" if native else "liger: 512-token fallback path"
-    except Exception as e:  # noqa: BLE001 - liger-kernel 0.8.5's own private helpers; the row runs anyway
-        path = f"liger: path unknown ({type(e).__name__}: {e})"
-    return _with_note(lambda x, w, y: tp_fn.apply(enter(x), w, y, group).mean(), path, enter)
+    return _with_note(lambda x, w, y: tp_fn.apply(enter(x), w, y, group).mean(), _liger_tp_path(mod, env), enter)
 
 
 class _ChunkedVocabParallelNLL(torch.autograd.Function):
