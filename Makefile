@@ -29,10 +29,13 @@ TRL ?= trl==1.16.0
 # requirements too (vLLM, flash-attn, deepspeed, wandb: GPU-only or unused); importing verl's loss code
 # (verl.trainer.ppo.core_algos, verl.workers.config) takes ray, tensordict and codetiming, which come with theirs.
 RL ?= verl==0.9.1 openrlhf==0.11.2
+# The bench's peers that run on a CPU too (tests/bench/test_bench_peers.py checks their rows against vpce's):
+# liger-kernel's scaled cross-entropy has a torch fallback, fla-core runs in Triton's interpreter.
+PEERS ?= liger-kernel==0.8.5 fla-core==0.6.0 einops==0.8.2
 RL_DEPS ?= ray==2.60.0 tensordict==0.10.0 codetiming==1.4.0
 
 setup-test: setup
-	@$(PIP) --no-deps $(TORCHTUNE) $(TRL) $(RL)
+	@$(PIP) --no-deps $(TORCHTUNE) $(TRL) $(RL) $(PEERS)
 	@$(PIP) -e ".[test,torchtune]" $(RL_DEPS)
 
 test: setup-test
