@@ -8,25 +8,33 @@ fused head: ``verl.utils.experimental.torch_functional.FusedLinearForPPO`` (the 
 or ``verl.utils.kernel.linear_cross_entropy.linear_cross_entropy`` (the Megatron worker, its lm_head split by
 vocab over the tensor-parallel group).
 
-Two ways in, both exact against verl's own code:
+Three ways in, each exact against verl's own code:
 
-- ``apply()`` makes those two heads run on ``vpce.linear_log_probs`` (one fused GEMM + online-softmax pass, O(N)
-  memory; under ``torch.no_grad``, as for the old and reference log-probs, nothing is kept for backward).
+- ``apply()`` makes verl 0.9's FSDP actor update compute its policy loss fused. It wraps
+  ``FSDPEngineWithLMHead.forward_step``; for a training micro-batch whose loss function is verl's ``ppo_loss``, the
+  model's fused-kernel forward (verl's ``patch_forward_with_backends``) calls vpce's head. The head evaluates
+  ``ppo_loss`` below on the hidden states of the response positions and hands the loss back to verl's step through
+  the model's output (``_FusedStep``). verl's metrics come from its own function.
+- ``apply()`` also makes the two fused heads run on ``vpce.linear_log_probs`` (one fused GEMM + online-softmax pass,
+  O(N) memory; under ``torch.no_grad``, as for the old and reference log-probs, nothing is kept for backward).
   ``VpceLinearForPPO`` is the FSDP worker's head; ``linear_cross_entropy`` the Megatron worker's, on the rank's
-  vocab shard with ``dist_process_group``. verl's loss code then runs unchanged on the per-token values: the lean
-  route (the logits recomputed in backward).
+  vocab shard with ``dist_process_group``. Where the loss is not fused (the Megatron worker, Ulysses sequence
+  parallelism, other loss functions), verl's loss code runs unchanged on their per-token values: the lean route
+  (the logits recomputed in backward).
 - ``ppo_loss(...)`` is ``ppo_loss`` itself, fused: ``vpce.linear_log_prob_loss`` evaluates verl's registered policy
   loss, ``agg_loss`` and ``kl_penalty`` on each chunk's log-probs and entropy while its logits are live, so the
   gradients are formed in forward at the cross-entropy's cost. Chunks hold whole responses (scope ``"sequence"``)
-  for the loss modes whose loss is a sum over responses (``ROW_LOSS_MODES``); the aggregation's batch constants
+  for the loss modes whose loss is a sum over responses (``ROW_LOSS_MODES``). The aggregation's batch constants
   (``batch_num_tokens``, ``global_batch_size``) are filled in from the whole micro-batch where verl leaves them to
   ``agg_loss``, so every chunk's share adds up to verl's value. Other loss modes (``clip_cov``, ``kl_cov``: a
   selection over the batch) see every token at once (scope ``"batch"``, one pass over the logits more). verl's
   metrics are computed by its own function once, on the detached log-probs.
 
-Supported: verl 0.9.x (tested against 0.9.1's ``core_algos``, ``ppo_loss`` and ``FusedLinearForPPO`` on CPU), the
-FSDP worker's HF models patched with ``use_fused_kernels`` and the Megatron worker's fused forward
-(``model_forward_fused``). verl itself needs ``ray`` and ``tensordict`` to import.
+Supported: verl 0.9.x, tested against 0.9.1 on CPU (its engine's ``forward_backward_batch`` and ``infer_batch``,
+``core_algos``, ``ppo_loss`` and ``FusedLinearForPPO``). The fused update covers the FSDP engine with
+``use_fused_kernels`` (``impl_backend`` ``torch`` or ``liger``). The Megatron worker's fused forward
+(``model_forward_fused``) gets vpce's log-probs and entropy, with verl's loss on them. verl itself needs ``ray``
+and ``tensordict`` to import.
 """
 
 from __future__ import annotations
