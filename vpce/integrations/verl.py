@@ -8,28 +8,40 @@ fused head: ``verl.utils.experimental.torch_functional.FusedLinearForPPO`` (the 
 or ``verl.utils.kernel.linear_cross_entropy.linear_cross_entropy`` (the Megatron worker, its lm_head split by
 vocab over the tensor-parallel group).
 
-Two ways in, both exact against verl's own code:
+Three ways in, each exact against verl's own code:
 
-- ``apply()`` makes those two heads run on ``vpce.linear_log_probs`` (one fused GEMM + online-softmax pass, O(N)
-  memory; under ``torch.no_grad``, as for the old and reference log-probs, nothing is kept for backward).
+- ``apply()`` makes verl 0.9's FSDP actor update compute its policy loss fused. It wraps
+  ``FSDPEngineWithLMHead.forward_step``; for a training micro-batch whose loss function is verl's ``ppo_loss``, the
+  model's fused-kernel forward (verl's ``patch_forward_with_backends``) calls vpce's head. The head evaluates
+  ``ppo_loss`` below on the hidden states of the response positions and hands the loss back to verl's step through
+  the model's output (``_FusedStep``). verl's metrics come from its own function.
+- ``apply()`` also makes the two fused heads run on ``vpce.linear_log_probs`` (one fused GEMM + online-softmax pass,
+  O(N) memory; under ``torch.no_grad``, as for the old and reference log-probs, nothing is kept for backward).
   ``VpceLinearForPPO`` is the FSDP worker's head; ``linear_cross_entropy`` the Megatron worker's, on the rank's
-  vocab shard with ``dist_process_group``. verl's loss code then runs unchanged on the per-token values: the lean
-  route (the logits recomputed in backward).
+  vocab shard with ``dist_process_group``. Where the loss is not fused (the Megatron worker, Ulysses sequence
+  parallelism, other loss functions), verl's loss code runs unchanged on their per-token values: the lean route
+  (the logits recomputed in backward).
 - ``ppo_loss(...)`` is ``ppo_loss`` itself, fused: ``vpce.linear_log_prob_loss`` evaluates verl's registered policy
   loss, ``agg_loss`` and ``kl_penalty`` on each chunk's log-probs and entropy while its logits are live, so the
   gradients are formed in forward at the cross-entropy's cost. Chunks hold whole responses (scope ``"sequence"``)
-  for the loss modes whose loss is a sum over responses (``ROW_LOSS_MODES``); the aggregation's batch constants
+  for the loss modes whose loss is a sum over responses (``ROW_LOSS_MODES``). The aggregation's batch constants
   (``batch_num_tokens``, ``global_batch_size``) are filled in from the whole micro-batch where verl leaves them to
   ``agg_loss``, so every chunk's share adds up to verl's value. Other loss modes (``clip_cov``, ``kl_cov``: a
   selection over the batch) see every token at once (scope ``"batch"``, one pass over the logits more). verl's
   metrics are computed by its own function once, on the detached log-probs.
 
-Supported: verl 0.9.x (tested against 0.9.1's ``core_algos``, ``ppo_loss`` and ``FusedLinearForPPO`` on CPU), the
-FSDP worker's HF models patched with ``use_fused_kernels`` and the Megatron worker's fused forward
-(``model_forward_fused``). verl itself needs ``ray`` and ``tensordict`` to import.
+Supported: verl 0.9.x, tested against 0.9.1 on CPU (its engine's ``forward_backward_batch`` and ``infer_batch``,
+``core_algos``, ``ppo_loss`` and ``FusedLinearForPPO``). The fused update covers the FSDP engine with
+``use_fused_kernels`` (``impl_backend`` ``torch`` or ``liger``). The Megatron worker's fused forward
+(``model_forward_fused``) gets vpce's log-probs and entropy, with verl's loss on them. verl itself needs ``ray``
+and ``tensordict`` to import.
 """
 
 from __future__ import annotations
+
+import contextvars
+import functools
+import warnings
 
 import torch
 
@@ -86,6 +98,18 @@ def ppo_loss(config, hidden, weight, target, old_log_probs, advantages, bias=Non
         the policy loss's own, ``actor/entropy_loss``, ``kl_loss``, ``kl_coef``), and the detached per-token
         ``log_probs`` and ``entropy`` ``[B, T]``.
     """
+    return _ppo_loss(config, hidden, weight, target, old_log_probs, advantages, bias, response_mask=response_mask,
+                     rollout_is_weights=rollout_is_weights, ref_log_prob=ref_log_prob, use_entropy=use_entropy,
+                     temperature=temperature, softcap=softcap, ignore_index=ignore_index, group=group,
+                     vocab_start=vocab_start, vocab_size=vocab_size, backend=backend, memory_budget=memory_budget,
+                     validate=validate)
+
+
+def _ppo_loss(config, hidden, weight, target, old_log_probs, advantages, bias=None, *, response_mask=None,
+              rollout_is_weights=None, ref_log_prob=None, use_entropy=None, temperature=1.0, softcap=None,
+              ignore_index=-100, group=None, vocab_start=None, vocab_size=None, backend="auto", memory_budget="auto",
+              validate=False, metrics=True):
+    """``ppo_loss``; without ``metrics``, the metrics are ``None`` (the caller takes them from verl)."""
     if not isinstance(target, torch.Tensor) or target.dim() != 2:
         raise ValueError(f"target: expected a [B, T] tensor, got "
                          f"{tuple(target.shape) if isinstance(target, torch.Tensor) else type(target).__name__}")
@@ -139,17 +163,20 @@ def ppo_loss(config, hidden, weight, target, old_log_probs, advantages, bias=Non
             use_entropy=use_entropy, temperature=temperature, softcap=softcap, ignore_index=ignore_index,
             group=group, vocab_start=vocab_start, vocab_size=vocab_size, backend=backend,
             memory_budget=memory_budget, validate=validate, return_outputs=True)
-        with torch.no_grad():  # verl's metrics, once, on the whole micro-batch
-            x = {k: v.detach().to(logp.device) for k, v in inputs.items()}
-            after = torch.get_rng_state()
-            torch.set_rng_state(rng)
-            _, metrics = terms(logp, ent if use_entropy else None, **x)
-            torch.set_rng_state(after)
+        parts = None
+        if metrics:
+            with torch.no_grad():  # verl's metrics, once, on the whole micro-batch
+                x = {k: v.detach().to(logp.device) for k, v in inputs.items()}
+                after = torch.get_rng_state()
+                torch.set_rng_state(rng)
+                _, parts = terms(logp, ent if use_entropy else None, **x)
+                torch.set_rng_state(after)
     finally:
         config.global_batch_info.clear()
         config.global_batch_info.update(saved)
-    metrics = {k: (v.detach() if isinstance(v, torch.Tensor) else v) for k, v in metrics.items()}
-    return loss, metrics, logp, ent
+    if parts is not None:
+        parts = {k: (v.detach() if isinstance(v, torch.Tensor) else v) for k, v in parts.items()}
+    return loss, parts, logp, ent
 
 
 # -- the heads -----------------------------------------------------------------------------------------------------
@@ -165,6 +192,9 @@ class VpceLinearForPPO(torch.nn.Module):
         self.options = dict(backend=backend, memory_budget=memory_budget, validate=validate)
 
     def forward(self, hidden_states, vocab_weights, input_ids, temperature=1.0):
+        step = _STEP.get()
+        if step is not None and step.loss is None and torch.is_grad_enabled():
+            return step.head(hidden_states, vocab_weights, input_ids, temperature, self.options)
         if vocab_weights.dtype != hidden_states.dtype:
             vocab_weights = vocab_weights.to(hidden_states.dtype)
         return vpce.linear_log_probs(hidden_states, vocab_weights, input_ids.to(torch.int64),
@@ -207,14 +237,151 @@ def linear_cross_entropy(hidden, weight, labels, temperature=1.0, reduction="non
                                  return_entropy=True, **shard)
 
 
+# -- the actor's training step: the policy loss formed in the model's forward ------------------------------------
+
+class _FusedStep:
+    """One micro-batch of verl's FSDP actor update whose policy loss is computed by the head, fused.
+
+    ``FSDPEngineWithLMHead.forward_step`` (patched by ``apply``) makes one per micro-batch and passes it as the loss
+    function. The model's forward calls the head (``VpceLinearForPPO``), which finds the step and calls ``head``:
+    it takes the hidden states of the positions that predict response tokens (verl's own ``no_padding_2_padding``
+    maps the packed positions), evaluates verl's loss on them through ``_ppo_loss`` and returns the per-token
+    log-probs and entropy of every position (0 outside the responses, where verl's loss does not look). The
+    returned log-probs carry the loss's gradient: their values are the log-probs and ``d log_probs / d loss`` is 1,
+    so the loss that ``__call__`` hands back to verl's forward step (its value, plus the first log-prob minus
+    itself) reaches the hidden states and the lm_head through the model's output, where the FSDP wrappers watch
+    for the backward. ``__call__`` also returns verl's metrics, from ``verl.workers.utils.losses.ppo_loss`` itself
+    on the detached log-probs and entropy.
+    """
+
+    def __init__(self, config, micro_batch):
+        self.config, self.micro_batch = config, micro_batch
+        self.loss = self.rng = self.rng_after = None
+
+    def head(self, hidden, weight, labels, temperature, options):
+        from verl.utils import tensordict_utils as tu
+        from verl.workers.utils.padding import no_padding_2_padding
+
+        data, config = self.micro_batch, self.config
+        dev = hidden.device
+        lengths = data["input_ids"].offsets().diff().to(dev)
+        nnz = int(lengths.sum())
+        if tu.get_non_tensor_data(data=data, key="use_remove_padding", default=True):
+            flat = torch.arange(nnz, device=dev)  # hidden [1, nnz + tail padding, D]
+        else:  # hidden [B, S, D], each sequence left-aligned
+            rows = torch.repeat_interleave(torch.arange(lengths.numel(), device=dev), lengths)
+            starts = torch.cumsum(lengths, 0) - lengths
+            flat = rows * hidden.shape[-2] + torch.arange(nnz, device=dev) - starts[rows]
+        where = no_padding_2_padding(flat, data)  # [B, T]: the position predicting each response token
+        fields = ["response_mask", "old_log_probs", "advantages"]
+        fields += [k for k in ("rollout_is_weights", "ref_log_prob") if k in data]
+        x = data.select(*fields).to_padded_tensor()
+        x = {k: x[k].to(dev) for k in fields}
+        mask = x["response_mask"].to(torch.bool)
+        h = hidden.reshape(-1, hidden.shape[-1])[where]
+        y = labels.reshape(-1).to(torch.int64)[where]
+        # verl's ppo_loss sets these on the config for each micro-batch before the policy loss reads them
+        config.global_batch_info.update(dp_size=data["dp_size"], batch_num_tokens=data["batch_num_tokens"],
+                                        global_batch_size=data["global_batch_size"],
+                                        loss_scale_factor=config.loss_scale_factor)
+        use_entropy = bool(tu.get_non_tensor_data(data=data, key="calculate_entropy", default=False))
+        if weight.dtype != h.dtype:
+            weight = weight.to(h.dtype)
+        self.rng = torch.get_rng_state()
+        loss, _, logp, ent = _ppo_loss(
+            config, h, weight, y, x["old_log_probs"], x["advantages"], response_mask=mask,
+            rollout_is_weights=x.get("rollout_is_weights"), ref_log_prob=x.get("ref_log_prob"),
+            use_entropy=use_entropy, temperature=float(temperature), metrics=False, **options)
+        self.rng_after = torch.get_rng_state()
+        self.loss = loss
+        dtype = torch.promote_types(logp.dtype, loss.dtype)
+        out = []
+        for values in (logp, ent if use_entropy else torch.zeros_like(logp)):
+            full = torch.zeros(labels.numel(), dtype=dtype, device=dev)
+            full[where[mask]] = values[mask].to(dtype)
+            out.append(full.view(labels.shape))
+        return out[0] + (loss - loss.detach()).to(dtype), out[1]
+
+    def __call__(self, model_output, data, dp_group=None):
+        from verl.workers.utils.losses import ppo_loss as verl_ppo_loss
+
+        if self.loss is None:  # the model's forward did not run vpce's head: verl's loss on its outputs
+            _warn_once("the model's forward did not call vpce's head (is use_fused_kernels on, with "
+                       "impl_backend 'torch' or 'liger'?): verl's policy loss runs on its log-probs")
+            return verl_ppo_loss(config=self.config, model_output=model_output, data=data, dp_group=dp_group)
+        detached = {k: (v.detach() if isinstance(v, torch.Tensor) else v) for k, v in model_output.items()}
+        with torch.no_grad():  # verl's metrics, on the log-probs of the loss, with the loss's random draw
+            torch.set_rng_state(self.rng)
+            _, metrics = verl_ppo_loss(config=self.config, model_output=detached, data=data, dp_group=dp_group)
+            torch.set_rng_state(self.rng_after)
+        log_probs = model_output["log_probs"]
+        first = (log_probs.values() if log_probs.is_nested else log_probs).reshape(-1)[0]
+        return self.loss.detach() + (first - first.detach()).to(self.loss.dtype), metrics
+
+
+_STEP: contextvars.ContextVar = contextvars.ContextVar("vpce_verl_step", default=None)
+_WARNED: set = set()
+
+
+def _warn_once(message):
+    if message not in _WARNED:
+        _WARNED.add(message)
+        warnings.warn(f"vpce.integrations.verl: {message}", stacklevel=3)
+
+
+def _fused_step(engine, micro_batch, loss_function, forward_only):
+    """The step to fuse for this micro-batch, or None where verl's own forward step runs (inference, another loss
+    than verl's ``ppo_loss``, no fused head, sequence parallelism, distillation)."""
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.utils.losses import ppo_loss as verl_ppo_loss
+
+    if forward_only or not torch.is_grad_enabled():
+        return None
+    if not (isinstance(loss_function, functools.partial) and loss_function.func is verl_ppo_loss
+            and not loss_function.args and set(loss_function.keywords) == {"config"}):
+        return None
+    get = lambda key: tu.get_non_tensor_data(data=micro_batch, key=key, default=False)  # noqa: E731
+    if not get("use_fused_kernels") or get("distillation_use_topk") or get("distillation_only"):
+        return None
+    if getattr(engine, "use_ulysses_sp", False) or getattr(engine, "pad_to_length", False):
+        _warn_once("Ulysses sequence parallelism and pad_to_length are not fused: verl's policy loss runs on the "
+                   "log-probs of vpce's head")
+        return None
+    return _FusedStep(loss_function.keywords["config"], micro_batch)
+
+
+def _fusing_forward_step(forward_step):
+    @functools.wraps(forward_step)
+    def wrapper(self, micro_batch, loss_function, forward_only):
+        step = _fused_step(self, micro_batch, loss_function, forward_only)
+        if step is None:
+            return forward_step(self, micro_batch, loss_function, forward_only)
+        token = _STEP.set(step)
+        try:
+            return forward_step(self, micro_batch, step, forward_only)
+        finally:
+            _STEP.reset(token)
+
+    wrapper._vpce_original = forward_step
+    return wrapper
+
+
 _PATCHED: dict = {}
 _MEGATRON_MODULES = ("verl.models.mcore.model_forward_fused", "verl.models.mcore.model_forward_1f1b_overlap")
 
 
-def apply(*, backend="auto", memory_budget="auto", validate=False, megatron=True) -> None:
-    """Make verl's fused heads run on vpce: ``FusedLinearForPPO`` (FSDP worker) and, with ``megatron`` (where
-    megatron-core imports), the Megatron worker's ``linear_cross_entropy``. Call before the workers build their
-    models; ``remove()`` restores verl's."""
+def apply(*, backend="auto", memory_budget="auto", validate=False, megatron=True, fuse_loss=True) -> None:
+    """Make verl's actor run on vpce. Call before the workers build their models; ``remove()`` restores verl's.
+
+    - ``FusedLinearForPPO`` (the FSDP worker's head with ``use_fused_kernels``) becomes ``VpceLinearForPPO``:
+      the log-probs and entropy of ``compute_log_prob`` / ``compute_ref_log_prob`` (no grad) and of training.
+    - With ``fuse_loss``, ``FSDPEngineWithLMHead.forward_step`` computes the actor's policy loss (verl's
+      ``ppo_loss``: its loss mode, aggregation, entropy and KL terms) inside the model's forward, fused, when the
+      worker's loss function is verl's ``ppo_loss`` and the micro-batch uses the fused kernels; other steps run
+      verl's code unchanged.
+    - With ``megatron`` (where megatron-core imports), the Megatron worker's ``linear_cross_entropy`` (log-probs and
+      entropy on the tensor-parallel vocab shard; its loss stays verl's).
+    """
     import importlib
 
     import verl.utils.experimental.torch_functional as tf
@@ -224,6 +391,12 @@ def apply(*, backend="auto", memory_budget="auto", validate=False, megatron=True
 
     _PATCHED.setdefault((tf, "FusedLinearForPPO"), tf.FusedLinearForPPO)
     tf.FusedLinearForPPO = head
+    if fuse_loss:
+        from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead as engine
+
+        if not hasattr(engine.forward_step, "_vpce_original"):
+            _PATCHED.setdefault((engine, "forward_step"), engine.forward_step)
+            engine.forward_step = _fusing_forward_step(engine.forward_step)
     if megatron:
         for name in _MEGATRON_MODULES:
             try:
