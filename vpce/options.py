@@ -1,6 +1,6 @@
 """The options every backend receives, validated once at the public boundary (``vpce.api``, ``vpce.distill``,
-``vpce.post_training``: each entry's arguments object ``validate()``\ s into one of these), and ``Folded``: the
-logit transform the kernels apply, with the logit scale and the temperature folded in, derived in one place
+``vpce.post_training``: the ``validate()`` of each entry's arguments object returns one of these), and ``Folded``:
+the logit transform the kernels apply, with the logit scale and the temperature folded in, derived in one place
 (``Folded.of``) for every loss.
 
 An options object keeps what the caller asked for (``softcap``, ``logit_scale``, ``temperature``), which the group
