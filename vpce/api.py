@@ -11,6 +11,7 @@ collectives, and calls the autograd shell (``vpce.autograd``) or, under ``torch.
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -19,8 +20,8 @@ from . import speculation
 from .autograd import LinearCrossEntropyFunction, LinearLogProbsFunction, accumulation_dtype
 from .backends.grads import check_main_grad
 from .options import BACKENDS, METRICS, REDUCTIONS, LogProbOptions, LossOptions
-from .prepare import Entry, check_bool, check_class_weight, check_int, check_logit_scale, check_memory_budget, \
-    check_number, check_token_weight, compute_operands, enter, prepare_call
+from .prepare import (Entry, check_bool, check_class_weight, check_int, check_logit_scale, check_memory_budget,
+                      check_number, check_token_weight, compute_operands, enter, prepare_call)
 from .routing import plan_cross_entropy, plan_log_probs, settle_by_memory, size_cross_entropy, size_log_probs
 
 __all__ = ["linear_cross_entropy", "linear_log_probs", "LinearCrossEntropy", "CrossEntropyOutput"]
@@ -28,27 +29,42 @@ __all__ = ["linear_cross_entropy", "linear_log_probs", "LinearCrossEntropy", "Cr
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def make_options(*, ignore_index=-100, reduction="mean", label_smoothing=0.0, z_loss=0.0, softcap=None,
-                 memory_budget="auto", logit_scale=1.0, token_scaling=False, return_z_loss=False,
-                 return_token_accuracy=False, return_entropy=False) -> LossOptions:
-    """Validate the per-token options once and freeze them into ``LossOptions``."""
-    for name, flag in (("token_scaling", token_scaling), ("return_z_loss", return_z_loss),
-                       ("return_token_accuracy", return_token_accuracy), ("return_entropy", return_entropy)):
-        check_bool(name, flag)
-    asked = dict(zip(METRICS, (return_z_loss, return_token_accuracy, return_entropy)))
-    check_int("ignore_index", ignore_index, allow_none=False)
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"reduction: expected one of {REDUCTIONS}, got {reduction!r}")
-    check_number("label_smoothing", label_smoothing, low=0.0, high=1.0)  # torch's range: 1.0 included
-    check_number("z_loss", z_loss, low=0.0)
-    check_number("softcap", softcap, low=0.0, low_open=True, allow_none=True)
-    memory_budget = check_memory_budget(memory_budget)
-    check_logit_scale(logit_scale)
-    return LossOptions(ignore_index=int(ignore_index), reduction=reduction,
-                       label_smoothing=float(label_smoothing), z_loss=float(z_loss),
-                       softcap=None if softcap is None else float(softcap), memory_budget=memory_budget,
-                       logit_scale=float(logit_scale), token_scaling=token_scaling,
-                       metrics=tuple(k for k in METRICS if asked[k]))
+@dataclass(frozen=True, kw_only=True)
+class CrossEntropyArgs:
+    """``linear_cross_entropy``'s per-token options as the caller gave them (the meanings: its docstring), not yet
+    checked. ``validate`` checks them and freezes them into ``LossOptions``; the entry calls it inside
+    ``prepare_call``, where under a group an error is exchanged and raised on every rank."""
+
+    ignore_index: int = -100
+    reduction: str = "mean"
+    label_smoothing: float = 0.0
+    z_loss: float = 0.0
+    softcap: float | None = None
+    memory_budget: str | float = "auto"
+    logit_scale: float = 1.0
+    token_scaling: bool = False
+    return_z_loss: bool = False
+    return_token_accuracy: bool = False
+    return_entropy: bool = False
+
+    def validate(self) -> LossOptions:
+        """The checked options (``ValueError``/``TypeError`` naming the argument)."""
+        for name in ("token_scaling", "return_z_loss", "return_token_accuracy", "return_entropy"):
+            check_bool(name, getattr(self, name))
+        asked = dict(zip(METRICS, (self.return_z_loss, self.return_token_accuracy, self.return_entropy)))
+        check_int("ignore_index", self.ignore_index, allow_none=False)
+        if self.reduction not in REDUCTIONS:
+            raise ValueError(f"reduction: expected one of {REDUCTIONS}, got {self.reduction!r}")
+        check_number("label_smoothing", self.label_smoothing, low=0.0, high=1.0)  # torch's range: 1.0 included
+        check_number("z_loss", self.z_loss, low=0.0)
+        check_number("softcap", self.softcap, low=0.0, low_open=True, allow_none=True)
+        memory_budget = check_memory_budget(self.memory_budget)
+        check_logit_scale(self.logit_scale)
+        return LossOptions(ignore_index=int(self.ignore_index), reduction=self.reduction,
+                           label_smoothing=float(self.label_smoothing), z_loss=float(self.z_loss),
+                           softcap=None if self.softcap is None else float(self.softcap),
+                           memory_budget=memory_budget, logit_scale=float(self.logit_scale),
+                           token_scaling=self.token_scaling, metrics=tuple(k for k in METRICS if asked[k]))
 
 
 class CrossEntropyOutput(NamedTuple):
@@ -118,34 +134,34 @@ def linear_cross_entropy(hidden, weight, target, bias=None, *, ignore_index=-100
         ``return_*`` set, a ``CrossEntropyOutput(loss, z_loss, token_accuracy, entropy)`` with None where not
         asked. The full contract is docs/api.md in the source distribution.
     """
-    options = dict(ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing, z_loss=z_loss,
-                   softcap=softcap, memory_budget=memory_budget, logit_scale=logit_scale, token_scaling=token_scaling,
-                   return_z_loss=return_z_loss, return_token_accuracy=return_token_accuracy,
-                   return_entropy=return_entropy)
-    entry = CrossEntropyEntry(options, target, token_weight, class_weight, accumulate_main_grad, ignore_index)
+    args = CrossEntropyArgs(ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
+                            z_loss=z_loss, softcap=softcap, memory_budget=memory_budget, logit_scale=logit_scale,
+                            token_scaling=token_scaling, return_z_loss=return_z_loss,
+                            return_token_accuracy=return_token_accuracy, return_entropy=return_entropy)
+    entry = CrossEntropyEntry(args, target, token_weight, class_weight, accumulate_main_grad)
     return _cross_entropy(entry, hidden, weight, target, bias, group=group, vocab_start=vocab_start,
                           vocab_size=vocab_size, sequence_parallel=sequence_parallel, backend=backend,
                           validate=validate)
 
 
 class CrossEntropyEntry(Entry):
-    """``linear_cross_entropy`` (and ``LinearCrossEntropy``) in ``prepare_call``: ``options`` are the keyword
-    arguments of ``make_options``, validated in ``checks``, or ``LossOptions`` validated already (the module)."""
+    """``linear_cross_entropy`` (and ``LinearCrossEntropy``) in ``prepare_call``: ``options`` are its arguments,
+    validated in ``checks``, or ``LossOptions`` validated already (the module)."""
 
     name = "ce"
 
-    def __init__(self, options: dict | LossOptions, target, token_weight, class_weight, accumulate_main_grad: bool,
-                 ignore_index):
+    def __init__(self, options: CrossEntropyArgs | LossOptions, target, token_weight, class_weight,
+                 accumulate_main_grad: bool):
+        self.args = options
         self.opts = options if isinstance(options, LossOptions) else None
-        self.options = options
         self.target, self.token_weight, self.class_weight = target, token_weight, class_weight
         self.accumulate_main_grad = accumulate_main_grad
-        self.ignore_index = ignore_index if isinstance(ignore_index, int) else -100
+        self.ignore_index = options.ignore_index if isinstance(options.ignore_index, int) else -100
         self.weight = None
 
     def checks(self, w, cast_by_autocast):
         if self.opts is None:
-            self.opts = make_options(**self.options)
+            self.opts = self.args.validate()
         self.weight = w  # the caller's weight, before any autocast cast: the speculative route's call site
         check_token_weight(self.token_weight, self.target)
         check_class_weight(self.class_weight, w)
@@ -252,10 +268,10 @@ def linear_log_probs(hidden, weight, target, bias=None, *, temperature=1.0, soft
         ``log_probs`` and ``entropy``, sharded or not (the building block for PPO/GRPO-style losses); the last
         three are detached.
     """
-    entry = LogProbsEntry(dict(ignore_index=ignore_index, temperature=temperature, softcap=softcap,
-                               return_entropy=return_entropy, logit_scale=logit_scale, return_top1=return_top1,
-                               return_mean_logits=return_mean_logits,
-                               return_log_sum_sq_probs=return_log_sum_sq_probs), memory_budget)
+    entry = LogProbsEntry(LogProbsArgs(ignore_index=ignore_index, temperature=temperature, softcap=softcap,
+                                       return_entropy=return_entropy, logit_scale=logit_scale, return_top1=return_top1,
+                                       return_mean_logits=return_mean_logits,
+                                       return_log_sum_sq_probs=return_log_sum_sq_probs, memory_budget=memory_budget))
     h2, weight, bias, target, call = prepare_call(
         entry, hidden, weight, target, bias, group=group, vocab_start=vocab_start, vocab_size=vocab_size,
         sequence_parallel=sequence_parallel, backend=backend, validate=validate)
@@ -268,53 +284,70 @@ def linear_log_probs(hidden, weight, target, bias=None, *, temperature=1.0, soft
     return out.reshape(target.shape)
 
 
+@dataclass(frozen=True, kw_only=True)
+class LogProbsArgs:
+    """``linear_log_probs``' per-token options as the caller gave them (the meanings: its docstring), not yet
+    checked; ``validate`` freezes them into ``LogProbOptions`` (as ``CrossEntropyArgs``)."""
+
+    ignore_index: int = -100
+    temperature: float = 1.0
+    softcap: float | None = None
+    return_entropy: bool = False
+    logit_scale: float = 1.0
+    return_top1: bool = False
+    return_mean_logits: bool = False
+    return_log_sum_sq_probs: bool = False
+    memory_budget: str | float = "auto"
+
+    def validate(self) -> LogProbOptions:
+        """The checked options (``ValueError``/``TypeError`` naming the argument)."""
+        budget = check_memory_budget(self.memory_budget)
+        check_int("ignore_index", self.ignore_index, allow_none=False)
+        check_number("temperature", self.temperature, low=0.0, low_open=True)
+        check_number("softcap", self.softcap, low=0.0, low_open=True, allow_none=True)
+        check_bool("return_entropy", self.return_entropy)
+        check_logit_scale(self.logit_scale)
+        check_bool("return_top1", self.return_top1)
+        check_bool("return_mean_logits", self.return_mean_logits)
+        check_bool("return_log_sum_sq_probs", self.return_log_sum_sq_probs)
+        return LogProbOptions(ignore_index=int(self.ignore_index),
+                              softcap=None if self.softcap is None else float(self.softcap),
+                              logit_scale=float(self.logit_scale), temperature=float(self.temperature),
+                              entropy=self.return_entropy, top1=self.return_top1,
+                              mean_logits=self.return_mean_logits, log_sum_sq=self.return_log_sum_sq_probs,
+                              memory_budget=budget)
+
+
 class LogProbsEntry(Entry):
-    """``linear_log_probs`` in ``prepare_call``; ``args``: its keyword arguments but ``memory_budget``."""
+    """``linear_log_probs`` in ``prepare_call``: its arguments, validated in ``checks`` into ``lp``."""
 
     name = "logprob"
 
-    def __init__(self, args: dict, memory_budget):
-        self.args, self.memory_budget = args, memory_budget
-        self.ignore_index = args["ignore_index"] if isinstance(args["ignore_index"], int) else -100
-        self.weight = self.budget = self.lp = None
+    def __init__(self, args: LogProbsArgs):
+        self.args = args
+        self.ignore_index = args.ignore_index if isinstance(args.ignore_index, int) else -100
+        self.weight = self.lp = None
 
     def checks(self, w, _cast):
-        a = self.args
         self.weight = w  # the caller's weight, before any autocast cast: the speculative route's call site
-        self.budget = check_memory_budget(self.memory_budget)
-        check_int("ignore_index", a["ignore_index"], allow_none=False)
-        check_number("temperature", a["temperature"], low=0.0, low_open=True)
-        check_number("softcap", a["softcap"], low=0.0, low_open=True, allow_none=True)
-        check_bool("return_entropy", a["return_entropy"])
-        check_logit_scale(a["logit_scale"])
-        check_bool("return_top1", a["return_top1"])
-        check_bool("return_mean_logits", a["return_mean_logits"])
-        check_bool("return_log_sum_sq_probs", a["return_log_sum_sq_probs"])
-        # the logit scale s folds into the cap and the temperature: cap_c(s x) / T = cap_{c/s}(x) * (s / T)
-        s, softcap = float(a["logit_scale"]), a["softcap"]
-        self.lp = LogProbOptions(ignore_index=int(a["ignore_index"]),
-                                 softcap=None if softcap is None else float(softcap) / s,
-                                 inv_t=s / float(a["temperature"]), entropy=a["return_entropy"],
-                                 top1=a["return_top1"], mean_logits=a["return_mean_logits"],
-                                 log_sum_sq=a["return_log_sum_sq_probs"], memory_budget=self.budget)
+        self.lp = self.args.validate()
 
     def fields(self):
-        a = self.args
-        return [("ignore_index", a["ignore_index"]), ("temperature", float(a["temperature"])),
-                ("softcap", None if a["softcap"] is None else float(a["softcap"])),
-                ("return_entropy", a["return_entropy"]), ("logit_scale", float(a["logit_scale"])),
-                ("return_top1", a["return_top1"]), ("return_mean_logits", a["return_mean_logits"]),
-                ("return_log_sum_sq_probs", a["return_log_sum_sq_probs"]), ("memory_budget", self.budget)]
+        lp = self.lp
+        return [("ignore_index", lp.ignore_index), ("temperature", lp.temperature), ("softcap", lp.softcap),
+                ("return_entropy", lp.entropy), ("logit_scale", lp.logit_scale), ("return_top1", lp.top1),
+                ("return_mean_logits", lp.mean_logits), ("return_log_sum_sq_probs", lp.log_sum_sq),
+                ("memory_budget", lp.memory_budget)]
 
     def plan(self, needs, dtype, backend_name, sharded, sp):
         speculate = False
-        if self.budget != "lean":
+        if self.lp.memory_budget != "lean":
             speculate, self.history = speculation.decide("logprob", self.weight, tuple(self.fields()), backend_name,
                                                          sharded, needs)
         return plan_log_probs(needs, backend_name, sharded, sp, speculate)
 
     def memory(self, p, h, rows, needs, world):
-        return settle_by_memory(p, h, rows, needs, LossOptions(memory_budget=self.budget), world, self.weight_cast)
+        return settle_by_memory(p, h, rows, needs, self.lp.chunk_options(), world, self.weight_cast)
 
     def size(self, plan, shard, d, dtype):
         return size_log_probs(plan, self.lp, shard, d, dtype, self.weight_cast)
@@ -332,11 +365,11 @@ class LinearCrossEntropy(torch.nn.Module):
                  memory_budget="auto", validate=False, accumulate_main_grad=False, logit_scale=1.0,
                  token_scaling=False, return_z_loss=False, return_token_accuracy=False, return_entropy=False):
         super().__init__()
-        self.options = make_options(ignore_index=ignore_index, reduction=reduction,
-                                    label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
-                                    memory_budget=memory_budget, logit_scale=logit_scale,
-                                    token_scaling=token_scaling, return_z_loss=return_z_loss,
-                                    return_token_accuracy=return_token_accuracy, return_entropy=return_entropy)
+        self.options = CrossEntropyArgs(
+            ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing, z_loss=z_loss,
+            softcap=softcap, memory_budget=memory_budget, logit_scale=logit_scale, token_scaling=token_scaling,
+            return_z_loss=return_z_loss, return_token_accuracy=return_token_accuracy,
+            return_entropy=return_entropy).validate()
         if backend not in BACKENDS:
             raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
         check_int("vocab_start", vocab_start, low=0)
@@ -346,8 +379,7 @@ class LinearCrossEntropy(torch.nn.Module):
         self.accumulate_main_grad = accumulate_main_grad
 
     def forward(self, hidden, weight, target, bias=None, token_weight=None, class_weight=None):
-        entry = CrossEntropyEntry(self.options, target, token_weight, class_weight, self.accumulate_main_grad,
-                                  self.options.ignore_index)
+        entry = CrossEntropyEntry(self.options, target, token_weight, class_weight, self.accumulate_main_grad)
         return _cross_entropy(entry, hidden, weight, target, bias, group=self.group, vocab_start=self.vocab_start,
                               vocab_size=self.vocab_size, sequence_parallel=self.sequence_parallel,
                               backend=self.backend, validate=self.validate)

@@ -2,7 +2,7 @@
 ``hidden @ weight.T (+ bias)`` and a teacher head ``teacher_hidden @ teacher_weight.T (+ teacher_bias)`` over a
 vocab that may be sharded over a tensor-parallel group, with exact loss and exact student gradients.
 
-This module is the public entry: argument checks (``make_distill_options``, the teacher against the student),
+This module is the public entry: argument checks (``DistillArgs.validate``, the teacher against the student),
 then ``vpce.prepare.prepare_call`` with a ``DistillEntry``, then the autograd shell
 (``vpce.autograd.LinearDistillationFunction``) or, under ``torch.compile``, the registered op (``vpce.library``).
 What is computed, the statistics and their exchange: ``vpce.formulas.distill``; the backends:
@@ -12,55 +12,76 @@ What is computed, the statistics and their exchange: ``vpce.formulas.distill``; 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
 from . import parallel
 from .autograd import LinearDistillationFunction, accumulation_dtype
 from .options import DIVERGENCES, REDUCTIONS, DistillOptions
-from .prepare import Entry, autocast_dtype, autocast_operands, check_bool, check_int, check_memory_budget, \
-    check_number, check_token_weight, compute_operands, dtype_name, enter, operand_dtype, prepare_call
+from .prepare import (Entry, autocast_dtype, autocast_operands, check_bool, check_int, check_memory_budget,
+                      check_number, check_token_weight, compute_operands, dtype_name, enter, operand_dtype,
+                      prepare_call)
 from .routing import plan_distillation, size_distillation
 
 __all__ = ["linear_distillation_loss", "DistillOptions", "DIVERGENCES"]
 
 
-def make_distill_options(*, divergence, beta, temperature, temperature_squared, ce_weight, has_target, ignore_index,
-                         reduction, softcap, teacher_softcap, memory_budget) -> DistillOptions:
-    """Validate the per-token options (``ValueError``/``TypeError`` naming the argument) into ``DistillOptions``."""
-    if divergence not in DIVERGENCES:
-        raise ValueError(f"divergence: expected one of {DIVERGENCES}, got {divergence!r}")
-    if divergence == "jsd":
-        check_number("beta", beta, low=0.0, allow_none=True)
-        if beta is not None and beta > 1:
-            raise ValueError(f"beta: expected a number in [0, 1], got {beta}")
-    elif beta is not None:
-        raise ValueError(f"beta: expected None with divergence={divergence!r} (beta is the JSD's mixture weight; "
-                         f"pass divergence='jsd'), got {beta!r}")
-    check_number("temperature", temperature, low=0.0, low_open=True)
-    if temperature == math.inf:
-        raise ValueError("temperature: expected a finite number > 0, got inf")
-    check_bool("temperature_squared", temperature_squared)
-    check_number("ce_weight", ce_weight, low=0.0)
-    if ce_weight > 1:
-        raise ValueError(f"ce_weight: expected a number in [0, 1], got {ce_weight}")
-    if ce_weight > 0 and not has_target:
-        raise ValueError(f"target: expected a tensor of hard labels with ce_weight={ce_weight}, got None")
-    check_int("ignore_index", ignore_index, allow_none=False)
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"reduction: expected one of {REDUCTIONS}, got {reduction!r}")
-    check_number("softcap", softcap, low=0.0, low_open=True, allow_none=True)
-    check_number("teacher_softcap", teacher_softcap, low=0.0, low_open=True, allow_none=True)
-    memory_budget = check_memory_budget(memory_budget)
-    beta = 0.5 if beta is None else float(beta)
-    kind = divergence if divergence != "jsd" or 0 < beta < 1 else ("forward_kl" if beta == 0 else "reverse_kl")
-    t = float(temperature)
-    return DistillOptions(kind=kind, beta=beta, inv_t=1.0 / t, kd_scale=(1 - ce_weight) * (t * t if
-                          temperature_squared else 1.0), ce_weight=float(ce_weight),
-                          ignore_index=int(ignore_index) if has_target else -1, reduction=reduction,
-                          softcap=None if softcap is None else float(softcap),
-                          teacher_softcap=None if teacher_softcap is None else float(teacher_softcap),
-                          memory_budget=memory_budget)
+@dataclass(frozen=True, kw_only=True)
+class DistillArgs:
+    """``linear_distillation_loss``'s per-token options as the caller gave them (the meanings: its docstring), not
+    yet checked; ``validate`` freezes them into ``DistillOptions`` (as ``vpce.api.CrossEntropyArgs``)."""
+
+    divergence: str = "forward_kl"
+    beta: float | None = None
+    temperature: float = 1.0
+    temperature_squared: bool = False
+    ce_weight: float = 0.0
+    has_target: bool = False
+    """Whether a ``target`` was given (without one no token is ignored)."""
+    ignore_index: int = -100
+    reduction: str = "mean"
+    softcap: float | None = None
+    teacher_softcap: float | None = None
+    memory_budget: str | float = "auto"
+
+    def validate(self) -> DistillOptions:
+        """The checked options (``ValueError``/``TypeError`` naming the argument)."""
+        divergence, beta, temperature, ce_weight = self.divergence, self.beta, self.temperature, self.ce_weight
+        if divergence not in DIVERGENCES:
+            raise ValueError(f"divergence: expected one of {DIVERGENCES}, got {divergence!r}")
+        if divergence == "jsd":
+            check_number("beta", beta, low=0.0, allow_none=True)
+            if beta is not None and beta > 1:
+                raise ValueError(f"beta: expected a number in [0, 1], got {beta}")
+        elif beta is not None:
+            raise ValueError(f"beta: expected None with divergence={divergence!r} (beta is the JSD's mixture "
+                             f"weight; pass divergence='jsd'), got {beta!r}")
+        check_number("temperature", temperature, low=0.0, low_open=True)
+        if temperature == math.inf:
+            raise ValueError("temperature: expected a finite number > 0, got inf")
+        check_bool("temperature_squared", self.temperature_squared)
+        check_number("ce_weight", ce_weight, low=0.0)
+        if ce_weight > 1:
+            raise ValueError(f"ce_weight: expected a number in [0, 1], got {ce_weight}")
+        if ce_weight > 0 and not self.has_target:
+            raise ValueError(f"target: expected a tensor of hard labels with ce_weight={ce_weight}, got None")
+        check_int("ignore_index", self.ignore_index, allow_none=False)
+        if self.reduction not in REDUCTIONS:
+            raise ValueError(f"reduction: expected one of {REDUCTIONS}, got {self.reduction!r}")
+        check_number("softcap", self.softcap, low=0.0, low_open=True, allow_none=True)
+        check_number("teacher_softcap", self.teacher_softcap, low=0.0, low_open=True, allow_none=True)
+        memory_budget = check_memory_budget(self.memory_budget)
+        beta = 0.5 if beta is None else float(beta)
+        kind = divergence if divergence != "jsd" or 0 < beta < 1 else ("forward_kl" if beta == 0 else "reverse_kl")
+        t = float(temperature)
+        return DistillOptions(kind=kind, beta=beta, temperature=t,
+                              kd_scale=(1 - ce_weight) * (t * t if self.temperature_squared else 1.0),
+                              ce_weight=float(ce_weight), ignore_index=int(self.ignore_index) if self.has_target
+                              else -1, reduction=self.reduction,
+                              softcap=None if self.softcap is None else float(self.softcap),
+                              teacher_softcap=None if self.teacher_softcap is None else float(self.teacher_softcap),
+                              memory_budget=memory_budget)
 
 
 def _is_dtensor(x) -> bool:
@@ -100,17 +121,17 @@ def _check_teacher(hidden, weight, t_hidden, t_weight, t_bias, sequence_parallel
 
 
 class DistillEntry(Entry):
-    """``linear_distillation_loss`` in ``prepare_call``: ``args`` are ``make_distill_options``' arguments;
+    """``linear_distillation_loss`` in ``prepare_call``: ``args`` its options, validated in ``checks``;
     ``originals`` the caller's seven tensors (student hidden, weight, bias; teacher hidden, weight, bias; target),
     ``teacher`` the teacher's three after autocast."""
 
     name = "distill"
 
-    def __init__(self, args: dict, originals: tuple, teacher: tuple, target, token_weight, sequence_parallel):
+    def __init__(self, args: DistillArgs, originals: tuple, teacher: tuple, target, token_weight, sequence_parallel):
         self.args, self.originals, self.teacher = args, originals, teacher
         self.target, self.token_weight, self.sequence_parallel = target, token_weight, sequence_parallel
-        ignore_index = args["ignore_index"]
-        self.ignore_index = (ignore_index if isinstance(ignore_index, int) else -100) if args["has_target"] else -1
+        ignore_index = args.ignore_index
+        self.ignore_index = (ignore_index if isinstance(ignore_index, int) else -100) if args.has_target else -1
         self.o = None
 
     def checks(self, _weight, _cast):
@@ -119,7 +140,7 @@ class DistillEntry(Entry):
             if _is_dtensor(x):
                 raise TypeError(f"{name}: expected a plain torch.Tensor (linear_distillation_loss takes this rank's "
                                 f"local shards with group=, vocab_start=), got a DTensor")
-        self.o = make_distill_options(**self.args)
+        self.o = self.args.validate()
         _check_teacher(*self.originals[:2], *self.teacher, self.sequence_parallel)
         check_token_weight(self.token_weight, self.target)
 
@@ -133,11 +154,11 @@ class DistillEntry(Entry):
     def fields(self):
         o, a = self.o, self.args
         t_hidden, _, t_bias = self.teacher
-        divergence = a["divergence"]
+        divergence = a.divergence
         short = {"forward_kl": "fwd_kl", "reverse_kl": "rev_kl"}.get(divergence, divergence)  # read in messages
-        return [("divergence", short), ("beta", o.beta), ("temperature", float(a["temperature"])),
-                ("temperature_squared", a["temperature_squared"]), ("ce_weight", o.ce_weight),
-                ("target given", a["has_target"]), ("reduction", o.reduction), ("ignore_index", o.ignore_index),
+        return [("divergence", short), ("beta", o.beta), ("temperature", o.temperature),
+                ("temperature_squared", a.temperature_squared), ("ce_weight", o.ce_weight),
+                ("target given", a.has_target), ("reduction", o.reduction), ("ignore_index", o.ignore_index),
                 ("softcap", o.softcap), ("teacher_softcap", o.teacher_softcap), ("memory_budget", o.memory_budget),
                 ("token_weight", self.token_weight is not None), ("teacher hidden size", t_hidden.shape[-1]),
                 ("teacher dtype", dtype_name(t_hidden.dtype)), ("teacher_bias", t_bias is not None)]
@@ -193,10 +214,10 @@ def linear_distillation_loss(hidden, weight, teacher_hidden, teacher_weight, tar
             lead = (lead[0] * world,) + lead[1:]
         target = torch.zeros(lead, dtype=torch.int64, device=hidden.device)  # no token ignored (ignore_index -1)
     teacher_hidden, teacher_weight, teacher_bias = autocast_operands(teacher_hidden, teacher_weight, teacher_bias)
-    entry = DistillEntry(dict(divergence=divergence, beta=beta, temperature=temperature,
-                              temperature_squared=temperature_squared, ce_weight=ce_weight, has_target=has_target,
-                              ignore_index=ignore_index, reduction=reduction, softcap=softcap,
-                              teacher_softcap=teacher_softcap, memory_budget=memory_budget),
+    entry = DistillEntry(DistillArgs(divergence=divergence, beta=beta, temperature=temperature,
+                                     temperature_squared=temperature_squared, ce_weight=ce_weight,
+                                     has_target=has_target, ignore_index=ignore_index, reduction=reduction,
+                                     softcap=softcap, teacher_softcap=teacher_softcap, memory_budget=memory_budget),
                          originals, (teacher_hidden, teacher_weight, teacher_bias), target, token_weight,
                          sequence_parallel)
     h2, weight2, bias2, target, call = prepare_call(

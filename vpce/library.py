@@ -202,10 +202,10 @@ def linear_cross_entropy(hidden, weight, bias, target, token_weight, backend: st
 # the distillation loss (``vpce.distill``)
 
 
-def _distill_call(backend, kind, beta, inv_t, kd_scale, ce_weight, ignore_index, reduction, softcap,
+def _distill_call(backend, kind, beta, temperature, kd_scale, ce_weight, ignore_index, reduction, softcap,
                   teacher_softcap, memory_budget, vocab_size, needs, hidden, weight):
     budget = _budget(memory_budget)
-    o = DistillOptions(kind=kind, beta=beta, inv_t=inv_t, kd_scale=kd_scale, ce_weight=ce_weight,
+    o = DistillOptions(kind=kind, beta=beta, temperature=temperature, kd_scale=kd_scale, ce_weight=ce_weight,
                        ignore_index=ignore_index, reduction=reduction, softcap=softcap,
                        teacher_softcap=teacher_softcap, memory_budget=budget)
     plan = plan_distillation(reduction, budget == "lean", tuple(needs), backend, False, False)
@@ -243,7 +243,7 @@ _register(_Scheme(
     "Tensor hidden, Tensor weight, Tensor? bias, Tensor t_hidden, Tensor t_weight, Tensor? t_bias, Tensor target, "
     "Tensor? token_weight",
     ("m_z", "log_s_z", "m_y", "log_s_y", "e", "m1", "log_s1", "q1"),
-    "str backend, str kind, float beta, float inv_t, float kd_scale, float ce_weight, SymInt ignore_index, "
+    "str backend, str kind, float beta, float temperature, float kd_scale, float ce_weight, SymInt ignore_index, "
     "str reduction, float? softcap, float? teacher_softcap, str memory_budget, SymInt vocab_size, bool[] needs",
     _distill_call, _distill_forward, _distill_recompute, _distill_present))
 
@@ -254,7 +254,7 @@ def linear_distillation_loss(hidden, weight, bias, t_hidden, t_weight, t_bias, t
     ``DistillOptions``)."""
     budget = o.memory_budget if isinstance(o.memory_budget, str) else repr(o.memory_budget)
     out = torch.ops.vpce.linear_distillation_loss(hidden, weight, bias, t_hidden, t_weight, t_bias, target,
-                                                  token_weight, backend, o.kind, o.beta, o.inv_t, o.kd_scale,
+                                                  token_weight, backend, o.kind, o.beta, o.temperature, o.kd_scale,
                                                   o.ce_weight, o.ignore_index, o.reduction, o.softcap,
                                                   o.teacher_softcap, budget, vocab_size, list(needs))
     return out[0]

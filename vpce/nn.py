@@ -125,8 +125,9 @@ class LinearCrossEntropyLoss(torch.nn.Module):
         if ignore_index is not None:
             api.check_int("ignore_index", ignore_index, allow_none=False)
         # the options vpce checks per call, checked once here
-        api.make_options(reduction=reduction, label_smoothing=label_smoothing,
-                         **{k: vpce_extras[k] for k in ("z_loss", "softcap", "logit_scale") if k in vpce_extras})
+        api.CrossEntropyArgs(reduction=reduction, label_smoothing=label_smoothing,
+                             **{k: vpce_extras[k] for k in ("z_loss", "softcap", "logit_scale") if k in vpce_extras}
+                             ).validate()
         _memory_budget(options, vpce_extras)
         self.num_classes = num_classes
         self.out_features = ()

@@ -1,8 +1,15 @@
-"""The options every backend receives, validated once at the public boundary (``vpce.api``, ``vpce.distill``)."""
+"""The options every backend receives, validated once at the public boundary (``vpce.api``, ``vpce.distill``,
+``vpce.post_training``: the ``validate()`` of each entry's arguments object returns one of these), and ``Folded``:
+the logit transform the kernels apply, with the logit scale and the temperature folded in, derived in one place
+(``Folded.of``) for every loss.
+
+An options object keeps what the caller asked for (``softcap``, ``logit_scale``, ``temperature``), which the group
+agrees on and ``torch.library`` passes as scalars; its ``folded`` field is what the backends and the kernels read.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 REDUCTIONS = ("mean", "sum", "none")
 BACKENDS = ("auto", "torch", "triton")
@@ -12,6 +19,30 @@ METRICS = ("z_loss", "token_accuracy", "entropy")
 
 #: Live chunk data the torch backend allows itself by default (GiB): logits, probabilities and their casts.
 DEFAULT_CHUNK_GIB = 0.25
+
+
+@dataclass(frozen=True, kw_only=True)
+class Folded:
+    """The logits every kernel computes from the raw ``x = h @ W.T + b``: ``z = inv_t * softcap * tanh(x / softcap)``
+    (no ``tanh`` where ``softcap`` is None). The gradient with respect to ``x`` carries the same ``inv_t``, and the
+    cap's derivative ``1 - (z / (softcap * inv_t))**2``."""
+
+    softcap: float | None = None
+    """The soft cap applied to the raw logits, or None."""
+    inv_t: float = 1.0
+    """The multiplier after the cap: the logit scale over the temperature."""
+
+    @classmethod
+    def of(cls, softcap: float | None, logit_scale: float = 1.0, temperature: float = 1.0) -> Folded:
+        """The fold, for every loss: with ``s = logit_scale`` and ``c = softcap``,
+        ``c * tanh(s x / c) / T = (s / T) * (c / s) * tanh(x / (c / s))``, so the kernels apply the cap ``c / s``
+        to the raw logits and multiply by ``s / T`` after it."""
+        s = logit_scale
+        return cls(softcap=None if softcap is None else softcap / s, inv_t=s / temperature)
+
+    def untempered(self) -> Folded:
+        """The soft cap alone (``inv_t`` 1): the distillation's student logits of its cross-entropy term."""
+        return Folded(softcap=self.softcap)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,6 +72,11 @@ class LossOptions:
     ``loss_type="dft"``, Liger's ``use_token_scaling``); ``mean`` still divides by the (weighted) token count."""
     metrics: tuple[str, ...] = ()
     """Detached per-token metrics computed in the same pass, among ``METRICS``, reduced like the loss."""
+    folded: Folded = field(init=False)
+    """``softcap`` and ``logit_scale`` as the kernels apply them (``Folded.of``)."""
+
+    def __post_init__(self):
+        object.__setattr__(self, "folded", Folded.of(self.softcap, self.logit_scale))
 
     @property
     def lean(self) -> bool:
@@ -49,13 +85,6 @@ class LossOptions:
     def chunk_gib(self) -> float:
         """GiB of live chunk data for the torch backend."""
         return self.memory_budget if isinstance(self.memory_budget, float) else DEFAULT_CHUNK_GIB
-
-    def folded_cap(self) -> tuple[float | None, float]:
-        """``(cap, multiplier)`` for the backends' logits: ``c * tanh(s x / c) = s * (c / s) * tanh(x / (c / s))``,
-        so the logit scale ``s`` folds into the soft cap applied to ``x`` (``c / s``) and a multiplier applied after
-        it (the backends' temperature slot ``inv_t``; the gradient coefficients carry the same ``s``)."""
-        s = self.logit_scale
-        return (None if self.softcap is None else self.softcap / s), s
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,8 +95,10 @@ class LogProbOptions:
     """Target id whose token gives 0 for every output."""
     softcap: float | None = None
     """Logits become ``softcap * tanh(logits / softcap)`` before the temperature."""
-    inv_t: float = 1.0
-    """One over the temperature: the distribution is ``softmax(cap(logits) * inv_t)``."""
+    logit_scale: float = 1.0
+    """Multiplies the logits before the soft cap."""
+    temperature: float = 1.0
+    """The distribution is ``softmax(softcap(logit_scale * logits) / temperature)``."""
     entropy: bool = False
     """Also return the entropy of that distribution."""
     top1: bool = False
@@ -79,6 +110,11 @@ class LogProbOptions:
     memory_budget: str | float = "auto"
     """``"lean"``: never the speculative route (``vpce.speculation``); ``"auto"``: it where its buffers fit;
     ``"fast"``: it without weighing memory; a number: it, with a ``P`` chunk of that many GiB."""
+    folded: Folded = field(init=False)
+    """``softcap``, ``logit_scale`` and ``temperature`` as the kernels apply them (``Folded.of``)."""
+
+    def __post_init__(self):
+        object.__setattr__(self, "folded", Folded.of(self.softcap, self.logit_scale, self.temperature))
 
     def chunk_options(self) -> LossOptions:
         """The options the Triton backend's ``P`` chunk is sized from."""
@@ -97,8 +133,8 @@ class DistillOptions:
     matching KL)."""
     beta: float = 0.5
     """The teacher's weight in the JSD's mixture ``m = beta q + (1 - beta) p`` (``kind="jsd"`` only)."""
-    inv_t: float = 1.0
-    """One over the temperature of both heads."""
+    temperature: float = 1.0
+    """The temperature of both heads' divergence."""
     kd_scale: float = 1.0
     """The divergence's weight in the loss: ``(1 - ce_weight) * (T**2 if temperature_squared else 1)``."""
     ce_weight: float = 0.0
@@ -112,6 +148,15 @@ class DistillOptions:
     """The teacher's soft cap, before the temperature."""
     memory_budget: str | float = "auto"
     """``"auto"``/``"fast"``, ``"lean"``, or GiB of live chunk data."""
+    student: Folded = field(init=False)
+    """The student's ``softcap`` and ``temperature`` as the kernels apply them (``Folded.of``); its cross-entropy
+    term takes the capped logits before ``inv_t``."""
+    teacher: Folded = field(init=False)
+    """The teacher's ``teacher_softcap`` and ``temperature``, likewise; the same ``inv_t`` as the student's."""
+
+    def __post_init__(self):
+        object.__setattr__(self, "student", Folded.of(self.softcap, temperature=self.temperature))
+        object.__setattr__(self, "teacher", Folded.of(self.teacher_softcap, temperature=self.temperature))
 
     @property
     def extra(self) -> bool:
@@ -142,17 +187,26 @@ class LogProbLossOptions:
     """Tokens per row (``target.shape[-1]``); ``loss_fn`` sees ``[rows, row]`` in scope ``"sequence"``."""
     ignore_index: int = -100
     softcap: float | None = None
-    """The soft cap applied to the raw logits (the logit scale folded in, as ``LogProbOptions``)."""
-    inv_t: float = 1.0
-    """``logit_scale / temperature``."""
+    logit_scale: float = 1.0
+    temperature: float = 1.0
+    """As ``LogProbOptions``'."""
     memory_budget: str | float = "auto"
     top1: bool = False
     """Whether ``is_top1`` is computed as an output (a metric; ``linear_log_probs``' definition)."""
     mean_logits: bool = False
     """Whether the mean logit is computed as an output (a metric; ``linear_log_probs``' definition)."""
+    folded: Folded = field(init=False)
+    """``softcap``, ``logit_scale`` and ``temperature`` as the kernels apply them (``Folded.of``)."""
+
+    def __post_init__(self):
+        object.__setattr__(self, "folded", Folded.of(self.softcap, self.logit_scale, self.temperature))
+
+    def chunk_options(self) -> LossOptions:
+        """The options the fast route's ``P`` chunk is sized from (the cross-entropy's)."""
+        return LossOptions(memory_budget=self.memory_budget)
 
     def stats_options(self) -> LogProbOptions:
         """The options of the statistics pass (``log_probs``) of the two-pass form."""
-        return LogProbOptions(ignore_index=self.ignore_index, softcap=self.softcap, inv_t=self.inv_t,
-                              entropy=self.entropy_stats, top1=self.top1, mean_logits=self.mean_logits,
-                              memory_budget=self.memory_budget)
+        return LogProbOptions(ignore_index=self.ignore_index, softcap=self.softcap, logit_scale=self.logit_scale,
+                              temperature=self.temperature, entropy=self.entropy_stats, top1=self.top1,
+                              mean_logits=self.mean_logits, memory_budget=self.memory_budget)

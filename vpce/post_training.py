@@ -37,6 +37,7 @@ completion and its rejected one side by side (the hidden states are interleaved 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -45,7 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from .autograd import LogProbLossFunction
-from .options import SCOPES, LogProbLossOptions, LossOptions
+from .options import SCOPES, LogProbLossOptions
 from .parallel import all_gather_tensor, group_rank_and_size
 from .prepare import (Entry, check_bool, check_int, check_logit_scale, check_memory_budget, check_number, enter,
                       prepare_call)
@@ -114,24 +115,65 @@ def linear_log_prob_loss(hidden, weight, target, loss_fn, bias=None, *, inputs=N
     """
     if not isinstance(return_outputs, bool):
         raise TypeError(f"return_outputs: expected a bool, got {type(return_outputs).__name__}")
-    out = _log_prob_loss(hidden, weight, target, loss_fn, bias, inputs=inputs, scope=scope, use_entropy=use_entropy,
-                         temperature=temperature, softcap=softcap, logit_scale=logit_scale, ignore_index=ignore_index,
-                         group=group, vocab_start=vocab_start, vocab_size=vocab_size,
-                         sequence_parallel=sequence_parallel, backend=backend, memory_budget=memory_budget,
+    args = LogProbLossArgs(loss_fn=loss_fn, scope=scope, use_entropy=use_entropy, temperature=temperature,
+                           softcap=softcap, logit_scale=logit_scale, ignore_index=ignore_index,
+                           memory_budget=memory_budget)
+    out = _log_prob_loss(hidden, weight, target, bias, args, inputs=inputs, group=group, vocab_start=vocab_start,
+                         vocab_size=vocab_size, sequence_parallel=sequence_parallel, backend=backend,
                          validate=validate)
     return out if return_outputs else out[0]
 
 
-def _log_prob_loss(hidden, weight, target, loss_fn, bias=None, *, inputs=None, scope="token", use_entropy=False,
-                   temperature=1.0, softcap=None, logit_scale=1.0, ignore_index=-100, group=None, vocab_start=None,
-                   vocab_size=None, sequence_parallel=False, backend="auto", memory_budget="auto", validate=False,
-                   entropy_stats=False, top1=False, mean_logits=False):
-    """``linear_log_prob_loss`` returning ``(loss, log_probs, entropy)``; ``entropy_stats``: compute the entropy as
-    an output (a metric) even where ``loss_fn`` does not get it. ``top1`` / ``mean_logits``: also return
-    ``linear_log_probs``' ``is_top1`` and ``mean_logits`` (detached metrics, from the same pass; each ``(0,)``
-    where not asked): ``(loss, log_probs, entropy, is_top1, mean_logits)``."""
-    entry = LogProbLossEntry(loss_fn, target, inputs, scope, use_entropy, entropy_stats, temperature, softcap,
-                             logit_scale, ignore_index, memory_budget, top1=top1, mean_logits=mean_logits)
+@dataclass(frozen=True, kw_only=True)
+class LogProbLossArgs:
+    """``linear_log_prob_loss``'s options as the caller gave them (the meanings: its docstring), not yet checked;
+    ``validate`` freezes them into ``LogProbLossOptions`` (as ``vpce.api.CrossEntropyArgs``). GRPO and DPO build
+    one for their policy (and reference) heads."""
+
+    loss_fn: object
+    scope: str = "token"
+    use_entropy: bool = False
+    temperature: float = 1.0
+    softcap: float | None = None
+    logit_scale: float = 1.0
+    ignore_index: int = -100
+    memory_budget: str | float = "auto"
+    entropy_stats: bool = False
+    """Compute the entropy as an output (a metric) even where ``loss_fn`` does not get it."""
+    top1: bool = False
+    """Also return ``linear_log_probs``' ``is_top1`` (detached, from the same pass)."""
+    mean_logits: bool = False
+    """Also return ``linear_log_probs``' ``mean_logits`` (detached, from the same pass)."""
+
+    def validate(self, target: torch.Tensor) -> LogProbLossOptions:
+        """The checked options (``ValueError``/``TypeError`` naming the argument) for ``target`` (checked already:
+        a tensor)."""
+        if not callable(self.loss_fn):
+            raise TypeError(f"loss_fn: expected a callable, got {type(self.loss_fn).__name__}")
+        if self.scope not in SCOPES:
+            raise ValueError(f"scope: expected one of {SCOPES}, got {self.scope!r}")
+        if self.scope == "sequence" and target.dim() != 2:
+            raise ValueError(f"target: expected [B, T] with scope='sequence', got shape {tuple(target.shape)}")
+        check_bool("use_entropy", self.use_entropy)
+        check_int("ignore_index", self.ignore_index, allow_none=False)
+        check_number("temperature", self.temperature, low=0.0, low_open=True)
+        check_number("softcap", self.softcap, low=0.0, low_open=True, allow_none=True)
+        check_logit_scale(self.logit_scale)
+        budget = check_memory_budget(self.memory_budget)
+        return LogProbLossOptions(
+            loss_fn=self.loss_fn, scope=self.scope, entropy=self.use_entropy,
+            entropy_stats=self.use_entropy or self.entropy_stats, row=target.shape[-1] if target.dim() else 1,
+            ignore_index=int(self.ignore_index), softcap=None if self.softcap is None else float(self.softcap),
+            logit_scale=float(self.logit_scale), temperature=float(self.temperature), memory_budget=budget,
+            top1=bool(self.top1), mean_logits=bool(self.mean_logits))
+
+
+def _log_prob_loss(hidden, weight, target, bias, args: LogProbLossArgs, *, inputs=None, group=None, vocab_start=None,
+                   vocab_size=None, sequence_parallel=False, backend="auto", validate=False):
+    """``linear_log_prob_loss`` returning ``(loss, log_probs, entropy)``, and with ``args.top1`` or
+    ``args.mean_logits`` also ``linear_log_probs``' ``is_top1`` and ``mean_logits`` (each ``(0,)`` where not asked):
+    ``(loss, log_probs, entropy, is_top1, mean_logits)``."""
+    entry = LogProbLossEntry(args, target, inputs)
     h2, weight, bias, target, call = prepare_call(entry, hidden, weight, target, bias, group=group,
                                                   vocab_start=vocab_start, vocab_size=vocab_size,
                                                   sequence_parallel=sequence_parallel, backend=backend,
@@ -140,7 +182,7 @@ def _log_prob_loss(hidden, weight, target, loss_fn, bias=None, *, inputs=None, s
         loss, logp, ent, is_top1, mean_z = LogProbLossFunction.apply(enter(h2, call), weight, bias, target.reshape(-1),
                                                                      entry.options, call, entry.inputs)
     out = loss, logp.reshape(target.shape), ent.reshape(target.shape)
-    if top1 or mean_logits:
+    if args.top1 or args.mean_logits:
         shape = lambda x: x.reshape(target.shape) if x.numel() else x  # noqa: E731
         return (*out, shape(is_top1), shape(mean_z))
     return out
@@ -153,54 +195,31 @@ class LogProbLossEntry(Entry):
 
     name = "logprob_loss"
 
-    def __init__(self, loss_fn, target, inputs, scope, use_entropy, entropy_stats, temperature, softcap, logit_scale,
-                 ignore_index, memory_budget, top1=False, mean_logits=False):
-        self.args = dict(loss_fn=loss_fn, target=target, inputs=inputs, scope=scope, use_entropy=use_entropy,
-                         entropy_stats=entropy_stats, temperature=temperature, softcap=softcap,
-                         logit_scale=logit_scale, ignore_index=ignore_index, memory_budget=memory_budget)
-        self.metrics = dict(top1=bool(top1), mean_logits=bool(mean_logits))
-        self.ignore_index = ignore_index if isinstance(ignore_index, int) else -100
-        self.options = self.inputs = self.budget = None
+    def __init__(self, args: LogProbLossArgs, target, inputs):
+        self.args, self.target, self.raw_inputs = args, target, inputs
+        self.ignore_index = args.ignore_index if isinstance(args.ignore_index, int) else -100
+        self.options = self.inputs = None
 
     def checks(self, _w, _cast):
-        a = self.args
-        if not callable(a["loss_fn"]):
-            raise TypeError(f"loss_fn: expected a callable, got {type(a['loss_fn']).__name__}")
-        if a["scope"] not in SCOPES:
-            raise ValueError(f"scope: expected one of {SCOPES}, got {a['scope']!r}")
-        target = a["target"]
-        if a["scope"] == "sequence" and target.dim() != 2:
-            raise ValueError(f"target: expected [B, T] with scope='sequence', got shape {tuple(target.shape)}")
-        check_bool("use_entropy", a["use_entropy"])
-        check_int("ignore_index", a["ignore_index"], allow_none=False)
-        check_number("temperature", a["temperature"], low=0.0, low_open=True)
-        check_number("softcap", a["softcap"], low=0.0, low_open=True, allow_none=True)
-        check_logit_scale(a["logit_scale"])
-        self.budget = check_memory_budget(a["memory_budget"])
-        self.inputs = _check_inputs(a["inputs"], target)
-        # the logit scale s folds into the cap and the temperature: cap_c(s x) / T = cap_{c/s}(x) * (s / T)
-        s, softcap = float(a["logit_scale"]), a["softcap"]
-        self.options = LogProbLossOptions(
-            loss_fn=a["loss_fn"], scope=a["scope"], entropy=a["use_entropy"],
-            entropy_stats=a["use_entropy"] or a["entropy_stats"], row=target.shape[-1] if target.dim() else 1,
-            ignore_index=int(a["ignore_index"]), softcap=None if softcap is None else float(softcap) / s,
-            inv_t=s / float(a["temperature"]), memory_budget=self.budget, **self.metrics)
+        self.options = self.args.validate(self.target)
+        self.inputs = _check_inputs(self.raw_inputs, self.target)
 
     def fields(self):
-        a = self.args
-        return [("ignore_index", a["ignore_index"]), ("temperature", float(a["temperature"])),
-                ("softcap", None if a["softcap"] is None else float(a["softcap"])),
-                ("logit_scale", float(a["logit_scale"])), ("scope", a["scope"]), ("use_entropy", a["use_entropy"]),
-                ("entropy", self.options.entropy_stats), ("memory_budget", self.budget),
+        o = self.options
+        return [("ignore_index", o.ignore_index), ("temperature", o.temperature), ("softcap", o.softcap),
+                ("logit_scale", o.logit_scale), ("scope", o.scope), ("use_entropy", o.entropy),
+                ("entropy", o.entropy_stats), ("memory_budget", o.memory_budget),
                 ("inputs", ",".join(f"{k}:{tuple(v.shape[1:])}" for k, v in sorted(self.inputs.items())))]
 
     def plan(self, needs, _dtype, backend_name, sharded, sp) -> Plan:
-        if backend_name == "triton" and self.args["scope"] != "batch" and self.budget != "lean" and any(needs):
-            return plan_cross_entropy(LossOptions(memory_budget=self.budget), needs, backend_name, sharded, sp)
+        o = self.options
+        if backend_name == "triton" and o.scope != "batch" and o.memory_budget != "lean" and any(needs):
+            return plan_cross_entropy(o.chunk_options(), needs, backend_name, sharded, sp)
         return plan_log_probs(needs, backend_name, sharded, sp)
 
     def memory(self, p, h, rows, needs, world):
-        return settle_by_memory(p, h, rows, needs, LossOptions(memory_budget=self.budget), world, self.weight_cast)
+        return settle_by_memory(p, h, rows, needs, self.options.chunk_options(), world,
+                                self.weight_cast)
 
     def size(self, plan, shard, d, dtype):
         return size_log_prob_loss(plan, self.options, shard, d, dtype, self.weight_cast)
@@ -505,11 +524,12 @@ def linear_grpo_loss(hidden, weight, target, advantages, bias=None, *, old_log_p
                       off_policy_threshold=None if off_policy_mask_threshold is None else
                       float(off_policy_mask_threshold), top_entropy_quantile=float(top_entropy_quantile),
                       entropy_group=top_entropy_group, entropy_coef=float(entropy_coef), scope=scope, width=t_)
-    loss, logp, ent = _log_prob_loss(
-        hidden, weight, target, _grpo_rows(terms), bias, inputs=inputs, scope=scope, temperature=temperature,
-        softcap=softcap, logit_scale=logit_scale, ignore_index=ignore_index, group=group, vocab_start=vocab_start,
-        vocab_size=vocab_size, sequence_parallel=sequence_parallel, backend=backend, memory_budget=memory_budget,
-        validate=validate, entropy_stats=True, use_entropy=entropy_coef != 0.0 or entropy_mask)
+    args = LogProbLossArgs(loss_fn=_grpo_rows(terms), scope=scope, use_entropy=entropy_coef != 0.0 or entropy_mask,
+                           temperature=temperature, softcap=softcap, logit_scale=logit_scale,
+                           ignore_index=ignore_index, memory_budget=memory_budget, entropy_stats=True)
+    loss, logp, ent = _log_prob_loss(hidden, weight, target, bias, args, inputs=inputs, group=group,
+                                     vocab_start=vocab_start, vocab_size=vocab_size,
+                                     sequence_parallel=sequence_parallel, backend=backend, validate=validate)
     per_sequence = importance_sampling_level == "sequence" and advantages.dim() == 1
     out = GRPOOutput(loss, *_grpo_metrics(logp, ent, old_log_probs, ref_log_probs, adv, mask, terms, per_sequence))
     return (out, logp, ent) if return_outputs else out
@@ -730,13 +750,15 @@ def linear_dpo_loss(hidden, weight, target, ref_chosen_log_probs=None, ref_rejec
     pair = lambda x: x.reshape(2, b_, t_, *x.shape[2:]).transpose(0, 1).reshape(b_, 2 * t_, *x.shape[2:])  # noqa: E731
     mask = pair((target != ignore_index).to(acc))
     tok_w = _dpo_token_weights(mask, None if ld_alpha is None else float(ld_alpha), t_)
-    common = dict(temperature=temperature, softcap=softcap, logit_scale=logit_scale, ignore_index=ignore_index,
-                  group=group, vocab_start=vocab_start, vocab_size=vocab_size, backend=backend)
+    # both heads' logits as the policy's: the reference's log-probs alone (no loss), then the policy's loss
+    ref_args = LogProbLossArgs(loss_fn=_no_loss, temperature=temperature, softcap=softcap, logit_scale=logit_scale,
+                               ignore_index=ignore_index)
     if ref_hidden is not None:
         if ref_weight is None:
             raise ValueError("ref_weight: expected the reference head's weight with ref_hidden, got None")
         with torch.no_grad():  # the reference's log-probs alone: one statistics pass, no gradient
-            _, ref_tok, _ = _log_prob_loss(ref_hidden, ref_weight, target, _no_loss, ref_bias, **common)
+            _, ref_tok, _ = _log_prob_loss(ref_hidden, ref_weight, target, ref_bias, ref_args, group=group,
+                                           vocab_start=vocab_start, vocab_size=vocab_size, backend=backend)
         ref_seq = pair(ref_tok.to(acc)) * tok_w
         ref_chosen, ref_rejected = ref_seq[:, :t_].sum(-1), ref_seq[:, t_:].sum(-1)
     else:
@@ -774,10 +796,12 @@ def linear_dpo_loss(hidden, weight, target, ref_chosen_log_probs=None, ref_rejec
                              rows(len_r)[:, 0], sft)
 
     h = pair(hidden.reshape(two_b, t_, hidden.shape[-1])) if isinstance(hidden, torch.Tensor) else hidden
-    loss, logp, ent, *extras = _log_prob_loss(h, weight, pair(target), loss_fn, bias, inputs=inputs, scope=scope,
-                                              memory_budget=memory_budget, validate=validate,
-                                              entropy_stats=return_outputs, top1=return_logit_metrics,
-                                              mean_logits=return_logit_metrics, **common)
+    args = dataclasses.replace(ref_args, loss_fn=loss_fn, scope=scope, memory_budget=memory_budget,
+                               entropy_stats=return_outputs, top1=return_logit_metrics,
+                               mean_logits=return_logit_metrics)
+    loss, logp, ent, *extras = _log_prob_loss(h, weight, pair(target), bias, args, inputs=inputs, group=group,
+                                              vocab_start=vocab_start, vocab_size=vocab_size, backend=backend,
+                                              validate=validate)
     weighted = logp.detach().to(acc) * tok_w
     chosen_logps, rejected_logps = weighted[:, :t_].sum(-1), weighted[:, t_:].sum(-1)
     beta_f = float(beta)

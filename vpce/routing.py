@@ -394,7 +394,7 @@ def size_log_probs(plan: Plan, lp: LogProbOptions, shard: VocabShard, d: int, dt
     backend; the speculative route's ``P`` from ``memory_budget`` on the Triton one."""
     cols = shard.columns_per_rank
     if plan.backend == "torch":
-        chunk = _torch_chunk(DEFAULT_CHUNK_GIB, cols, dtype, 3 if lp.softcap is not None else 2)
+        chunk = _torch_chunk(DEFAULT_CHUNK_GIB, cols, dtype, 3 if lp.folded.softcap is not None else 2)
         sizes = Sizes(chunk, chunk, SIZING.lean_block_gib)
     else:
         chunk = _fast_chunk(lp.chunk_options(), cols, dtype, d, weight_cast) \
@@ -409,8 +409,7 @@ def size_log_prob_loss(plan: Plan, o: LogProbLossOptions, shard: VocabShard, d: 
     ``"sequence"``: whole rows, at least one), else the two-pass form's statistics launches and recompute blocks,
     as ``linear_log_probs``' lean route."""
     if plan.backend == "triton" and plan.route == "fast":
-        chunk = _fast_chunk(LossOptions(memory_budget=o.memory_budget), shard.columns_per_rank, dtype, d,
-                            weight_cast)
+        chunk = _fast_chunk(o.chunk_options(), shard.columns_per_rank, dtype, d, weight_cast)
         if o.scope == "sequence":
             chunk = max(o.row, (chunk // o.row) * o.row)
         return dataclasses.replace(plan, sizes=Sizes(chunk, SIZING.lean_token_block, SIZING.lean_block_gib))

@@ -11,6 +11,7 @@ import torch
 
 import vpce
 from distributed import run_ranks
+from vpce.options import Folded
 from vpce.reference import describe, reference, reference_metrics, rel_err, torch_eager
 from problems import VARIANTS, leaf, make_problem, tie_problem
 
@@ -372,7 +373,8 @@ def _stats_epilogue_stand_in(calls):
     """What ``vpce.backends.gemm.logits_with_stats`` computes (one quack GEMM with an epilogue on a GPU), in torch: P, the
     log-sum-exp of every logit as P holds it (capped and scaled), the target's raw fp32 logit (-inf where it is
     not in these columns)."""
-    def run(p, h, w, t_local, zt, softcap=None, inv_t=1.0, sum_z=False, class_weight=None):
+    def run(p, h, w, t_local, zt, folded=Folded(), sum_z=False, class_weight=None):
+        softcap, inv_t = folded.softcap, folded.inv_t
         calls.append(tuple(p.shape))
         torch.mm(h, w.t(), out=p)
         capped = (lambda x: x) if softcap is None else (lambda x: inv_t * softcap * torch.tanh(x / softcap))  # noqa
@@ -631,7 +633,7 @@ def test_gradient_pass_over_tiles_with_and_without_a_target(v, opts):
     want = g * slope
     f32 = lambda u: None if u is None else u.float().contiguous()  # noqa: E731
     buf = x.clone()
-    kernels.stored_logits(buf, None, t, softcap=cap, inv_t=inv_t, rows=(f32(mrow), f32(lse), f32(q)),
+    kernels.stored_logits(buf, None, t, folded=Folded(softcap=cap, inv_t=inv_t), rows=(f32(mrow), f32(lse), f32(q)),
                           coef=(f32(a), f32(b), f32(c), f32(d)), class_weight=f32(cw))
     assert rel_err(buf, want) <= 2e-6, (opts, v, describe(buf, want))
 

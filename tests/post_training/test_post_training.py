@@ -325,8 +325,9 @@ def test_metric_outputs_from_the_fused_pass(backend, scope, budget):
     want = vpce.linear_log_probs(h, w, t, b, return_entropy=True, return_top1=True, return_mean_logits=True,
                                  temperature=0.7, softcap=4.0, backend="torch")
     hl = h.clone().requires_grad_()
-    loss, logp, _, top1, mean_z = post_training._log_prob_loss(hl, w, t, lambda lp, e: 0.3 * lp, b, scope=scope,
-                                                               top1=True, mean_logits=True, **args)
+    fused = post_training.LogProbLossArgs(loss_fn=lambda lp, e: 0.3 * lp, scope=scope, top1=True, mean_logits=True,
+                                          temperature=0.7, softcap=4.0, memory_budget=budget)
+    loss, logp, _, top1, mean_z = post_training._log_prob_loss(hl, w, t, b, fused, backend=backend)
     loss.backward()
     assert top1.dtype == torch.bool and top1.any() and torch.equal(top1, want[2])
     torch.testing.assert_close(mean_z, want[3], rtol=1e-5, atol=1e-5)

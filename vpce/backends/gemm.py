@@ -22,8 +22,10 @@ import warnings
 
 import torch
 
-__all__ = ["HopperExtraWarning", "mm_out", "mm_into", "addmm_out_", "add_product", "logits_into", "has_mixed_gemm", "hopper_dw_ready",
-           "scaled_weight_grad", "scaled_hidden_grad", "stats_epilogue_ready", "logits_with_stats"]
+from ..options import Folded
+
+__all__ = ["HopperExtraWarning", "mm_out", "mm_into", "addmm_out_", "add_product", "logits_into", "has_mixed_gemm",
+           "hopper_dw_ready", "scaled_weight_grad", "scaled_hidden_grad", "stats_epilogue_ready", "logits_with_stats"]
 
 _UPCAST_ELEMS = 1 << 24  # elements of ``b`` upcast at a time on the fallback path
 
@@ -214,24 +216,25 @@ def stats_epilogue_ready(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | Non
 
 
 def logits_with_stats(p: torch.Tensor, h: torch.Tensor, w: torch.Tensor, t_local: torch.Tensor, zt: torch.Tensor,
-                      softcap: float | None = None, inv_t: float = 1.0, sum_z: bool = False,
+                      folded: Folded = Folded(), sum_z: bool = False,
                       class_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``p = h @ w.T`` (bf16) in one quack GEMM whose epilogue also takes the row statistics
     (``stats_epilogue_ready``), without reading ``p`` again. Returns per row the log-sum-exp ``[C]`` fp32 of all of
-    ``p``'s logits as ``p`` holds them (soft-capped and scaled, ``LossOptions.folded_cap``, where ``softcap`` is
-    set), and (``sum_z``: label smoothing) the sum of those logits times ``class_weight`` (ones where None), else
-    None; writes the target column's raw fp32 logit into ``zt`` (-inf where the target is not among these
-    columns: ``t_local`` -1). ``kernels.target_out_of_lse`` turns these into the statistics pass's."""
+    ``p``'s logits as ``p`` holds them (soft-capped and scaled by ``folded``, where it has a soft cap), and
+    (``sum_z``: label smoothing) the sum of those logits times ``class_weight`` (ones where None), else None;
+    writes the target column's raw fp32 logit into ``zt`` (-inf where the target is not among these columns:
+    ``t_local`` -1). ``kernels.target_out_of_lse`` turns these into the statistics pass's."""
     zt.fill_(-math.inf)  # quack's select writes only the rows whose target is here
     v = p.shape[1]
     ops = dict(target=t_local, target_logit=zt)  # the select's buffer as an operand: quack writes into it
-    if softcap is not None:
-        ops.update(k=-2 * math.log2(math.e) / float(softcap), cap=float(softcap), scale=float(inv_t))
+    if folded.softcap is not None:
+        cap = float(folded.softcap)
+        ops.update(k=-2 * math.log2(math.e) / cap, cap=cap, scale=float(folded.inv_t))
     if sum_z:
         ops["cw"] = class_weight if class_weight is not None else torch.ones(v, dtype=torch.float32, device=p.device)
     # the CuTe kernel, imported here: ``vpce.kernels`` loads Triton, which the CPU path never needs
     from ..kernels.epilogue import stats_epilogue
 
-    res = stats_epilogue(softcap is not None, sum_z)(h, w.t(), out={"D": p}, tuned=False,
+    res = stats_epilogue(folded.softcap is not None, sum_z)(h, w.t(), out={"D": p}, tuned=False,
                                                      config=_config(LOGITS_TILE), **ops)
     return res["lse"], res.get("sumz")

@@ -26,7 +26,7 @@ import torch
 from ..formulas.distill import DistillRows, DistillStats, exchange_chunk_stats, heads, local_stats, log_mixture, \
     log_softmax, mixture_sums, row_weights, token_loss
 from ..formulas.softmax import Coefficients, RowStats, ce_coefficients, ce_token_outputs
-from ..options import DistillOptions, LogProbOptions, LossOptions
+from ..options import DistillOptions, Folded, LogProbOptions, LossOptions
 from ..parallel import exchange_softmax_stats
 from ..rank_stats import RankStats
 from ..routing import Call
@@ -42,20 +42,21 @@ def _acc(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def chunk_logits(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, softcap: float | None, acc: torch.dtype,
-            inv_t: float = 1.0) -> torch.Tensor:
+def chunk_logits(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, folded: Folded,
+                 acc: torch.dtype) -> torch.Tensor:
+    """The logits ``folded`` defines, in ``acc``."""
     z = mm_out(h, w.t(), acc)
     if b is not None:
         z += b.to(acc)
-    if softcap is not None:
-        z.div_(softcap).tanh_().mul_(softcap)
-    if inv_t != 1.0:
-        z.mul_(inv_t)
+    if folded.softcap is not None:
+        z.div_(folded.softcap).tanh_().mul_(folded.softcap)
+    if folded.inv_t != 1.0:
+        z.mul_(folded.inv_t)
     return z
 
 
-def _chunk_stats(hidden, w, b, tg: TokenTargets, sl: slice, call: Call, softcap, acc, *, sum_z=False,
-                 sum_ez=False, inv_t=1.0, class_weight=None, sum_sq=False, top1=False
+def _chunk_stats(hidden, w, b, tg: TokenTargets, sl: slice, call: Call, folded: Folded, acc, *, sum_z=False,
+                 sum_ez=False, class_weight=None, sum_sq=False, top1=False
                  ) -> tuple[torch.Tensor | None, RankStats]:
     """Logits of the rows ``sl`` (None on an all-padding shard) and their global statistics (``sum_z`` with
     ``class_weight``: the weighted sum ``sum_j w_j z_j``); ``sum_sq``: also ``log sum p^2``, ``top1``: also
@@ -63,7 +64,7 @@ def _chunk_stats(hidden, w, b, tg: TokenTargets, sl: slice, call: Call, softcap,
     c = sl.stop - sl.start
     full = lambda value: torch.full((c,), value, dtype=acc, device=hidden.device)  # noqa: E731
     if call.shard.valid_rows > 0:
-        z = chunk_logits(hidden[sl], w, b, softcap, acc, inv_t)
+        z = chunk_logits(hidden[sl], w, b, folded, acc)
         idx, mine = tg.idx[sl, None], tg.in_shard[sl]
         zt = torch.where(mine, z.gather(1, idx).squeeze(1), -math.inf)
         # max and sum of exp over every column but the target's (its term is kept apart, in zt)
@@ -90,10 +91,10 @@ def _chunk_stats(hidden, w, b, tg: TokenTargets, sl: slice, call: Call, softcap,
 
 
 def _logit_grad_(z: torch.Tensor, rows: RowStats, co: Coefficients, t_idx: torch.Tensor, in_shard: torch.Tensor,
-                 softcap: float | None, inv_t: float = 1.0, class_weight=None) -> torch.Tensor:
+                 folded: Folded, class_weight=None) -> torch.Tensor:
     """Turn the chunk's logits ``z`` [c, v] into the gradient of ``vpce.formulas.softmax``, in place
     (``class_weight``: the columns' weights ``[v]``, which the ``d`` term is multiplied by)."""
-    cap = None if softcap is None else 1 - (z / (softcap * inv_t)) ** 2
+    cap = None if folded.softcap is None else 1 - (z / (folded.softcap * folded.inv_t)) ** 2
     zc = z.sub_(rows.m[:, None])  # z - M: exact where z is the max
     idx = t_idx[:, None]
     zc_t = zc.gather(1, idx).squeeze(1)
@@ -172,7 +173,7 @@ def _recompute_loop(hidden, weight, bias, call: Call, chunk: int, acc: torch.dty
 
 
 def recompute_grads(hidden, weight, bias, tg: TokenTargets, rows: RowStats, coef: Coefficients, call: Call,
-                    softcap, inv_t: float, main_weight=None):
+                    folded: Folded, main_weight=None):
     """dX, dW, db from logits recomputed chunk by chunk (any per-token coefficients)."""
     shard = call.shard
     acc, v = rows.m.dtype, shard.valid_rows
@@ -182,8 +183,8 @@ def recompute_grads(hidden, weight, bias, tg: TokenTargets, rows: RowStats, coef
     cw = None if tg.class_weight is None else tg.class_weight.columns
 
     def step(sl):
-        z = chunk_logits(hidden[sl], w, b, softcap, acc, inv_t)
-        return _logit_grad_(z, rows.rows(sl), coef.rows(sl), tg.idx[sl], tg.in_shard[sl], softcap, inv_t, cw)
+        z = chunk_logits(hidden[sl], w, b, folded, acc)
+        return _logit_grad_(z, rows.rows(sl), coef.rows(sl), tg.idx[sl], tg.in_shard[sl], folded, cw)
     return _recompute_loop(hidden, weight, bias, call, chunk, acc, step, main_weight)
 
 
@@ -208,14 +209,13 @@ def cross_entropy(hidden, weight, bias, tg: TokenTargets, opts: LossOptions, cal
     loss_tok = torch.empty(n, dtype=acc, device=hidden.device)
     keep = call.plan.route == "lean"
     rows = RowStats.empty(n, acc, hidden.device) if keep else None
-    cap, mult = opts.folded_cap()
     cw = None if tg.class_weight is None else tg.class_weight.columns
     metrics = {k: torch.empty(n, dtype=acc, device=hidden.device) for k in opts.metrics}
     if opts.token_scaling:
         tg.scaling = torch.empty(n, dtype=acc, device=hidden.device)
 
     def step(sl):
-        z, st = _chunk_stats(hidden, w, b, tg, sl, call, cap, acc, sum_z=smooth, inv_t=mult, class_weight=cw,
+        z, st = _chunk_stats(hidden, w, b, tg, sl, call, opts.folded, acc, sum_z=smooth, class_weight=cw,
                              sum_ez="entropy" in opts.metrics, top1="token_accuracy" in opts.metrics)
         ce_token_outputs(st, opts, shard.vocab_size, tg, sl, loss_tok, metrics)
         if keep:
@@ -224,7 +224,7 @@ def cross_entropy(hidden, weight, bias, tg: TokenTargets, opts: LossOptions, cal
             return None
         scale = unit[sl] if tg.scaling is None else unit[sl] * tg.scaling[sl]
         co = ce_coefficients(scale, st.lse, opts, shard.vocab_size, tg.class_rows(sl))
-        return _logit_grad_(z, RowStats.of(st), co, tg.idx[sl], tg.in_shard[sl], cap, mult, cw)
+        return _logit_grad_(z, RowStats.of(st), co, tg.idx[sl], tg.in_shard[sl], opts.folded, cw)
 
     _chunk_loop(hidden, w, chunk, step, grads)
     tg.metrics = metrics
@@ -241,8 +241,8 @@ def log_probs(hidden, weight, bias, tg: TokenTargets, lp: LogProbOptions, call: 
     parts = []
 
     def step(sl):
-        _, st = _chunk_stats(hidden, w, b, tg, sl, call, lp.softcap, acc, sum_z=lp.mean_logits, sum_ez=lp.entropy,
-                             inv_t=lp.inv_t, sum_sq=lp.log_sum_sq, top1=lp.top1)
+        _, st = _chunk_stats(hidden, w, b, tg, sl, call, lp.folded, acc, sum_z=lp.mean_logits, sum_ez=lp.entropy,
+                             sum_sq=lp.log_sum_sq, top1=lp.top1)
         parts.append(st)
     _chunk_loop(hidden, w, chunk, step, None)
     return RankStats.cat(parts, int(lp.mean_logits), int(lp.entropy), hidden.new_empty(0, dtype=acc),
@@ -273,7 +273,7 @@ def _distill_logit_grad(z1, y, rows: DistillRows, kd: torch.Tensor, ce: torch.Te
                 o: DistillOptions) -> torch.Tensor:
     """The gradient ``[c, v]`` with respect to the student's pre-cap logits; per-row weights ``kd`` (the
     divergence's, with ``1 / T`` folded in) and ``ce`` (the cross-entropy's)."""
-    z = z1 * o.inv_t if o.inv_t != 1.0 else z1
+    z = z1 * o.student.inv_t if o.student.inv_t != 1.0 else z1
     s = log_softmax(z, rows.m_z, rows.log_s_z)
     p = s.exp()
     if o.kind == "forward_kl":
@@ -290,8 +290,8 @@ def _distill_logit_grad(z1, y, rows: DistillRows, kd: torch.Tensor, ce: torch.Te
         idx = t_idx[:, None]
         p1.scatter_(1, idx, torch.where(in_shard, -rows.q1, p1.gather(1, idx).squeeze(1))[:, None])  # p1_t - 1
         g.add_(p1.mul_(ce[:, None]))
-    if o.softcap is not None:
-        g.mul_(1 - (z1 / o.softcap) ** 2)
+    if o.student.softcap is not None:
+        g.mul_(1 - (z1 / o.student.softcap) ** 2)
     return g
 
 
@@ -316,8 +316,8 @@ def distill_forward(hidden, weight, bias, t_hidden, t_weight, t_bias, tg: TokenT
     def step(sl):
         z1 = y = None
         if v > 0:
-            z1 = chunk_logits(hidden[sl], w, b, o.softcap, acc)
-            y = chunk_logits(t_hidden[sl], tw, tb, o.teacher_softcap, acc, o.inv_t)
+            z1 = chunk_logits(hidden[sl], w, b, o.student.untempered(), acc)
+            y = chunk_logits(t_hidden[sl], tw, tb, o.teacher, acc)
         st = _distill_chunk_stats(z1, y, tg, sl, o, call, acc, hidden.device)
         loss_tok[sl] = tg.token_loss(token_loss(st, o), sl)
         if keep:
@@ -340,8 +340,8 @@ def distill_recompute_grads(hidden, weight, bias, t_hidden, t_weight, t_bias, tg
     kd, ce = row_weights(scale, o)
 
     def step(sl):
-        z1 = chunk_logits(hidden[sl], w, b, o.softcap, acc)
-        y = chunk_logits(t_hidden[sl], tw, tb, o.teacher_softcap, acc, o.inv_t)
+        z1 = chunk_logits(hidden[sl], w, b, o.student.untempered(), acc)
+        y = chunk_logits(t_hidden[sl], tw, tb, o.teacher, acc)
         return _distill_logit_grad(z1, y, rows.rows(sl), kd[sl], None if ce is None else ce[sl], tg.idx[sl],
                                    tg.in_shard[sl], o)
     return _recompute_loop(hidden, weight, bias, call, chunk, acc, step)

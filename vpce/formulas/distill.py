@@ -165,7 +165,7 @@ def local_stats(z1, y, tg: TokenTargets, sl: slice, o: DistillOptions, c: int, a
         if o.ce_weight > 0:
             rows += [full(-math.inf), full(0.0), full(-math.inf)]
         return torch.stack(rows)
-    z = z1 * o.inv_t if o.inv_t != 1.0 else z1
+    z = z1 * o.student.inv_t if o.student.inv_t != 1.0 else z1
     m_z, e_z = _max_exp(z)
     m_y, e_y = _max_exp(y)
     rows = [m_z, e_z.sum(1), m_y, e_y.sum(1)]
@@ -228,7 +228,7 @@ def log_mixture(s: torch.Tensor, u: torch.Tensor, beta: float) -> torch.Tensor:
 
 def mixture_sums(z1, y, st: DistillStats, o: DistillOptions) -> torch.Tensor:
     """The JSD's second pass on this shard: ``[K_q, K_p]`` partial sums ``[2, c]``."""
-    z = z1 * o.inv_t if o.inv_t != 1.0 else z1
+    z = z1 * o.student.inv_t if o.student.inv_t != 1.0 else z1
     s = log_softmax(z, st.m_z, st.log_s_z)
     u = log_softmax(y, st.m_y, st.log_s_y)
     log_m = log_mixture(s, u, o.beta)
@@ -267,7 +267,7 @@ def token_loss(st: DistillStats, o: DistillOptions) -> torch.Tensor:
 
 def row_weights(scale: torch.Tensor, o: DistillOptions) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-row gradient weights from the row scale (upstream gradient x token weight; 0 ignored, NaN bad)."""
-    return scale * (o.kd_scale * o.inv_t), (scale * o.ce_weight) if o.ce_weight > 0 else None
+    return scale * (o.kd_scale * o.student.inv_t), (scale * o.ce_weight) if o.ce_weight > 0 else None
 
 
 def heads(weight, bias, t_weight, t_bias, v):

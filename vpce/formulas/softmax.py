@@ -136,8 +136,8 @@ def ce_coefficients(scale: torch.Tensor, lse: torch.Tensor, opts: LossOptions, v
     """``class_weight``: ``(w_t, W)`` as for ``ce_loss``; ``d`` is then the row factor of the per-column term
     ``d w_j``."""
     eps = opts.label_smoothing
-    if opts.logit_scale != 1.0:
-        scale = scale * opts.logit_scale  # dz/dx = logit_scale (times the cap's derivative)
+    if opts.folded.inv_t != 1.0:
+        scale = scale * opts.folded.inv_t  # dz/dx = logit_scale (times the cap's derivative)
     d = scale * (-eps / vocab_size) if eps else None
     if class_weight is not None:
         wt, total = class_weight

@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..options import Folded
 from .common import INTERPRET, LN2, LOG2E, _exp, _program_tile, _softcap, _softcap_value, _tiles_max
 
 __all__ = ["distill_stats", "combine_distill_heads", "distill_mixture", "distill_grad_", "distill_block_align"]
@@ -355,7 +356,9 @@ def distill_block_align(x: torch.Tensor) -> int:
     return 32 if INTERPRET or not x.is_cuda else 256
 
 
-def _distill_options(softcap, t_softcap, inv_t) -> dict:
+def _distill_options(student: Folded, teacher: Folded) -> dict:
+    """The kernels' scalars and flags for both heads' logits (``vpce.options.DistillOptions``: one ``inv_t``)."""
+    softcap, t_softcap, inv_t = student.softcap, teacher.softcap, student.inv_t
     return dict(softcap=float(softcap or 1.0), t_softcap=float(t_softcap or 1.0), inv_t=float(inv_t),
                 SOFTCAP=softcap is not None, T_SOFTCAP=t_softcap is not None, TEMPERATURE=inv_t != 1.0)
 
@@ -366,12 +369,13 @@ def _check_pair(z: torch.Tensor, y: torch.Tensor):
                            f"{tuple(z.shape)}/{z.stride()} and {tuple(y.shape)}/{y.stride()}")
 
 
-def distill_stats(z, y, t_local, packed, *, kl: int, ce: bool, softcap, t_softcap, inv_t):
+def distill_stats(z, y, t_local, packed, *, kl: int, ce: bool, student: Folded, teacher: Folded):
     """This shard's packed statistics of a chunk into ``packed [R, C]`` (fp32, contiguous), rows as
     ``vpce.distill`` packs them: student max, sum of exp; teacher max, sum of exp; [the KL's weighted sum, ``kl``
     1: forward, 2: reverse]; [with ``ce``: the untempered student's max, sum of exp but the target's, target
     logit (``t_local``: int32 local column, -1 where the target is not in this shard)]. ``z``, ``y``: the
-    student's and the teacher's logits ``[C, V]`` before the caps and the temperature."""
+    student's and the teacher's logits ``[C, V]`` before the caps and the temperature (``student``,
+    ``teacher``)."""
     _check_pair(z, y)
     c, v = z.shape
     ce_at = 4 + (kl != 0)
@@ -384,7 +388,7 @@ def distill_stats(z, y, t_local, packed, *, kl: int, ce: bool, softcap, t_softca
     tiles = torch.empty(ce_at + 2 * ce, c, n_tiles, dtype=torch.float32, device=z.device)
     _distill_stats_kernel[(triton.cdiv(c, bm), n_tiles)](
         z, y, t_local, tiles, packed[ce_at + 2] if ce else packed, c, v, n_tiles, c * n_tiles, z.stride(0), y.stride(0),
-        **_distill_options(softcap, t_softcap, inv_t), KL=kl, CE=ce, CE_AT=ce_at, BLOCK_M=bm, BLOCK_N=bn,
+        **_distill_options(student, teacher), KL=kl, CE=ce, CE_AT=ce_at, BLOCK_M=bm, BLOCK_N=bn,
         num_warps=warps)
     block_c = 16 if INTERPRET or not z.is_cuda else 64
     _distill_reduce_kernel[(triton.cdiv(c, block_c),)](tiles, packed, c, n_tiles, c * n_tiles, SUMS=0, KL=kl, CE=ce,
@@ -405,7 +409,8 @@ def combine_distill_heads(every: torch.Tensor, *, kl: int, poison: torch.Tensor 
     return out[0], out[1], out[2], out[3], out[4] if kl else None
 
 
-def distill_mixture(z, y, m_z, log_s_z, m_y, log_s_y, *, beta: float, softcap, t_softcap, inv_t) -> torch.Tensor:
+def distill_mixture(z, y, m_z, log_s_z, m_y, log_s_y, *, beta: float, student: Folded, teacher: Folded
+                    ) -> torch.Tensor:
     """The JSD's second pass on this shard: ``[K_q, K_p]`` partial sums ``[2, C]`` fp32 from the chunk's logits
     and the global per-row statistics (each head's max and ``log S``)."""
     _check_pair(z, y)
@@ -418,7 +423,7 @@ def distill_mixture(z, y, m_z, log_s_z, m_y, log_s_y, *, beta: float, softcap, t
     tiles = torch.empty(2, c, n_tiles, dtype=torch.float32, device=z.device)
     _distill_mixture_kernel[(triton.cdiv(c, bm), n_tiles)](
         z, y, m_z, log_s_z, m_y, log_s_y, tiles, c, v, n_tiles, c * n_tiles, z.stride(0), y.stride(0),
-        **_distill_options(softcap, t_softcap, inv_t), beta=float(beta), FAST_LOG=_fast_log(z), BLOCK_M=bm,
+        **_distill_options(student, teacher), beta=float(beta), FAST_LOG=_fast_log(z), BLOCK_M=bm,
         BLOCK_N=bn, num_warps=warps)
     block_c = 16 if INTERPRET or not z.is_cuda else 64
     _distill_reduce_kernel[(triton.cdiv(c, block_c),)](tiles, out, c, n_tiles, c * n_tiles, SUMS=2, KL=0, CE=False,
@@ -426,7 +431,7 @@ def distill_mixture(z, y, m_z, log_s_z, m_y, log_s_y, *, beta: float, softcap, t
     return out
 
 
-def distill_grad_(z, y, g, t_local, rows, kd, ce, *, kind: int, beta: float, softcap, t_softcap, inv_t):
+def distill_grad_(z, y, g, t_local, rows, kd, ce, *, kind: int, beta: float, student: Folded, teacher: Folded):
     """The student's ``dL/dx`` of a chunk (or a vocab block: ``t_local`` relative to its first column) into ``g``
     (may alias ``z``), in ``g``'s dtype. ``rows``: ``vpce.distill.DistillRows`` of the chunk's tokens (fp32);
     ``kd`` the divergence's per-row weight (the ``1/T`` folded in), ``ce`` the cross-entropy's or None; ``kind``
@@ -440,5 +445,5 @@ def distill_grad_(z, y, g, t_local, rows, kd, ce, *, kind: int, beta: float, sof
     _distill_grad_kernel[(triton.cdiv(c, bm), triton.cdiv(v, bn))](
         z, y, g, t_local, rows.m_z, rows.log_s_z, rows.m_y, rows.log_s_y, pick(rows.e), pick(rows.m1),
         pick(rows.log_s1), pick(rows.q1), kd, pick(ce), c, v, z.stride(0), y.stride(0), g.stride(0),
-        **_distill_options(softcap, t_softcap, inv_t), beta=float(beta), KIND=kind, CE=ce is not None,
+        **_distill_options(student, teacher), beta=float(beta), KIND=kind, CE=ce is not None,
         FAST_LOG=_fast_log(z), BLOCK_M=bm, BLOCK_N=bn, num_warps=warps)

@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..options import Folded
 from ..rank_stats import RankStats
 from .common import (INTERPRET, _exp, _log1p, _persistent, _program_tile, _softcap_quarter_slope, _softcap_value,
                      _tiles_max)
@@ -586,7 +587,7 @@ def tile_n(x: torch.Tensor) -> int:
     return _config(x)["BLOCK_N"]
 
 
-def logits_tiles(x, w, b, t_local, *, softcap=None, inv_t=1.0, tile_m=None, tile_s=None, tile_z=None,
+def logits_tiles(x, w, b, t_local, *, folded=Folded(), tile_m=None, tile_s=None, tile_z=None,
                  tile_ez=None, zt=None, p=None, rows=None, coef=None, config=None, class_weight=None, tile_sq=None,
                  tile_mb=None, before=None, flag=None, round_logits=False):
     """Launch the GEMM + epilogue over ``x [M, D]`` and ``w [V, D]`` (``t_local``: int32 local target column,
@@ -598,7 +599,7 @@ def logits_tiles(x, w, b, t_local, *, softcap=None, inv_t=1.0, tile_m=None, tile
     of ``exp(2 (z - m_t))`` but the target's, ``tile_mb`` the max over the columns below ``before`` (int32 ``[M]``:
     how many of this shard's columns have a lower global id than the target). Grad mode (``rows``: the global
     ``(M, lse, 1 - p_t)`` per row, and ``coef = (a, b, c, d)``, per-row fp32 vectors, ``b``/``d`` may be None)
-    writes the gradient into ``p``.
+    writes the gradient into ``p``. ``folded``: the soft cap and the multiplier after it (``vpce.options.Folded``).
     ``class_weight`` (fp32 ``[V]``, per column): ``tile_z`` becomes the weighted sum ``sum w_j z_j`` and grad
     mode's ``d`` term ``d w_j``. ``config`` overrides the block shapes (for ``launch/tune_kernels.py``).
     ``flag`` (int32, one element on the device): the launch does nothing where it holds 0 (no host read); with it,
@@ -608,6 +609,7 @@ def logits_tiles(x, w, b, t_local, *, softcap=None, inv_t=1.0, tile_m=None, tile
     v = w.shape[0]
     if m == 0 or v == 0:
         return
+    softcap, inv_t = folded.softcap, folded.inv_t
     cfg = dict(config or _config(x))
     tma = cfg.pop("TMA", _use_tma(x, w))
     bn = cfg["BLOCK_N"]
@@ -648,7 +650,7 @@ def _epilogue_operands(like: torch.Tensor, rows, coef):
     return (lambda t: dummy if t is None else t), (rows if grad else (None,) * 3), (coef if grad else (None,) * 4)
 
 
-def stored_logits(logits, b, t_local, *, softcap=None, inv_t=1.0, tile_m=None, tile_s=None, tile_z=None,
+def stored_logits(logits, b, t_local, *, folded=Folded(), tile_m=None, tile_s=None, tile_z=None,
                   tile_ez=None, zt=None, rows=None, coef=None, class_weight=None, tile_sq=None, tile_mb=None,
                   before=None, block_n=None, block_m=None, num_warps=None):
     """``logits_tiles``'s epilogue over ``logits [M, V]`` that a GEMM already wrote (the inputs' dtype; ``b`` is
@@ -660,6 +662,7 @@ def stored_logits(logits, b, t_local, *, softcap=None, inv_t=1.0, tile_m=None, t
     m, v = logits.shape
     if m == 0 or v == 0:
         return
+    softcap, inv_t = folded.softcap, folded.inv_t
     bn = block_n or tile_n(logits)
     n_tiles = triton.cdiv(v, bn)
     grad = rows is not None
@@ -683,7 +686,7 @@ def stored_logits(logits, b, t_local, *, softcap=None, inv_t=1.0, tile_m=None, t
     )
 
 
-def target_logits(x, w, b, t_local, zt, *, softcap=None, inv_t=1.0, logits=None, zs=None):
+def target_logits(x, w, b, t_local, zt, *, folded=Folded(), logits=None, zs=None):
     """``zt [M] = cap(x . w[t] + b[t]) / T`` in fp32 for each row's local target column ``t_local`` (``-inf``
     where it is -1): the exact target logit beside ``stored_logits``' 16-bit logits. With ``zs`` (and the
     ``logits`` buffer) also the target logit as ``logits`` holds it, through the same soft cap and temperature as
@@ -691,6 +694,7 @@ def target_logits(x, w, b, t_local, zt, *, softcap=None, inv_t=1.0, logits=None,
     m, d = x.shape
     if m == 0:
         return
+    softcap, inv_t = folded.softcap, folded.inv_t
     gpu = x.is_cuda and not INTERPRET
     block_m, block_k = (16, 256) if gpu else (32, 32)
     stored = zs is not None
@@ -702,7 +706,7 @@ def target_logits(x, w, b, t_local, zt, *, softcap=None, inv_t=1.0, logits=None,
         BLOCK_M=block_m, BLOCK_K=block_k, num_warps=4)
 
 
-def target_out_of_lse(lse, zt, s, stored_dtype, *, softcap=None, inv_t=1.0, zs=None):
+def target_out_of_lse(lse, zt, s, stored_dtype, *, folded=Folded(), zs=None):
     """For the statistics a logits GEMM's epilogue took (``vpce.backends.gemm.logits_with_stats``): ``lse [C]``, the
     log-sum-exp of every column's logit as the buffer holds them (``stored_dtype``), and ``zt [C]``, the target
     column's raw fp32 logit (``-inf`` where the target is elsewhere). Writes ``s [C]``, the share of the row's
@@ -714,6 +718,7 @@ def target_out_of_lse(lse, zt, s, stored_dtype, *, softcap=None, inv_t=1.0, zs=N
     c = lse.shape[0]
     if c == 0:
         return
+    softcap, inv_t = folded.softcap, folded.inv_t
     block = 256 if lse.is_cuda and not INTERPRET else 64
     rnd = {torch.bfloat16: 1, torch.float16: 2}.get(stored_dtype, 0)
     _target_out_of_lse_kernel[(triton.cdiv(c, block),)](

@@ -57,7 +57,7 @@ _KIND = {"forward_kl": 0, "reverse_kl": 1, "jsd": 2}    # the gradient kernel's 
 
 
 def _distill_kernel_options(o: DistillOptions) -> dict:
-    return dict(softcap=o.softcap, t_softcap=o.teacher_softcap, inv_t=o.inv_t)
+    return dict(student=o.student, teacher=o.teacher)
 
 
 def _distill_chunk_stats(z, y, t_local, tg: TokenTargets, sl: slice, o: DistillOptions, call: Call):

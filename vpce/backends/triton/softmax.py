@@ -51,7 +51,7 @@ from ... import kernels
 from ...formulas.softmax import (Coefficients, RowStats, ce_coefficients, ce_token_outputs, evaluate_loss_fn,
                                  logprob_coefficients, logprob_part_outputs, loss_fn_coefficients,
                                  loss_fn_metric_outputs, store_metric_outputs)
-from ...options import LogProbLossOptions, LogProbOptions, LossOptions
+from ...options import Folded, LogProbLossOptions, LogProbOptions, LossOptions
 from ...parallel import PendingStats, gather_sequence, start_stats_exchange
 from ...rank_stats import RankStats
 from ...routing import ROW_ALIGN, Call, one_weight_grad_gemm, round_to
@@ -98,7 +98,7 @@ class _ChunkStats:
         # it with the other logits of P, so that ties are judged on equal terms, across ranks too
         self.zs = torch.empty(rows, **f32) if before is not None else None
 
-    def _local(self, h, w, b, tl_local, sl: slice, r: slice, call: Call, softcap, inv_t, p, ready=False):
+    def _local(self, h, w, b, tl_local, sl: slice, r: slice, call: Call, folded: Folded, p, ready=False):
         """Kernel and local reduction for tokens ``sl`` into buffer rows ``r``: this rank's packed statistics
         ``[k, rows]`` (``start_stats_exchange``). ``ready``: the logits of ``p`` are already written
         (``first_logits``)."""
@@ -106,14 +106,14 @@ class _ChunkStats:
         cut = lambda t: None if t is None else t[r]  # noqa: E731
         if call.shard.valid_rows > 0 and self.epilogue:  # P, the statistics and the fp32 target logit: one GEMM
             zt = self.zt[r]
-            lse, sum_z = logits_with_stats(p, h[sl], w, tl_local[sl], zt, softcap, inv_t, self.z is not None,
+            lse, sum_z = logits_with_stats(p, h[sl], w, tl_local[sl], zt, folded, self.z is not None,
                                            self.class_weight)
-            kernels.target_out_of_lse(lse, zt, self.s[r].view(-1), p.dtype, softcap=softcap, inv_t=inv_t,
+            kernels.target_out_of_lse(lse, zt, self.s[r].view(-1), p.dtype, folded=folded,
                                       zs=None if self.zs is None else self.zs[r])
             return kernels.reduce_tiles(lse[:, None], self.s[r], None if sum_z is None else sum_z[:, None], None, zt)
         if call.shard.valid_rows > 0:
             zt, zs = self.zt[r], None
-            stats = dict(softcap=softcap, inv_t=inv_t, tile_m=self.m[r], tile_s=self.s[r], tile_z=cut(self.z),
+            stats = dict(folded=folded, tile_m=self.m[r], tile_s=self.s[r], tile_z=cut(self.z),
                          tile_ez=cut(self.ez), zt=zt, class_weight=self.class_weight, tile_sq=cut(self.sq),
                          tile_mb=cut(self.mb), before=None if self.before is None else self.before[sl])
             if p is not None:
@@ -123,8 +123,7 @@ class _ChunkStats:
                     logits_into(p, h[sl], w, b)
                 kernels.stored_logits(p, None, tl_local[sl], **stats)
                 zs = None if self.zs is None else self.zs[r]
-                kernels.target_logits(h[sl], w, b, tl_local[sl], zt, softcap=softcap, inv_t=inv_t,  # every row
-                                      logits=p, zs=zs)
+                kernels.target_logits(h[sl], w, b, tl_local[sl], zt, folded=folded, logits=p, zs=zs)  # every row
             else:
                 zt.fill_(-math.inf)  # stored by the tile that holds the target, if any
                 kernels.logits_tiles(h[sl], w, b, tl_local[sl], **stats)
@@ -180,7 +179,7 @@ class _ChunkStats:
         first = _ChunkStats._cuts(min(chunk, h.shape[0]), call)[1]
         logits_into(p[:first], h[:first], w, b)
 
-    def parts(self, h, w, b, tl_local, sl: slice, call: Call, softcap, inv_t=1.0, p=None, ready=False):
+    def parts(self, h, w, b, tl_local, sl: slice, call: Call, folded: Folded, p=None, ready=False):
         """Yield ``(part, rows, RankStats)`` for the sub-chunks of tokens ``sl`` (global statistics); ``rows``:
         the part's rows in the chunk buffers (and in ``p``, the fast route's P). ``ready``: ``first_logits``
         wrote the first sub-chunk's logits."""
@@ -190,12 +189,12 @@ class _ChunkStats:
             # the statistics GEMM runs the whole chunk in one launch, its statistics then exchanged in the same
             # parts: with a launch per half the first half's exchange did not run beside the second's GEMM anyway
             # (it got an SM only as that persistent GEMM ended), and one launch is faster (docs/benchmarks.md)
-            whole = self._local(h, w, b, tl_local, sl, slice(0, sl.stop - sl.start), call, softcap, inv_t, p)
+            whole = self._local(h, w, b, tl_local, sl, slice(0, sl.stop - sl.start), call, folded, p)
         pending = []
         for lo, hi in zip(cuts[:-1], cuts[1:]):
             part, r = slice(sl.start + lo, sl.start + hi), slice(lo, hi)
             if whole is None:
-                packed = self._local(h, w, b, tl_local, part, r, call, softcap, inv_t, None if p is None else p[r],
+                packed = self._local(h, w, b, tl_local, part, r, call, folded, None if p is None else p[r],
                                      ready=ready and lo == 0)
             else:  # the part's columns of the whole chunk's statistics
                 packed = whole if hi - lo == whole.shape[1] else whole[:, lo:hi].contiguous()
@@ -210,9 +209,9 @@ class _SoftmaxBlocks:
 
     buffers = 1
 
-    def __init__(self, hidden, weight, bias, tg: TokenTargets, rows: RowStats, coef: Coefficients, softcap, inv_t):
+    def __init__(self, hidden, weight, bias, tg: TokenTargets, rows: RowStats, coef: Coefficients, folded: Folded):
         self.weight, self.bias, self.rows, self.coef = weight, bias, rows, coef
-        self.softcap, self.inv_t = softcap, inv_t
+        self.folded = folded
         self.tl_local = tg.local_columns()
         self.cw = None if tg.class_weight is None else tg.class_weight.columns.float()
         self.align = kernels.tile_n(hidden)
@@ -229,21 +228,21 @@ class _SoftmaxBlocks:
         rows, coef = per_tok
         gz = self.buf[: tok.stop - tok.start, : v1 - v0]
         kernels.logits_tiles(h, self.weight[v0:v1], None if self.bias is None else self.bias[v0:v1],
-                             self.tl_local[tok] - v0, softcap=self.softcap, inv_t=self.inv_t, p=gz, rows=rows,
+                             self.tl_local[tok] - v0, folded=self.folded, p=gz, rows=rows,
                              coef=coef, class_weight=None if self.cw is None else self.cw[v0:v1])
         return gz
 
 
 def recompute_grads(hidden, weight, bias, tg: TokenTargets, rows: RowStats, coef: Coefficients, call: Call,
-                    softcap, inv_t: float, main_weight=None):
+                    folded: Folded, main_weight=None):
     """dX, dW and db of the softmax losses from the logits recomputed in blocks (grad mode) for any per-token
     ``coef`` (``engine.block_loop``); ``main_weight``: add dW in fp32 into its ``main_grad`` instead of returning it."""
     hidden = hidden.contiguous()
-    step = _SoftmaxBlocks(hidden, weight, bias, tg, rows, coef, softcap, inv_t)
+    step = _SoftmaxBlocks(hidden, weight, bias, tg, rows, coef, folded)
     return block_loop(hidden, weight, bias, call, step, main_weight)
 
 
-def _softmax_step(hidden, w, b, tl_local, stats: _ChunkStats, p, call: Call, softcap, inv_t, cw, on_part,
+def _softmax_step(hidden, w, b, tl_local, stats: _ChunkStats, p, call: Call, folded: Folded, cw, on_part,
                   on_chunk=None, on_grad=None):
     """The softmax losses' chunk step for ``engine.chunk_loop``: the chunk's statistics (``stats.parts``, in sub-chunks
     whose exchanges overlap), then per part ``on_part(part, stats)``, which stores the part's outputs and returns
@@ -260,7 +259,7 @@ def _softmax_step(hidden, w, b, tl_local, stats: _ChunkStats, p, call: Call, sof
         # the chunk's rows of P: its own rows where P holds every token (``routing.one_weight_grad_gemm``), else the
         # first rows of a P of one chunk
         pc = None if p is None else p[sl] if p.shape[0] >= sl.stop else p[: sl.stop - sl.start]
-        parts = stats.parts(hidden, w, b, tl_local, sl, call, softcap, inv_t, p=pc, ready=first)
+        parts = stats.parts(hidden, w, b, tl_local, sl, call, folded, p=pc, ready=first)
         if on_chunk is None:  # each part's coefficients as its statistics come (lazily: in order)
             ready = ((part, r, st, on_part(part, st)) for part, r, st in parts)
         else:
@@ -268,7 +267,7 @@ def _softmax_step(hidden, w, b, tl_local, stats: _ChunkStats, p, call: Call, sof
             ready = [(part, r, st, co) for (part, r, st), co in zip(got, on_chunk(sl, got))]
         for part, r, st, co in ready:
             if pc is not None:
-                kernels.stored_logits(pc[r], None, tl_local[part], softcap=softcap, inv_t=inv_t,
+                kernels.stored_logits(pc[r], None, tl_local[part], folded=folded,
                                       rows=(st.m, st.lse, st.q), coef=co, class_weight=cw,
                                       **stats.grad_outputs(part, r))  # in place
                 if on_grad is not None:
@@ -313,9 +312,9 @@ def cross_entropy(hidden, weight, bias, tg: TokenTargets, opts: LossOptions, cal
     # (``_ChunkStats.late``), under a group they keep the statistics pass (their sums are over the ranks). Under a
     # group this GEMM starts after the set-up (it needs the targets), not before it as cuBLAS's first GEMM does.
     # The statistics exchanged are the same tensor either way, so the choice is no collective's.
-    cap, inv_t = opts.folded_cap()
-    epilogue = formed and v > 0 and (cap is not None or inv_t == 1.0) and \
-        not (opts.metrics and shard.sharded) and stats_epilogue_ready(hidden, w, b, v)
+    folded = opts.folded
+    epilogue = (formed and v > 0 and (folded.softcap is not None or folded.inv_t == 1.0)
+                and not (opts.metrics and shard.sharded) and stats_epilogue_ready(hidden, w, b, v))
     defer = plan.route == "fast" and not call.main_grad  # the speculative route's backward adds to the accumulator
     # under a group: every token's gradient in one P, this rank's dW in one quack GEMM (changes no collective)
     one_dw = v > 0 and one_weight_grad_gemm(
@@ -355,7 +354,7 @@ def cross_entropy(hidden, weight, bias, tg: TokenTargets, opts: LossOptions, cal
             if value is not None:
                 metrics[k][part] = tg.metric(value, part)
 
-    step = _softmax_step(hidden, w, b, tl_local, stats, p, call, cap, inv_t, cw, on_part,
+    step = _softmax_step(hidden, w, b, tl_local, stats, p, call, folded, cw, on_part,
                          on_grad=on_grad if stats.late else None)
     return loss_tok, rows, chunk_loop(hidden, w, b, chunk, call, step, form=formed, defer_last=defer,
                                       whole_p=p if one_dw else None)
@@ -373,7 +372,7 @@ def log_probs(hidden, weight, bias, tg: TokenTargets, lp: LogProbOptions, call: 
     stats = _ChunkStats(chunk, v, hidden, lp.mean_logits, lp.entropy, sum_sq=lp.log_sum_sq,
                         before=tg.before.to(torch.int32) if lp.top1 else None)
     parts = []
-    step = _softmax_step(hidden, w, b, tl_local, stats, None, call, lp.softcap, lp.inv_t, None,
+    step = _softmax_step(hidden, w, b, tl_local, stats, None, call, lp.folded, None,
                          lambda _, st: parts.append(st))
     chunk_loop(hidden, w, b, chunk, call, step, form=False)
     return RankStats.cat(parts, int(lp.mean_logits), int(lp.entropy), hidden.new_empty(0, dtype=torch.float32),
@@ -394,7 +393,7 @@ def log_probs_formed(hidden, weight, bias, tg: TokenTargets, lp: LogProbOptions,
     p, chunk = _first_chunk(hidden, w, b, call)
     tl_local = tg.local_columns()
     ones = torch.ones(n, dtype=torch.float32, device=dev)
-    unit = logprob_coefficients(tg, ones, None, None, lp.inv_t, like=ones)
+    unit = logprob_coefficients(tg, ones, None, None, lp.folded.inv_t, like=ones)
     rows = RowStats.empty(n, torch.float32, dev)
     stats = _ChunkStats(chunk, v, hidden, lp.mean_logits, lp.entropy, sum_sq=lp.log_sum_sq,
                         before=tg.before.to(torch.int32) if lp.top1 else None)
@@ -405,8 +404,8 @@ def log_probs_formed(hidden, weight, bias, tg: TokenTargets, lp: LogProbOptions,
         rows.store(part, st)
         return unit.rows(part)
 
-    grads = chunk_loop(hidden, w, b, chunk, call, _softmax_step(hidden, w, b, tl_local, stats, p, call, lp.softcap,
-                                                                lp.inv_t, None, on_part))
+    grads = chunk_loop(hidden, w, b, chunk, call, _softmax_step(hidden, w, b, tl_local, stats, p, call, lp.folded,
+                                                                None, on_part))
     st = RankStats.cat(parts, int(lp.mean_logits), int(lp.entropy), hidden.new_empty(0, dtype=torch.float32),
                        lp.log_sum_sq, lp.top1)
     return st, rows, grads
@@ -445,7 +444,7 @@ def log_prob_loss(hidden, weight, bias, tg: TokenTargets, o: LogProbLossOptions,
         outputs(part, st)
         ev = evaluate_loss_fn(o, logp[part], fn_ent(part), tg.keep, inputs, part)
         total.append(ev.value)
-        return loss_fn_coefficients(tg, part, ev, st, o.inv_t)
+        return loss_fn_coefficients(tg, part, ev, st, o.folded.inv_t)
 
     def on_chunk(sl, got):
         for part, _, st in got:
@@ -453,11 +452,11 @@ def log_prob_loss(hidden, weight, bias, tg: TokenTargets, o: LogProbLossOptions,
         ev = evaluate_loss_fn(o, logp[sl], fn_ent(sl), tg.keep, inputs, sl)
         total.append(ev.value)
         return [loss_fn_coefficients(tg, part, ev.rows(slice(part.start - sl.start, part.stop - sl.start)), st,
-                                     o.inv_t) for part, _, st in got]
+                                     o.folded.inv_t) for part, _, st in got]
 
     stats = _ChunkStats(chunk, v, hidden, o.mean_logits, o.entropy_stats,
                         before=tg.before.to(torch.int32) if o.top1 else None)
-    step = _softmax_step(hidden, w, b, tg.local_columns(), stats, p, call, o.softcap, o.inv_t, None, on_part,
+    step = _softmax_step(hidden, w, b, tg.local_columns(), stats, p, call, o.folded, None, on_part,
                          on_chunk=on_chunk if o.scope == "sequence" else None)
     grads = chunk_loop(hidden, w, b, chunk, call, step)
     loss = torch.stack(total).sum() if total else torch.zeros((), dtype=torch.float32, device=dev)
@@ -465,7 +464,7 @@ def log_prob_loss(hidden, weight, bias, tg: TokenTargets, o: LogProbLossOptions,
 
 
 def speculative_grads(held: FastGrads, hidden, weight, bias, tg: TokenTargets, rows: RowStats, g: torch.Tensor,
-                      coefficients, call: Call, softcap, inv_t: float, main_weight=None, dtypes=None):
+                      coefficients, call: Call, folded: Folded, main_weight=None, dtypes=None):
     """The speculative route's backward (``vpce.speculation``): the held unit-scale gradients finished for the
     per-token upstream gradient ``g [N]`` (fp32), exact for any ``g``, with no host sync.
 
@@ -498,7 +497,7 @@ def speculative_grads(held: FastGrads, hidden, weight, bias, tg: TokenTargets, r
                 if acc is not None:
                     kernels.gated_scale_(acc, zero, mispredicted)  # NaN in dW_unit stays NaN, as the lean route's
             _gated_recompute(hidden.contiguous(), weight[:v], None if bias is None else bias[:v], tg, rows,
-                             coefficients(r), flags, chunk, softcap, inv_t, dw, db)
+                             coefficients(r), flags, chunk, folded, dw, db)
     if main_weight is not None and dw is not None:
         dw = weight_grad_to_main(main_weight, dw, last)
     elif dw is not None:
@@ -509,7 +508,7 @@ def speculative_grads(held: FastGrads, hidden, weight, bias, tg: TokenTargets, r
 
 
 def _gated_recompute(hidden, w, b, tg: TokenTargets, rows: RowStats, coef: Coefficients, flags: torch.Tensor,
-                     chunk: int, softcap, inv_t: float, dw, db):
+                     chunk: int, folded: Folded, dw, db):
     """``dw += dz^T X`` (``db += sum dz``) over the token blocks of ``chunk`` tokens whose flag is set, ``dz``
     recomputed in grad mode with ``coef`` over the whole vocab into one ``[chunk, V]`` buffer; a block whose flag
     is 0 costs two launches of one short wave each."""
@@ -521,7 +520,7 @@ def _gated_recompute(hidden, w, b, tg: TokenTargets, rows: RowStats, coef: Coeff
         tok = slice(n0, min(n, n0 + chunk))
         h, flag, gz = hidden[tok], flags[i:i + 1], block[: tok.stop - tok.start]
         per_row = rows.rows(tok)
-        kernels.logits_tiles(h, w, b, tl_local[tok], softcap=softcap, inv_t=inv_t, p=gz,
+        kernels.logits_tiles(h, w, b, tl_local[tok], folded=folded, p=gz,
                              rows=(per_row.m, per_row.lse, per_row.q), coef=coef.rows(tok), class_weight=cw,
                              flag=flag, round_logits=True)  # the logits the forward's statistics came from
         kernels.gated_weight_grad_(dw, db, gz, h, flag)
