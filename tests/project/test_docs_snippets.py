@@ -44,7 +44,9 @@ BLOCKS = list(_blocks())
 
 #: What a snippet that uses an integration needs installed (TRL's trainers import ``datasets``).
 NEEDS = {"vpce.integrations.trl": ("trl", "datasets"), "vpce.integrations.transformers": ("transformers",),
-         "vpce.integrations.torchtune": ("torchtune",), "vpce.integrations.megatron": ("megatron.core",)}
+         "vpce.integrations.torchtune": ("torchtune",), "vpce.integrations.megatron": ("megatron.core",),
+         "vpce.integrations.verl": ("verl.trainer.ppo.core_algos",), "vpce.integrations.peft": ("peft",),
+         "vpce.integrations.openrlhf": ("openrlhf",)}
 
 
 def test_documents_have_snippets():

@@ -647,6 +647,8 @@ def _patched_forward(model, *args, **kwargs):
         if patch.aux_coef is None or not hasattr(model, patch.aux_coef):
             raise TypeError(f"model: {type(model).__name__} returned a router aux loss but vpce did not find the "
                             f"coefficient its forward multiplies it by; {_ALTERNATIVE}")
+        if not isinstance(aux, torch.Tensor):  # some versions' MoE forwards give a plain 0 without router logits
+            aux = torch.as_tensor(aux, dtype=loss.dtype)
         loss = loss + getattr(model, patch.aux_coef) * aux.to(loss.device)
     fields = {k: v for k, v in out.items() if k not in ("loss", "logits")}
     output = type(out)(loss=loss, logits=out.get("logits") if want_logits else None, **fields)
