@@ -149,3 +149,22 @@ def test_no_private_name_imported_from_another_package():
             if source_pkg != importer_pkg:
                 bad.append(f"{mod} imports {name} from {base}")
     assert not bad, "private names imported across packages:\n" + "\n".join(bad)
+
+
+def test_every_autograd_function_refuses_a_double_backward():
+    """Every ``torch.autograd.Function`` of the package runs ``refuse_double_backward`` first in its backward: its
+    gradients are formed by kernels, held from forward or exchanged, none of it recorded by autograd."""
+    missing = []
+    for mod, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, ast.ClassDef):
+                continue
+            if not any(ast.unparse(b).endswith("autograd.Function") for b in node.bases):
+                continue
+            backward = next((f for f in node.body if isinstance(f, ast.FunctionDef) and f.name == "backward"), None)
+            body = [s for s in (backward.body if backward else []) if not (isinstance(s, ast.Expr) and
+                                                                        isinstance(s.value, ast.Constant))]
+            first = ast.unparse(body[0]) if body else ""
+            if not first.startswith("refuse_double_backward("):
+                missing.append(f"{mod}.{node.name}")
+    assert not missing, f"autograd Functions whose backward does not start with refuse_double_backward: {missing}"

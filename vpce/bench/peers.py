@@ -102,6 +102,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .. import parallel
+from ..double_backward import refuse_double_backward
 from .harness import Env
 from .launch_env import free_port, set_collective_env
 from .meta import package_version
@@ -473,6 +474,7 @@ class _GatherTokensKeepSlice(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        refuse_double_backward("the bench's sequence-parallel gather")
         return grad[ctx.rank * ctx.rows:(ctx.rank + 1) * ctx.rows].contiguous(), None
 
 
@@ -550,6 +552,7 @@ class _ChunkedVocabParallelNLL(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        refuse_double_backward("the bench's chunked-tp row")
         x, w, y, lse = ctx.saved_tensors
         rows = w.shape[0]
         dx = torch.empty_like(x)

@@ -46,6 +46,7 @@ import warnings
 import torch
 
 import vpce
+from vpce.double_backward import refuse_double_backward
 
 try:
     import verl.trainer.ppo.core_algos as core_algos
@@ -213,6 +214,7 @@ class _ShareGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
+        refuse_double_backward("vpce.integrations.verl's Megatron head")
         return g / ctx.world, None
 
 
