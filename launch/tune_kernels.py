@@ -31,9 +31,9 @@ SHAPES = {"llama3-8b": (4096, 128256), "gemma2-2b": (2304, 256000)}
 CONFIGS = [  # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages)
     (128, 256, 64, 8, 8, 3), (128, 256, 64, 8, 8, 4), (128, 256, 64, 16, 8, 4), (128, 128, 64, 8, 8, 4),
 ]
-# Measured on an H200 on 2026-11-21 and dropped: a persistent schedule (one program per SM, flattened tile loop),
-# 1-6% slower than this grid on both heads; P tiles written by tensor-descriptor (bulk copy) stores, 14-17% slower
-# than plain stores; 128x128 tiles with 2-3 stages (two programs per SM) and 64x256 tiles, 6-40% slower.
+# Tried and dropped, each slower than this grid on both heads (docs/benchmarks.md): a persistent schedule (one
+# program per SM, flattened tile loop); P tiles written by tensor-descriptor (bulk copy) stores; 128x128 tiles with
+# 2-3 stages (two programs per SM) and 64x256 tiles.
 
 
 def ms(fn) -> float:

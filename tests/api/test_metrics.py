@@ -294,7 +294,7 @@ def boundary_tie_problem(sizes, *, dtype, n=64, d=257, seed=5) -> tuple[Problem,
     The values are random but on a coarse dyadic grid (sixteenths of the hidden states, 128ths of the weights),
     so that every logit is exact in fp32 and fp64 whatever order the GEMM sums in: the tie is a tie on every
     machine. With real-valued random inputs a CPU BLAS that blocks the two ranks' GEMMs differently (an AMD EPYC
-    machine, 2026-11-27) rounded the two equal rows' logits one ulp apart, and the float64 argmax followed."""
+    machine) rounded the two equal rows' logits one ulp apart, and the float64 argmax followed."""
     gen = torch.Generator().manual_seed(seed)
     v = sum(sizes)
 

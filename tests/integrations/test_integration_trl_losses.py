@@ -94,7 +94,7 @@ def compare(got, want, steps):
         keys = {k for k in w if not any(s in k for s in SKIP)}
         if all(abs(w.get(k, 1.0)) <= ATOL for k in ("rewards/chosen", "rewards/rejected")):
             # DPO's step 1 (policy = reference): every reward is roundoff, and so is which of a pair's is larger;
-            # an AMD EPYC CPU's BLAS, 2026-11-27, gave TRL 0.5 and vpce 0.25 there, both from differences of 1e-7
+            # an AMD EPYC CPU's BLAS gave TRL 0.5 and vpce 0.25 there, both from differences of 1e-7
             keys.discard("rewards/accuracies")
         assert keys <= set(g), f"step {step}: metrics missing with vpce: {sorted(keys - set(g))}"
         for key in sorted(keys):

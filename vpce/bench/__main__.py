@@ -3,8 +3,8 @@
 A ``--tp`` run leaves through ``os._exit`` once its output is written and flushed: its gloo process group object
 is still referenced when ``main`` returns (the run's ``Env`` holds it, among others), so it was freed during
 interpreter finalization, where a rank sometimes aborted ("terminate called without an active exception",
-SIGABRT) after every line of its output: twice in four CI runs of ``tests/bench/test_bench_tp.py``'s ``--tp --distill``
-run on 2026-11-26, once with a barrier before ``destroy_process_group``.
+SIGABRT) after every line of its output, in ``tests/bench/test_bench_tp.py``'s ``--tp --distill`` run, also with a
+barrier before ``destroy_process_group``.
 """
 
 import os

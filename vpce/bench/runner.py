@@ -182,10 +182,10 @@ def _compile_in_process():
     """After a row is abandoned by its time limit, every later row compiles its quack kernels itself. quack's
     autotuner (the first call of its tuned GEMMs) makes a compile pool the whole process's while it tunes (module
     state, ``quack.cache.async_compile.pool_scope``), and then any quack kernel not yet compiled raises
-    ``CompilePending`` instead of compiling. A row abandoned while tuning leaves that pool on: one H100,
-    2026-11-28 (docs/results/gpu-2026-11-28m), quack's base path timed out at 80 s in its first step on both bench
-    heads, and the next row's first quack GEMM (vpce's) raised ``CompilePending``. quack's ``suppress_pool`` turns
-    the pool off for every thread; it stays entered (the abandoned thread may run on). Nothing without quack."""
+    ``CompilePending`` instead of compiling. A row abandoned while tuning leaves that pool on (quack's base path,
+    abandoned at its time limit in its first step, made the next row's first quack GEMM raise ``CompilePending``).
+    quack's ``suppress_pool`` turns the pool off for every thread; it stays entered (the abandoned thread may run
+    on). Nothing without quack."""
     if _IN_PROCESS:
         return
     try:
@@ -199,9 +199,9 @@ def _compile_in_process():
 
 def _free_after(env: Env, abandoned: str | None) -> str | None:
     """``free_memory`` between rows; None, or why the run must end. After a row abandoned by its time limit the
-    device call can fail because of what that row's thread still does (H100, 2026-11-27: quack's first step,
-    abandoned at 90 s, was capturing a CUDA graph, and the next ``synchronize`` raised "operation not permitted
-    when stream is capturing"): the remaining rows are then reported ``failed: not run`` and the tables written,
+    device call can fail because of what that row's thread still does (quack's first step, abandoned while it
+    captured a CUDA graph, made the next ``synchronize`` raise "operation not permitted when stream is
+    capturing"): the remaining rows are then reported ``failed: not run`` and the tables written,
     as for a stalled device. Without an abandoned row the error propagates."""
     try:
         free_memory(env.device)
@@ -239,7 +239,7 @@ def measure_floor(shape: Shape, prob: Problem, env: Env, settings: Settings, agr
     N = 262144 needs 134 GB for them), each GEMM runs over ``chunks`` equal token chunks (the fewest, a power of
     2, that fit; ``chunks`` in the result): the same FLOP in GEMMs of at least ``N / chunks`` rows, and dW as
     ``chunks`` GEMMs of ``K = N / chunks`` without their sum. At these sizes the floor's time is in proportion to
-    N (docs/benchmarks.md, the N sweep of 2026-11-23: 305.84 ms at N = 65536, 629.25 ms at 131072).
+    N (docs/benchmarks.md).
     """
     x, w, xt, wt = prob.x, prob.w, prob.xt, prob.wt
     n, v = x.shape[0], w.shape[0]

@@ -35,9 +35,9 @@ __all__ = ["distill_stats", "combine_distill_heads", "distill_mixture", "distill
 def _log2(x, FAST_LOG: tl.constexpr):
     """``log2 x``. ``FAST_LOG`` (compiled for NVIDIA GPUs): PTX's hardware ``lg2.approx.ftz.f32``, the same class of
     approximation as the ``ex2.approx.ftz`` that ``tl.exp2`` compiles to, instead of libdevice's (about 40
-    instructions per element on sm_90), which held the JSD's mixture pass to 1.3 TB/s against the statistics pass's
-    3 TB/s (one H200, 2026-11-23, docs/benchmarks.md). ``ftz``: the callers' arguments are never denormal, and the
-    non-ftz form adds a fix-up per element."""
+    instructions per element on sm_90), which held the JSD's mixture pass far below the statistics pass's
+    bandwidth (docs/benchmarks.md). ``ftz``: the callers' arguments are never denormal, and the non-ftz form adds a
+    fix-up per element."""
     if FAST_LOG:
         return tl.inline_asm_elementwise("lg2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
                                          pack=1)
@@ -55,9 +55,9 @@ def _jsd_terms(s, u, beta, FAST_LOG: tl.constexpr, CLAMP: tl.constexpr):
     larger is ``-L = log2(w + (1 - w) 2^a)`` with ``w`` the larger one's mixture weight, an argument in
     ``[min(beta, 1 - beta), 1]``; the larger's difference is ``L`` and the smaller's ``a + L``. No cancellation
     between two large logs, and the log's absolute error (the hardware approximation's included) stays at the
-    scale of ``L``, not of ``log m``: on one H200, a bf16 chunk of 4096 x 64128 logits, the JSD's error against
-    float64 was torch eager fp32's (2.4e-7 / 2.2e-7), against 1.5e-6 with ``log m`` taken directly. A NaN in
-    either head gives NaN terms; ``-inf`` in both (padding) gives ``p = q = 0``, whose terms the callers drop.
+    scale of ``L``, not of ``log m``, which keeps the JSD's error against float64 at torch eager fp32's, where
+    ``log m`` taken directly is several times worse (tests/distill/test_distillation_triton.py). A NaN in either
+    head gives NaN terms; ``-inf`` in both (padding) gives ``p = q = 0``, whose terms the callers drop.
 
     ``CLAMP`` (for the sums of both heads' terms, where a NaN in either head reaches them through ``p`` or ``q``):
     ``a`` is clamped at ``-1e30`` (``tl.maximum`` returns the number where the other operand is NaN), so a head at
@@ -337,9 +337,9 @@ def _distill_grad_kernel(
 
 def _distill_blocks(x: torch.Tensor) -> tuple[int, int, int]:
     """``(BLOCK_M, BLOCK_N, num_warps)`` of the distillation's bandwidth kernels: one row by 2048 columns with 4
-    warps on a GPU, a small tile under the interpreter. (One H200, a bf16 chunk of 2048 tokens, V = 128256 and
-    256000, against 11 other shapes from 16 x 256 to 1 x 4096: the fastest or within 2 % for each of the statistics,
-    mixture and gradient kernels; the statistics kernel 17 % faster than at 16 x 256 with 8 warps.)"""
+    warps on a GPU, a small tile under the interpreter: of the shapes timed from 16 x 256 to 1 x 4096, the fastest or
+    nearly so for each of the statistics, mixture and gradient kernels on both bench vocabularies
+    (docs/benchmarks.md)."""
     if INTERPRET or not x.is_cuda:
         return 32, 32, 4
     return 1, 2048, 4

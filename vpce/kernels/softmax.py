@@ -173,9 +173,8 @@ def _epilogue(
         # ``SPLIT`` (over logits in memory, ``stored_logits``): most tiles hold none of their rows' target columns
         # and no padding, and take a version of the tile's code with no per-element compare with the target (a
         # branch uniform over the program). Not with the metrics: there the two versions' registers cost more than
-        # the selects saved (one H100: 3.96 ms against 3.89 per Llama-3-8B chunk, 3.78 against 3.70 Gemma-2-2B;
-        # docs/results/gpu-2026-11-27h); nor in the fused GEMM's epilogue (``logits_tiles``), whose accumulator
-        # already holds most of the registers
+        # the selects save (measured slower on both bench heads; docs/benchmarks.md); nor in the fused GEMM's
+        # epilogue (``logits_tiles``), whose accumulator already holds most of the registers
         clear = False
         if SPLIT and not (SUM_EZ or TOP1):
             start = pid_n * BLOCK_N
@@ -578,7 +577,8 @@ def _use_tma(x: torch.Tensor, w: torch.Tensor) -> bool:
         return False
     if torch.cuda.get_device_capability(x.device)[0] < 9:
         return False
-    ok = lambda t: t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0  # noqa: E731
+    def ok(t):
+        return t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
     return ok(x) and ok(w)
 
 
@@ -668,10 +668,9 @@ def stored_logits(logits, b, t_local, *, folded=Folded(), tile_m=None, tile_s=No
     grad = rows is not None
     pick, (rm, rls, rq), (ca, cb, cc, cd) = _epilogue_operands(logits, rows, coef)
     gpu = logits.is_cuda and not INTERPRET
-    # 256 columns per program, 4 warps. Stats: 16 rows, 2.6 TB/s on an H200 (launch/tune_kernels.py, 2026-11-23;
-    # 8 warps or 8-64 rows were slower). Gradient: 8 rows, as fast as 16 plain (2.19 ms per Llama-3-8B chunk,
-    # 3.8 TB/s read + write) and with the metrics, 7 % faster with the soft cap and 6 % with the soft cap, z-loss,
-    # smoothing and class weights, whose register count 16 rows raise past the plain pass's (2 x H200, 2026-11-27)
+    # 256 columns per program, 4 warps (launch/tune_kernels.py picked them; 8 warps were slower). Stats: 16 rows,
+    # near the memory's bandwidth. Gradient: 8 rows, as fast as 16 on the plain pass and faster with the soft cap and
+    # the other options, whose registers 16 rows would raise past the plain pass's (docs/benchmarks.md)
     block_m = block_m or ((8 if grad else 16) if gpu else 32)  # the interpreter: fewer, larger programs
     _stored_logits_kernel[(triton.cdiv(m, block_m), n_tiles)](
         logits, pick(b), t_local, pick(tile_m), pick(tile_s), pick(tile_z), pick(tile_ez), pick(zt),
