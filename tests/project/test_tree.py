@@ -1,9 +1,10 @@
 """The tree as a whole: the words it uses about itself, and the shape of the package's imports.
 
-- The repository speaks of the software only. Words about how the work on it was organised (ordinal work
-  sessions, "call 12", leases, device time, tracker numbers such as "#36") belong in the tracker and the commit
-  history's notes, not in code, docs, tests or metadata. The patterns are precise: a pytest session, a process
-  group or a function call are not flagged.
+- The repository speaks of the software only. Words about how the work on it was organised (its numbered or
+  ordinal working periods and runs, the machines' rental, tracker numbers) belong in the tracker, not in code,
+  docs, tests or metadata. The patterns are precise: a pytest session, a process group or a function call are not
+  flagged. (This file spells the words it looks for with a character class or split strings, so that it does not
+  flag itself.)
 - The package ``vpce`` has no import cycle (imports inside functions count), and no module imports another
   package's private (underscore) name: what is shared across packages has a public name.
 """
@@ -23,12 +24,12 @@ PACKAGE = ROOT / "vpce"
 _ORDINAL = (r"first|second|third|fourth|fifth|sixth|seventh|eighth|ninth|tenth|eleventh|twelfth|thirteenth|"
             r"fourteenth|fifteenth|sixteenth|seventeenth|eighteenth|nineteenth|twentieth|\d+(?:st|nd|rd|th)")
 PROCESS_WORDS = {
-    "an ordinal work session": rf"\b(?:{_ORDINAL})[ -]+session",
-    "a work session named by its place": r"\b(?:next|this|last|previous|earlier|later) session\b",
-    "a numbered session": r"\bsessions? #?\d+\b",
-    "device time": r"\bdevice[ -]time\b",
-    "a lease": r"\bleases?\b",
-    "a numbered call": r"\bcalls?[ -]#?\d+\b",
+    "an ordinal working period": rf"\b(?:{_ORDINAL})[ -]+sessio[n]",
+    "a working period named by its place": r"\b(?:next|this|last|previous|earlier|later) sessio[n]\b",
+    "a numbered working period": r"\bsessio[n]s? #?\d+\b",
+    "the machines' time": r"\bdevic[e][ -]time\b",
+    "the machines' rental": r"\bl[e]ases?\b",
+    "a numbered run": r"\bcall[s]?[ -]#?\d+\b",
     "a tracker issue": r"\b(?:issues?|tickets?|tracker)[ -]#?\d+\b",
     "a tracker number": r"(?<![\w/&#.])#\d{2,3}\b(?![\w-])",
 }
@@ -60,13 +61,13 @@ def _text_files():
 
 
 @pytest.mark.parametrize("text, flagged", [
-    ("as measured in the thirteenth session", True),
-    ("the 2nd-session figures", True),
-    ("prepared for the next session", True),
-    ("ran as call 14 of the lease", True),
-    ("cut off when the device time ran out", True),
-    ("issue #36's bars", True),
-    ("(#54)", True),
+    ("as measured in the thirteenth " + "session", True),
+    ("the 2nd-" + "session figures", True),
+    ("prepared for the next " + "session", True),
+    ("ran as c" + "all 14 of the l" + "ease", True),
+    ("cut off when the devi" + "ce time ran out", True),
+    ("issue #" + "36's bars", True),
+    ("(#" + "54)", True),
     ("a pytest session fixture", False),
     ("torch.distributed's process group", False),
     ("the first call recomputes the logits", False),
@@ -82,8 +83,6 @@ def test_process_word_patterns(text, flagged):
 def test_no_words_about_how_the_work_was_organised():
     hits = []
     for path, text in _text_files():
-        if path.resolve() == pathlib.Path(__file__).resolve():
-            continue  # this file holds the patterns and their examples
         for lineno, line in enumerate(text.splitlines(), 1):
             m = _PATTERN.search(line)
             if m:
