@@ -26,6 +26,7 @@ Run it on GPUs (one command per case; ``--out`` gets ``train_step.json`` and ``l
     CUDA_VISIBLE_DEVICES=0 python launch/train_step.py hf --out train-out/hf
     torchrun --standalone --nproc-per-node 1 launch/train_step.py megatron --find-max-seq --out train-out/mg-max
     CUDA_VISIBLE_DEVICES=0 python launch/train_step.py hf --find-max-seq --out train-out/hf-max
+    CUDA_VISIBLE_DEVICES=0 python launch/train_step.py hf --gradient-checkpointing --find-max-seq --out train-out/hf-gc
 
 Hugging Face (``hf``): ``LlamaForCausalLM`` from a config (no download), trained with ``transformers.Trainer`` on
 one device, bf16 autocast over fp32 weights (``TrainingArguments(bf16=True)``): ``stock``; ``vpce``
@@ -751,7 +752,8 @@ def train_hf_path(args, shape: ModelShape, run: RunShape, device, path: str, tok
         learning_rate=run.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, adam_beta2=0.95,
         bf16=device.type == "cuda", use_cpu=device.type != "cuda", logging_strategy="no", save_strategy="no",
         report_to="none", seed=run.seed, data_seed=run.seed, dataloader_num_workers=0, disable_tqdm=True,
-        remove_unused_columns=False)
+        remove_unused_columns=False, gradient_checkpointing=args.gradient_checkpointing,
+        gradient_checkpointing_kwargs={"use_reentrant": False} if args.gradient_checkpointing else None)
     trainer = LossTrainer(model=model, args=targs, train_dataset=hf_examples(tokens, eod, run, run.steps * run.batch),
                           callbacks=[Timer()])
     trainer.train()
@@ -765,6 +767,9 @@ def hf_fits(args, shape: ModelShape, run: RunShape, device, path: str, tokens, e
     """``fits(seq)`` for ``find_max``: the step Trainer takes (bf16 autocast over fp32 weights, AdamW), written out
     so that an OOM can be caught between steps; the model and the optimizer states are built once."""
     model = hf_patch(build_llama(shape, max(args.max_seq, run.seq), args.seed, device), path, args.liger_all)
+    if args.gradient_checkpointing:  # as Trainer does for TrainingArguments(gradient_checkpointing=True)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=run.lr, betas=(0.9, 0.95), weight_decay=0.0)
     state = {"model": model, "opt": opt}
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
@@ -795,6 +800,7 @@ def run_hf(args, device: torch.device, out_dir: Path, say) -> dict:
     isolate = isolate and len(paths) > 1
     report = {"stack": "hf", "world": 1, "env": describe(device),
               "config": {"model": asdict(shape), "run": asdict(run), "liger_all": args.liger_all,
+                         "gradient_checkpointing": args.gradient_checkpointing,
                          "dtype": "bf16 autocast, fp32 weights" if device.type == "cuda" else "fp32",
                          "one_process_per_path": isolate}}
     if isolate:  # each path in a fresh process: no memory, Trainer state or Liger patch carried between them
@@ -823,7 +829,8 @@ def run_child(args, path: str, out: Path) -> dict:
                  "seed"):
         if getattr(args, name) is not None:
             cmd += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
-    cmd += [f"--{flag.replace('_', '-')}" for flag in ("tiny", "tied", "liger_all", "find_max_seq")
+    cmd += [f"--{flag.replace('_', '-')}" for flag in ("tiny", "tied", "liger_all", "find_max_seq",
+                                                       "gradient_checkpointing")
             if getattr(args, flag)]
     subprocess.run(cmd, check=True)
     return json.loads((out / "train_step.json").read_text())
@@ -861,6 +868,9 @@ def parse(argv=None):
     p.add_argument("--attention", choices=("sdpa", "local"), default="sdpa", help="megatron core attention")
     p.add_argument("--sequence-parallel", action="store_true", help="megatron, tp > 1: SP with SequenceParallelNorm")
     p.add_argument("--liger-all", action="store_true", help="hf: Liger's rope, rms_norm and swiglu kernels too")
+    p.add_argument("--gradient-checkpointing", action="store_true",
+                   help="hf: recompute each decoder layer in backward (TrainingArguments(gradient_checkpointing=True)),"
+                        " so that the loss's memory, not the layers' activations, bounds the sequence")
     p.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
                    help="hf: run each path in a process of its own (default: on GPUs)")
     p.add_argument("--find-max-seq", action="store_true", help="find each path's longest sequence (one process)")
@@ -873,6 +883,9 @@ def parse(argv=None):
     args = p.parse_args(argv)
     if args.repeats < 1:
         p.error(f"--repeats: expected an integer >= 1, got {args.repeats}")
+    if args.gradient_checkpointing and args.stack != "hf":
+        p.error("--gradient-checkpointing: expected the hf stack (megatron-core's recompute is not wired here), "
+                f"got {args.stack}")
     if args.paths:
         known = MEGATRON_PATHS if args.stack == "megatron" else HF_PATHS
         bad = [x for x in args.paths if x not in known]

@@ -155,9 +155,9 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                                "memory_budget='lean' (through vpce.nn: memory_budget='lean', or "
                                "options=LinearCrossEntropyOptions(allow_retain_graph=True)), or recompute the loss")
         g = grad.detach().to(ctx.denominator.dtype)
-        if ctx.opts.reduction == "mean":
-            g = g / ctx.denominator
         grads, ctx.fast = ctx.fast, None
+        if ctx.opts.reduction == "mean" and not grads.mean_folded:
+            g = g / ctx.denominator
         scale_cast = backend_module(ctx.call.plan.backend).scale_cast
         return (*finish_fast_grads(grads, g, ctx.dtypes, ctx.rows, ctx.main_weight, scale_cast), *none)
 

@@ -162,7 +162,8 @@ def _ce_call(backend, ignore_index, reduction, label_smoothing, z_loss, softcap,
     # the compiled graph's outputs must not depend on free memory: "auto" is the fast route here
     plan = settle(plan_cross_entropy(opts, tuple(needs), backend, False, False), FIT_FAST)
     shard = _shard(weight, vocab_size)
-    size = size_cross_entropy(plan, opts, shard, hidden.shape[-1], hidden.dtype, weight.dtype != hidden.dtype)
+    size = size_cross_entropy(plan, opts, shard, hidden.shape[-1], hidden.dtype, weight.dtype != hidden.dtype,
+                              held_fp32=True)  # (this op scales the held gradients itself: _scale_held)
     return opts, Call(shard, size, tuple(needs))
 
 

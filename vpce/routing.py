@@ -12,8 +12,11 @@ chunk and buffer sizes the backends read (they size nothing themselves).
   fast route fits in the agreement's fingerprint, the agreement is then read on the host (one sync), and every rank
   takes the fast route only if it fits on all of them. Shorter calls take the fast route with no reading.
   Where free memory allows more, the cross-entropy's fast route takes every token in one chunk (``Plan.whole``,
-  ``settle_by_memory``): no fp32 dW accumulator is read and rewritten chunk after chunk. Under a group that too is
-  decided only where the agreement is read, as the smallest of every rank's fit (``vpce.parallel.agree``).
+  ``settle_by_memory``): no fp32 dW accumulator is read and rewritten chunk after chunk. Where the fast route does
+  not fit, its compact form (``Plan.compact``: smaller ``P`` chunks, each freed in forward) before the lean route.
+  Under a group that too is decided only where the agreement is read, as the smallest of every rank's fit
+  (``vpce.parallel.agree``). In one process the fast route writes dX in the hidden's dtype chunk by chunk
+  (``Plan.dx_in_forward``).
   Under a group a rank may also keep every token's gradient in one ``P`` and finish dW in one GEMM while its
   chunks, their exchanges and their dX sums stay those of ``Sizes.chunk`` (``one_weight_grad_gemm``): a choice
   of this rank's alone, since it changes no collective.
@@ -46,16 +49,16 @@ from .options import BACKENDS, DEFAULT_CHUNK_GIB, DistillOptions, LogProbLossOpt
 from .parallel import VocabShard
 
 __all__ = ["Plan", "Sizes", "Call", "resolve_backend", "plan_cross_entropy", "plan_log_probs", "plan_distillation",
-           "settle_by_memory", "settle", "FIT_LEAN", "FIT_FAST", "FIT_WHOLE", "size_cross_entropy", "size_log_probs",
-           "size_log_prob_loss",
-           "size_distillation", "fast_route_bytes", "one_weight_grad_gemm", "SIZING", "Sizing"]
+           "settle_by_memory", "settle", "FIT_LEAN", "FIT_COMPACT", "FIT_FAST", "FIT_WHOLE", "size_cross_entropy",
+           "size_log_probs", "size_log_prob_loss", "size_distillation", "fast_route_bytes", "one_weight_grad_gemm",
+           "SIZING", "Sizing"]
 
 ROW_ALIGN = 128      # chunk and sub-chunk boundaries are multiples of the kernel's largest BLOCK_M
 FAST_HEADROOM = 0.9      # the fast route's buffers may take at most this share of the free device memory
 AUTO_CHECK_BYTES = 2**30  # under a group, "auto" weighs memory only when the fp32 dX alone is at least this
-# what fits in free memory (``settle_by_memory``; the smallest over the group): only the lean route, the fast route,
-# or the fast route with every token in one chunk
-FIT_LEAN, FIT_FAST, FIT_WHOLE = 0, 1, 2
+# what fits in free memory (``settle_by_memory``; the smallest over the group): only the lean route, the compact fast
+# route (``Plan.compact``), the fast route, or the fast route with every token in one chunk
+FIT_LEAN, FIT_COMPACT, FIT_FAST, FIT_WHOLE = 0, 1, 2, 3
 WHOLE_CHUNK = 2**62  # ``Sizes.chunk`` of one chunk of every token (the backends clamp it to the tokens there are)
 
 
@@ -65,6 +68,10 @@ class Sizing:
 
     fast_p_gib: float = 2.0
     """The Triton fast route's ``P`` chunk, ..."""
+    compact_p_gib: float = 1.0
+    """... on the compact fast route (``Plan.compact``: ``P`` freed in forward) at most this, and at most the
+    16-bit dW's size (half the fp32 accumulator: a smaller ``P`` no longer lowers the peak, which is then the
+    accumulator beside the 16-bit dW in backward), ..."""
     min_p_gib: float = 0.25
     """... and its floor when the fp32 dW accumulator (less the weight's 16-bit copy under autocast) is smaller
     than ``fast_p_gib``."""
@@ -120,6 +127,23 @@ class Plan:
     whole: bool = False
     """The cross-entropy's fast route in one chunk of every token (``FIT_WHOLE``): ``memory_budget="auto"`` where
     free memory allows (``settle_by_memory``)."""
+    compact: bool = False
+    """The compact fast route (``FIT_COMPACT``: ``memory_budget="auto"`` where the fast route does not fit, and a
+    numeric ``memory_budget``): smaller ``P`` chunks (``Sizing.compact_p_gib``), each freed in forward
+    (``keep_p`` False)."""
+    keep_p: bool = True
+    """Whether the fast route's last ``P`` chunk stays live into backward beside the fp32 dW accumulator, its dW
+    GEMM left there (with the ``hopper`` extra one quack GEMM reads the accumulator and writes dW scaled in its
+    16-bit dtype, sparing a pass over the accumulator). False on the compact route: the last chunk's dW goes into
+    the accumulator in forward and ``P`` is freed there, so the peak is the accumulator with one ``P`` chunk, or
+    with the 16-bit dW in backward, never all three. A call of one chunk holds no accumulator and leaves both
+    GEMMs to backward either way."""
+    dx_in_forward: bool = False
+    """The fast route in one process writes each chunk's dX in the hidden's dtype in forward (no fp32 ``[N, D]``;
+    one chunk with the ``hopper`` extra leaves dX's GEMM to backward instead). The cross-entropy's ``mean`` then
+    folds ``1/count`` into ``P`` (``FastGrads.mean_folded``), so that backward scales dX (and dW, db) by the upstream
+    gradient alone, in fp32: no second rounding of dX where that gradient is 1. Not for float16 (its range), nor
+    where the caller scales the held gradients itself (``vpce.library``)."""
 
 
 @dataclass(frozen=True)
@@ -193,19 +217,21 @@ def plan_cross_entropy(opts: LossOptions, needs_grad: tuple[bool, bool, bool], b
 
 
 def settle(plan: Plan, fit: int) -> Plan:
-    """A plan whose route was left to memory, decided by what fits (``FIT_LEAN``, ``FIT_FAST``, ``FIT_WHOLE``)."""
+    """A plan whose route was left to memory, decided by what fits (``FIT_LEAN``, ``FIT_COMPACT``, ``FIT_FAST``,
+    ``FIT_WHOLE``)."""
     if plan.route != "auto":
         return plan
-    route = "fast" if fit >= FIT_FAST else "lean"
+    route = "fast" if fit >= FIT_COMPACT else "lean"
     return Plan(plan.backend, route, _dx_reduce(plan.backend, route, plan.dx_reduce != "none"),
-                plan.sequence_parallel, whole=fit >= FIT_WHOLE)
+                plan.sequence_parallel, whole=fit >= FIT_WHOLE, compact=fit == FIT_COMPACT)
 
 
 def round_to(x: int, m: int) -> int:
     return max(m, (x // m) * m)
 
 
-def _fast_chunk(opts: LossOptions, cols: int, dtype: torch.dtype, d: int, weight_cast: bool = False) -> int:
+def _fast_chunk(opts: LossOptions, cols: int, dtype: torch.dtype, d: int, weight_cast: bool = False,
+                compact: bool = False) -> int:
     """Tokens per fast-route chunk for ``cols`` vocab columns per rank; equal on every rank (``cols`` is
     ``vocab_size / world``, not V_local; ``weight_cast`` is in the agreement).
 
@@ -213,30 +239,38 @@ def _fast_chunk(opts: LossOptions, cols: int, dtype: torch.dtype, d: int, weight
     ``Sizing.min_p_gib``): under tensor parallelism the shard's accumulator shrinks with the group and so does
     ``P``. Where the Function casts an fp32 weight (``weight_cast``, autocast), ``P`` and that 16-bit copy together
     stay within the accumulator's size. In a training step the loss's forward is the step's peak (every activation
-    is live), and there ``P`` with the copy inside the accumulator's size keeps the step's peak at Liger's. Without a
-    cast ``P`` keeps the accumulator's size: each chunk's dW GEMM reads and writes the accumulator, so fewer chunks
-    are faster, up to the 2 GiB cap (docs/benchmarks.md has the measurements).
+    is live), and there ``P`` with the copy inside the accumulator's size keeps the step's peak at Liger's. Each
+    chunk's dW GEMM reads and writes the accumulator, so fewer chunks are faster, up to the 2 GiB cap. The compact
+    route (``compact``) takes at most ``Sizing.compact_p_gib`` and the 16-bit dW's size (docs/benchmarks.md has the
+    measurements).
     """
     elem = torch.empty((), dtype=dtype).element_size()
     if isinstance(opts.memory_budget, float):
         gib = opts.memory_budget
     else:
         room = cols * d * (4 - (elem if weight_cast else 0))
-        gib = min(SIZING.fast_p_gib, max(SIZING.min_p_gib, room / 2**30))
+        if compact:
+            room = min(room, cols * d * elem)
+        cap = SIZING.compact_p_gib if compact else SIZING.fast_p_gib
+        gib = min(cap, max(SIZING.min_p_gib, room / 2**30))
     return round_to(int(gib * 2**30) // (cols * elem), ROW_ALIGN)
 
 
 def fast_route_bytes(tokens: int, d: int, rows: int, dtype: torch.dtype, needs: tuple[bool, bool, bool],
-                     opts: LossOptions, weight_cast: bool = False, whole: bool = False) -> int:
+                     opts: LossOptions, weight_cast: bool = False, whole: bool = False, compact: bool = False,
+                     single: bool = False) -> int:
     """What the fast route holds beyond its inputs and outputs for ``tokens`` tokens (all of them under sequence
-    parallelism) and ``rows`` vocab rows: the ``P`` chunk (``whole``: of every token), its tile statistics, fp32 dX,
-    the fp32 dW accumulator, and with ``weight_cast`` the weight's copy in the compute dtype that the autograd
+    parallelism) and ``rows`` vocab rows: the ``P`` chunk (``whole``: of every token; ``compact``: the compact
+    route's), its tile statistics, the fp32 dW accumulator, fp32 dX (none in one process, ``single``:
+    ``Plan.dx_in_forward``), and with ``weight_cast`` the weight's copy in the compute dtype that the autograd
     Function makes under autocast (``vpce.prepare.compute_operands``; a bias's copy, ``rows`` 16-bit values, is left
     out). ``settle_by_memory`` weighs it against free memory."""
     elem = torch.empty((), dtype=dtype).element_size()
-    chunk = max(tokens, 1) if whole else min(max(tokens, 1), _fast_chunk(opts, max(rows, 1), dtype, d, weight_cast))
+    chunk = max(tokens, 1) if whole else min(max(tokens, 1), _fast_chunk(opts, max(rows, 1), dtype, d, weight_cast,
+                                                                        compact))
     tiles = chunk * 2 * math.ceil(rows / 128) * 4
-    return (chunk * rows * elem + tiles + (tokens * d * 4 if needs[0] else 0) + (rows * d * 4 if needs[1] else 0)
+    dx = tokens * d * 4 if needs[0] and not (single and dtype != torch.float16) else 0
+    return (chunk * rows * elem + tiles + dx + (rows * d * 4 if needs[1] else 0)
             + (rows * d * elem if weight_cast else 0))
 
 
@@ -253,25 +287,33 @@ def _fits(need: int, device: torch.device) -> bool:
 
 
 def _fast_route_fits(hidden: torch.Tensor, tokens: int, rows: int, needs: tuple[bool, bool, bool],
-                     opts: LossOptions, extra: int = 0, weight_cast: bool = False, whole: bool = False) -> bool:
-    """Whether the fast route's buffers for ``tokens`` tokens (plus ``extra`` bytes; ``whole``: in one chunk) fit on
-    ``hidden``'s device."""
-    need = fast_route_bytes(tokens, hidden.shape[-1], rows, hidden.dtype, needs, opts, weight_cast, whole) + extra
+                     opts: LossOptions, extra: int = 0, weight_cast: bool = False, whole: bool = False,
+                     compact: bool = False, single: bool = False) -> bool:
+    """Whether the fast route's buffers for ``tokens`` tokens (plus ``extra`` bytes; ``whole``: in one chunk;
+    ``compact``: the compact route's chunks; ``single``: one process) fit on ``hidden``'s device."""
+    need = fast_route_bytes(tokens, hidden.shape[-1], rows, hidden.dtype, needs, opts, weight_cast, whole, compact,
+                            single) + extra
     return _fits(need, hidden.device)
 
 
 def _fit(hidden: torch.Tensor, tokens: int, rows: int, needs: tuple[bool, bool, bool], opts: LossOptions,
-         weight_cast: bool, whole_ok: bool) -> int:
-    """What fits in this device's free memory: ``FIT_LEAN``, ``FIT_FAST``, or ``FIT_WHOLE`` (``whole_ok``: the
-    cross-entropy's fast route, whose chunk may hold every token). One chunk is weighed only where it replaces
-    chunks that each read and rewrite the fp32 dW accumulator (dW needed, more tokens than the default chunk) and
-    its ``P`` holds at most the default ``P`` plus that accumulator: at most about two default chunks. Where the
-    ``hopper`` extra finishes dW (``backends.gemm``) one chunk allocates no fp32 accumulator, but ``P`` then stays live
-    into backward beside the 16-bit dW. Not under ``torch.use_deterministic_algorithms(True)``: the chunking (dW's
-    summation order) must not depend on free memory there. One chunk is faster where it saves the accumulator's
-    traffic, for the memory of the larger ``P`` (docs/benchmarks.md)."""
+         weight_cast: bool, whole_ok: bool, single: bool = False) -> int:
+    """What fits in this device's free memory, the fastest first: ``FIT_WHOLE``, ``FIT_FAST``, ``FIT_COMPACT`` or
+    ``FIT_LEAN``. ``whole_ok``: the cross-entropy's fast route, whose chunk may hold every token; the compact route
+    only with dW needed (else the chunks hold no accumulator and gain nothing from freeing ``P``). One chunk is
+    weighed only where it replaces chunks that each read and rewrite the fp32 dW accumulator (dW needed, more tokens
+    than the default chunk) and its ``P`` holds at most the default ``P`` plus that accumulator: at most about two
+    default chunks. Where the ``hopper`` extra finishes dW (``backends.gemm``) one chunk allocates no fp32
+    accumulator, but ``P`` then stays live into backward beside the 16-bit dW. Not under
+    ``torch.use_deterministic_algorithms(True)``: the chunking (dW's summation order) must not depend on free memory
+    there. One chunk is faster where it saves the accumulator's traffic, for the memory of the larger ``P``; the
+    compact route is slower than the fast one by that traffic, and faster than the lean route's recompute
+    (docs/benchmarks.md)."""
     d = hidden.shape[-1]
-    if not _fast_route_fits(hidden, tokens, rows, needs, opts, 0, weight_cast):
+    if not _fast_route_fits(hidden, tokens, rows, needs, opts, 0, weight_cast, single=single):
+        if needs[1] and _fast_route_fits(hidden, tokens, rows, needs, opts, 0, weight_cast,
+                                                      compact=True, single=single):
+            return FIT_COMPACT
         return FIT_LEAN
     if not whole_ok or not needs[1] or torch.are_deterministic_algorithms_enabled():
         return FIT_FAST
@@ -279,14 +321,16 @@ def _fit(hidden: torch.Tensor, tokens: int, rows: int, needs: tuple[bool, bool, 
     chunk = _fast_chunk(opts, max(rows, 1), hidden.dtype, d, weight_cast)
     if tokens <= chunk or (tokens - chunk) * elem > 4 * d:  # one chunk's P: more than the default's + fp32 dW
         return FIT_FAST
-    return FIT_WHOLE if _fast_route_fits(hidden, tokens, rows, needs, opts, 0, weight_cast, whole=True) else FIT_FAST
+    whole = _fast_route_fits(hidden, tokens, rows, needs, opts, 0, weight_cast, whole=True, single=single)
+    return FIT_WHOLE if whole else FIT_FAST
 
 
 def settle_by_memory(plan: Plan, hidden: torch.Tensor, rows: int, needs: tuple[bool, bool, bool],
                      opts: LossOptions, world: int, weight_cast: bool = False,
                      whole_ok: bool = False) -> tuple[Plan, int | None]:
     """Decide a route left to memory where this rank can: ``(plan, None)``; or, under a group on a long call,
-    ``(plan still "auto", what fits here: FIT_LEAN, FIT_FAST or FIT_WHOLE)`` for the agreement to take the smallest
+    ``(plan still "auto", what fits here: FIT_LEAN, FIT_COMPACT, FIT_FAST or FIT_WHOLE)`` for the agreement to take
+    the smallest
     over the ranks. The speculative route (one process) holds what the fast route holds, plus three fp32 statistics
     per token: with ``memory_budget="auto"`` it becomes the lean route where that does not fit. ``weight_cast``:
     the Function casts the weight under autocast (``fast_route_bytes`` counts that copy; ``_fast_chunk``).
@@ -307,7 +351,7 @@ def settle_by_memory(plan: Plan, hidden: torch.Tensor, rows: int, needs: tuple[b
         tokens *= world  # the fast route gathers the sequence
     if world > 1 and tokens * d * 4 < AUTO_CHECK_BYTES:
         return settle(plan, FIT_FAST), None
-    fit = _fit(hidden, tokens, rows, needs, opts, weight_cast, whole_ok)
+    fit = _fit(hidden, tokens, rows, needs, opts, weight_cast, whole_ok, single=world == 1)
     if world == 1:
         return settle(plan, fit), None
     return plan, fit
@@ -347,23 +391,34 @@ def _torch_chunk(budget_gib: float, cols: int, dtype: torch.dtype, per_acc: int)
     return max(1, int(budget_gib * 2**30) // (cols * per_logit))
 
 
+def _finish(plan: Plan, opts: LossOptions, shard: VocabShard, dtype: torch.dtype, held_fp32: bool) -> dict:
+    """How the fast route finishes (``Plan.compact``, ``Plan.keep_p``, ``Plan.dx_in_forward``): a numeric
+    ``memory_budget`` is the compact route's; dX in the hidden's dtype in one process."""
+    fast = plan.backend == "triton" and plan.route == "fast"
+    compact = fast and (plan.compact or isinstance(opts.memory_budget, float))
+    single = fast and not shard.sharded
+    return dict(compact=compact, keep_p=not compact,
+                dx_in_forward=single and not held_fp32 and dtype != torch.float16)
+
+
 def size_cross_entropy(plan: Plan, opts: LossOptions, shard: VocabShard, d: int, dtype: torch.dtype,
-                       weight_cast: bool = False) -> Plan:
+                       weight_cast: bool = False, held_fp32: bool = False) -> Plan:
     """The cross-entropy's plan with its sizes. Torch: chunks of live logits, their fp32 copy, the probabilities
     and their cast within the budget (the recompute at the default budget). Triton: the fast and speculative
-    routes' ``P`` chunk (``_fast_chunk``), else stats-only launches."""
+    routes' ``P`` chunk (``_fast_chunk``), else stats-only launches; how the fast route finishes (``_finish``; not
+    with ``held_fp32``: ``vpce.library`` scales the held fp32 gradients itself)."""
     cols = shard.columns_per_rank
     if plan.backend == "torch":
         per_acc = 3 if opts.softcap is not None else 2
         sizes = Sizes(_torch_chunk(opts.chunk_gib(), cols, dtype, per_acc),
                       _torch_chunk(DEFAULT_CHUNK_GIB, cols, dtype, per_acc), SIZING.lean_block_gib)
-    else:
-        formed = plan.route in ("fast", "speculative")
-        chunk = _fast_chunk(opts, cols, dtype, d, weight_cast) if formed else SIZING.stats_tokens
-        if plan.whole and plan.route == "fast":
-            chunk = WHOLE_CHUNK
-        sizes = Sizes(chunk, SIZING.lean_token_block, SIZING.lean_block_gib)
-    return dataclasses.replace(plan, sizes=sizes)
+        return dataclasses.replace(plan, sizes=sizes)
+    formed = plan.route in ("fast", "speculative")
+    finish = _finish(plan, opts, shard, dtype, held_fp32)
+    chunk = _fast_chunk(opts, cols, dtype, d, weight_cast, finish["compact"]) if formed else SIZING.stats_tokens
+    if plan.whole and plan.route == "fast":
+        chunk = WHOLE_CHUNK
+    return dataclasses.replace(plan, sizes=Sizes(chunk, SIZING.lean_token_block, SIZING.lean_block_gib), **finish)
 
 
 def one_weight_grad_gemm(plan: Plan, opts: LossOptions, tokens: int, d: int, dtype: torch.dtype,
@@ -380,9 +435,10 @@ def one_weight_grad_gemm(plan: Plan, opts: LossOptions, tokens: int, d: int, dty
     and the accumulator it replaces (so the peak stays the default's: ``P`` lives into backward either way). In
     default chunks the first chunk's dW GEMM writes that fp32 accumulator and each later one reads and rewrites it
     (the last as quack's C); one GEMM over every token moves none of it (docs/benchmarks.md has the tp=2 reading).
-    Under a group with one chunk already (``Plan.whole``, or few tokens) there is nothing to merge."""
+    Under a group with one chunk already (``Plan.whole``, or few tokens) there is nothing to merge; on the compact
+    route ``P`` is freed in forward."""
     if not (plan.backend == "triton" and plan.route == "fast" and plan.dx_reduce == "forward" and not plan.whole
-            and opts.memory_budget == "auto" and hopper_dw and defer):
+            and not plan.compact and opts.memory_budget == "auto" and hopper_dw and defer):
         return False
     chunk = plan.sizes.chunk
     return chunk < tokens and (tokens - chunk) * dtype.itemsize <= 4 * d  # P: at most the default's + the fp32 dW rows
@@ -405,14 +461,16 @@ def size_log_probs(plan: Plan, lp: LogProbOptions, shard: VocabShard, d: int, dt
 
 def size_log_prob_loss(plan: Plan, o: LogProbLossOptions, shard: VocabShard, d: int, dtype: torch.dtype,
                        weight_cast: bool = False) -> Plan:
-    """``linear_log_prob_loss``'s plan with its sizes: the fast route's ``P`` as the cross-entropy's (scope
-    ``"sequence"``: whole rows, at least one), else the two-pass form's statistics launches and recompute blocks,
-    as ``linear_log_probs``' lean route."""
+    """``linear_log_prob_loss``'s plan with its sizes: the fast route's ``P`` and finish as the cross-entropy's
+    (scope ``"sequence"``: whole rows, at least one), else the two-pass form's statistics launches and recompute
+    blocks, as ``linear_log_probs``' lean route."""
     if plan.backend == "triton" and plan.route == "fast":
-        chunk = _fast_chunk(o.chunk_options(), shard.columns_per_rank, dtype, d, weight_cast)
+        finish = _finish(plan, o.chunk_options(), shard, dtype, False)
+        chunk = _fast_chunk(o.chunk_options(), shard.columns_per_rank, dtype, d, weight_cast, finish["compact"])
         if o.scope == "sequence":
             chunk = max(o.row, (chunk // o.row) * o.row)
-        return dataclasses.replace(plan, sizes=Sizes(chunk, SIZING.lean_token_block, SIZING.lean_block_gib))
+        return dataclasses.replace(plan, sizes=Sizes(chunk, SIZING.lean_token_block, SIZING.lean_block_gib),
+                                   **finish)
     return size_log_probs(plan, o.stats_options(), shard, d, dtype, weight_cast)
 
 

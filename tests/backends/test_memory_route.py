@@ -24,13 +24,15 @@ TIMEOUT = 180  # seconds: a hung collective fails the test
 
 def test_p_chunk_and_the_weights_cast_copy_share_the_accumulators_size():
     """The Triton fast route's ``P``: the fp32 dW accumulator's size (2 GiB at most); where the Function casts an
-    fp32 weight under autocast, ``P`` and that 16-bit copy together (the HF Trainer step's peak); a
-    numeric budget as given. Equal on every rank: from the columns per rank, with the cast in the agreement."""
+    fp32 weight under autocast, ``P`` and that 16-bit copy together (the HF Trainer step's peak); a numeric budget
+    as given. The compact route's: at most the 16-bit dW's size and 1 GiB. Equal on every rank: from the columns
+    per rank, with the cast in the agreement."""
     shard = parallel.VocabShard(None, 0, 1, 0, 128256, 128256)
-    plan = routing.settle(routing.plan_cross_entropy(LossOptions(), (True, True, False), "triton", False, False),
+    fast = routing.settle(routing.plan_cross_entropy(LossOptions(), (True, True, False), "triton", False, False),
                           routing.FIT_FAST)
+    compact = routing.settle(fast_auto(), routing.FIT_COMPACT)
 
-    def chunk(d, cast, opts=LossOptions()):
+    def chunk(d, cast, opts=LossOptions(), plan=fast):
         return routing.size_cross_entropy(plan, opts, shard, d, torch.bfloat16, cast).sizes.chunk
 
     assert chunk(2048, False) == 4096  # P = dW = 0.98 GiB
@@ -38,10 +40,44 @@ def test_p_chunk_and_the_weights_cast_copy_share_the_accumulators_size():
     assert chunk(4096, False) == 8192  # P = dW = 1.96 GiB
     assert chunk(5120, False) == 8320  # the 2 GiB cap (in multiples of 128 tokens)
     assert chunk(4096, True) == 4096
+    assert chunk(4096, False, plan=compact) == 4096  # the 16-bit dW's size: 0.98 GiB
+    assert chunk(5120, False, plan=compact) == 4096  # the 1 GiB cap
+    assert chunk(1024, False, plan=compact) == 1024  # a small head: its 16-bit dW (0.25 GiB)
     assert chunk(2048, True, LossOptions(memory_budget=0.25)) == chunk(2048, False, LossOptions(memory_budget=0.25))
     tight = parallel.VocabShard(None, 0, 1, 0, 4000, 4000)  # a small head: the 0.25 GiB floor
-    assert routing.size_cross_entropy(plan, LossOptions(), tight, 512, torch.bfloat16, True).sizes.chunk == \
-        routing.size_cross_entropy(plan, LossOptions(), tight, 512, torch.bfloat16, False).sizes.chunk
+    assert routing.size_cross_entropy(fast, LossOptions(), tight, 512, torch.bfloat16, True).sizes.chunk == \
+        routing.size_cross_entropy(fast, LossOptions(), tight, 512, torch.bfloat16, False).sizes.chunk
+
+
+def fast_auto(sharded=False):
+    return routing.plan_cross_entropy(LossOptions(), (True, True, False), "triton", sharded, False)
+
+
+def test_how_the_fast_route_finishes_is_the_plans():
+    """In one process the fast route writes dX in the hidden's dtype (fp32 for float16, and for ``vpce.library``,
+    which scales the held gradients itself); under a group dX is summed in fp32. The compact route (from free
+    memory, or a numeric budget) frees ``P`` in forward; the fast route keeps the last ``P`` for backward."""
+    one = parallel.VocabShard(None, 0, 1, 0, 1000, 1000)
+    two = parallel.VocabShard("group", 0, 2, 0, 500, 1000)
+    fast, compact = routing.settle(fast_auto(), routing.FIT_FAST), routing.settle(fast_auto(), routing.FIT_COMPACT)
+    lean = routing.plan_cross_entropy(LossOptions(memory_budget="lean"), (True, True, False), "triton", False, False)
+
+    def finish(plan, shard=one, dtype=torch.bfloat16, opts=LossOptions(), **kw):
+        p = routing.size_cross_entropy(plan, opts, shard, 64, dtype, **kw)
+        return p.compact, p.keep_p, p.dx_in_forward
+
+    assert finish(fast) == (False, True, True)
+    assert finish(compact) == (True, False, True)
+    assert finish(fast, opts=LossOptions(memory_budget=0.5)) == (True, False, True)
+    assert finish(fast, dtype=torch.float32) == (False, True, True)
+    assert finish(fast, dtype=torch.float16) == (False, True, False)
+    assert finish(fast, held_fp32=True) == (False, True, False)
+    assert finish(routing.settle(fast_auto(True), routing.FIT_FAST), two) == (False, True, False)
+    assert finish(routing.settle(fast_auto(True), routing.FIT_COMPACT), two) == (True, False, False)
+    assert finish(lean)[2] is False
+    torch_plan = routing.settle(routing.plan_cross_entropy(LossOptions(), (True, True, False), "torch", False, False),
+                                routing.FIT_FAST)
+    assert finish(torch_plan)[2] is False
 
 
 def test_auto_is_left_to_memory_only_on_the_triton_fast_route():
@@ -57,6 +93,8 @@ def test_auto_is_left_to_memory_only_on_the_triton_fast_route():
     assert routing.settle(sharded, routing.FIT_FAST).dx_reduce == "forward"  # the fast route sums dX in forward
     assert routing.settle(sharded, routing.FIT_LEAN) == routing.Plan("triton", "lean", "region", False)
     assert routing.settle(sharded, routing.FIT_WHOLE) == routing.Plan("triton", "fast", "forward", False, whole=True)
+    assert routing.settle(sharded, routing.FIT_COMPACT) == routing.Plan("triton", "fast", "forward", False,
+                                                                        compact=True)
     # on the CPU (the interpreter) there is no device memory to weigh: the fast route, nothing for the group
     plan, fits = routing.settle_by_memory(sharded, torch.zeros(4, 8), 16, needs, auto, world=2)
     assert plan.route == "fast" and fits is None
@@ -82,39 +120,43 @@ def test_the_group_takes_what_fits_on_every_rank(fits):
         assert again is None
 
 
-@pytest.mark.parametrize("case", ["whole", "too-long", "frozen", "deterministic", "whole-does-not-fit", "none-fit",
-                                  "short", "not-ce"])
-def test_auto_takes_one_chunk_where_it_replaces_chunks_and_fits(monkeypatch, case):
+@pytest.mark.parametrize("case", ["whole", "too-long", "frozen", "deterministic", "whole-does-not-fit", "compact",
+                                  "none-fit", "short", "not-ce"])
+def test_auto_takes_what_fits_the_fastest_first(monkeypatch, case):
     """One chunk of every token where its ``P`` is at most the default ``P`` plus the fp32 dW accumulator (the
     Llama-3-8B head at N=16384: two default chunks), dW is needed, it fits in free memory, and the chunking need not
-    be deterministic; then the cross-entropy's fast route sizes ``P`` for every token."""
+    be deterministic; then the cross-entropy's fast route sizes ``P`` for every token. Where the fast route does not
+    fit, the compact one (1 GiB ``P`` chunks, freed in forward) where it does; else the lean route."""
     d, rows = 4096, 128256
     default = 8192  # P = the fp32 dW accumulator's size
     tokens = {"too-long": 2 * default + 128, "short": default}.get(case, 2 * default)
-    budget = {"whole-does-not-fit": 5 * 2**30, "none-fit": 2**30}.get(case, 80 * 2**30)  # chunked: 4.1 GiB
+    # in one process: fast 1.96 + 1.96 GiB, compact 1.96 + 0.98 GiB
+    budget = {"whole-does-not-fit": 5 * 2**30, "compact": 3.5 * 2**30, "none-fit": 2**30}.get(case, 80 * 2**30)
     monkeypatch.setattr(routing, "_fits", lambda need, device: need <= budget)
     if case == "deterministic":
         monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
     needs = (True, case != "frozen", False)
     hidden = torch.empty(tokens, d, dtype=torch.bfloat16)
-    fit = routing._fit(hidden, tokens, rows, needs, LossOptions(), False, case != "not-ce")
-    want = {"whole": routing.FIT_WHOLE, "none-fit": routing.FIT_LEAN}.get(case, routing.FIT_FAST)
-    assert fit == want, (case, fit)
+    fit = routing._fit(hidden, tokens, rows, needs, LossOptions(), False, case != "not-ce", single=True)
+    want = {"whole": routing.FIT_WHOLE, "compact": routing.FIT_COMPACT, "none-fit": routing.FIT_LEAN}
+    assert fit == want.get(case, routing.FIT_FAST), (case, fit)
     plan = routing.settle(routing.plan_cross_entropy(LossOptions(), needs, "triton", False, False), fit)
     shard = parallel.VocabShard(None, 0, 1, 0, rows, rows)
     chunk = routing.size_cross_entropy(plan, LossOptions(), shard, d, torch.bfloat16).sizes.chunk
-    assert chunk == (routing.WHOLE_CHUNK if case == "whole" else default) or case == "none-fit", (case, chunk)
+    want_chunk = {"whole": routing.WHOLE_CHUNK, "compact": 4096}.get(case, default)
+    assert chunk == want_chunk or case == "none-fit", (case, chunk)
 
 
 def _gpu_scenario():
     """Run in a fresh process (a clean caching allocator: its reserved-but-unused memory counts as free)."""
-    # N > V: the fast route holds fp32 dX (0.5 GiB) + dW + a P chunk; the lean route a 0.2 GiB block + fp32 dW
-    n, d, v = 65536, 2048, 16001
+    # one process: the compact fast route holds the fp32 dW accumulator (1.9 GiB) and a 1 GiB P chunk (three of
+    # them); the lean route (vocab-major, N < V) a 0.2 GiB block and fp32 dX (0.19 GiB)
+    n, d, v = 12288, 4096, 128000
     p = make_problem(n, d, v, dtype=torch.bfloat16, ignore_frac=0.1, seed=5)
     h, w, t = p.hidden.cuda(), p.weight.cuda(), p.target.cuda()
     from vpce.routing import fast_route_bytes
 
-    need = fast_route_bytes(n, d, v, torch.bfloat16, (True, True, False), LossOptions())
+    need = fast_route_bytes(n, d, v, torch.bfloat16, (True, True, False), LossOptions(), compact=True, single=True)
 
     def step(budget):
         hh, ww = leaf(h), leaf(w)
@@ -146,7 +188,8 @@ def _gpu_scenario():
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 def test_gpu_auto_takes_the_lean_route_where_the_fast_one_does_not_fit():
     here = Path(__file__).resolve().parent
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(here), str(here.parent), os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(here), str(here.parent), str(here.parent.parent),
+                                                       os.environ.get("PYTHONPATH", "")]))
     run = subprocess.run([sys.executable, "-c", "import test_memory_route as t; t._gpu_scenario()"], cwd=here,
                          env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]

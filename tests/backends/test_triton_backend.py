@@ -331,7 +331,9 @@ def test_gpu_hopper_dw_finishes_in_one_gemm(monkeypatch, sizing, n, reduction):
         assert torch.equal(got[1], base[1])
     else:  # one chunk: dX too is one quack GEMM in backward, within a bf16 rounding of cuBLAS + cast
         assert rel_err(got[1], base[1]) < 2 ** -8
-    assert rel_err(got[2], base[2]) < 2 ** -8 and rel_err(got[3], base[3]) < 1e-6
+    # dW and db within a rounding: without the extra, "mean" folds 1/count into P before P's rounding (dX is
+    # written in forward: routing.Plan.dx_in_forward), where the quack path scales the fp32 sums after it
+    assert rel_err(got[2], base[2]) < 2 ** -8 and rel_err(got[3], base[3]) < (2 ** -8 if reduction == "mean" else 1e-6)
 
 
 @pytest.mark.parametrize("name, want", [("NVIDIA H200", "DX_TILE_H200"), ("NVIDIA H100 80GB HBM3", "DX_TILE"),

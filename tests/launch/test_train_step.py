@@ -86,6 +86,23 @@ def test_transformers_trainer_vpce_matches_stock(tmp_path):
     _check_paths(report, ["stock", "vpce"], "stock", report["config"]["run"]["steps"])
 
 
+def test_transformers_trainer_with_gradient_checkpointing(tmp_path):
+    """``--gradient-checkpointing``: Trainer recomputes the decoder layers in backward; vpce's loss curve is stock's
+    under the same flag, and the report says the flag was on."""
+    pytest.importorskip("transformers")
+    out = tmp_path / "hf-gc"
+    _run([sys.executable, str(SCRIPT), "hf", "--tiny", "--gradient-checkpointing", "--paths", "stock,vpce", "--out",
+          str(out)])
+    report = json.loads((out / "train_step.json").read_text())
+    assert report["config"]["gradient_checkpointing"] is True
+    _check_paths(report, ["stock", "vpce"], "stock", report["config"]["run"]["steps"])
+
+
+def test_gradient_checkpointing_is_refused_for_megatron():
+    with pytest.raises(SystemExit):
+        _module().parse(["megatron", "--tiny", "--gradient-checkpointing", "--out", "unused"])
+
+
 def test_agreement_pairs_and_medians():
     """``--repeats``: Megatron's runs against each other (every pair), each other path's run k against Megatron's
     run k, and the medians over the pairs, on made-up curves whose differences are known."""

@@ -39,6 +39,9 @@ class FastGrads(NamedTuple):
     dx_last: tuple[torch.Tensor, torch.Tensor] | None = None
     """``(g, w)``: the whole call's gradient ``[N, V]`` (one chunk, no group) and the weight's valid rows, whose dX
     GEMM was left to backward (``dx`` is then None): one quack GEMM writes dX scaled in its 16-bit dtype."""
+    mean_folded: bool = False
+    """The cross-entropy's ``mean`` ``1/count`` is in the held gradients already (dX written in the hidden's dtype
+    in forward, ``routing.Plan.dx_in_forward``): backward scales them by the upstream gradient alone."""
 
     def summed(self) -> tuple:
         """``(dx, dw, db)``, unscaled, with dX summed over the group (this rank's rows of it under sequence
@@ -99,16 +102,20 @@ def weight_grad(dw: torch.Tensor | None, weight_or_rows, dtype: torch.dtype) -> 
     return pad_rows(dw, weight_or_rows, dtype)
 
 
-def scaled(acc: torch.Tensor, g: torch.Tensor, dtype: torch.dtype,
-           scale_cast: Callable[[torch.Tensor, torch.Tensor, torch.dtype], torch.Tensor]) -> torch.Tensor:
-    """``acc * g`` in ``dtype`` for an fp32 (fp64) accumulator ``acc``: in place where ``dtype`` is the
-    accumulator's (fp32 parameters under autocast: no rounding and no copy), else in ``scale_cast``'s one pass."""
-    return acc.mul_(g) if acc.dtype == dtype else scale_cast(acc, g, dtype)
+def scaled(acc: torch.Tensor, g: torch.Tensor, dtype: torch.dtype, scale_cast: Callable) -> torch.Tensor:
+    """``acc * g`` in ``dtype`` for a held gradient ``acc`` (fp32 or fp64, or dX in its 16-bit dtype,
+    ``routing.Plan.dx_in_forward``) and a 0-d fp32 ``g``: in place where ``dtype`` is ``acc``'s (fp32 parameters
+    under autocast: no rounding and no copy), else in ``scale_cast``'s one pass. A 16-bit ``acc`` is scaled in
+    place by ``scale_cast(..., out=acc)``, in fp32: ``mul_`` would round ``g`` to ``acc``'s dtype first."""
+    if acc.dtype != dtype:
+        return scale_cast(acc, g, dtype)
+    if acc.dtype in (torch.float16, torch.bfloat16):
+        return scale_cast(acc, g, dtype, out=acc)
+    return acc.mul_(g)
 
 
 def finish_fast_grads(grads: FastGrads, g: torch.Tensor, dtypes: tuple[torch.dtype, torch.dtype, torch.dtype],
-                      rows: int, main_weight: torch.Tensor | None,
-                      scale_cast: Callable[[torch.Tensor, torch.Tensor, torch.dtype], torch.Tensor]):
+                      rows: int, main_weight: torch.Tensor | None, scale_cast: Callable):
     """Scale the held gradients by the upstream gradient ``g`` (0-d, with ``1/count`` for ``mean``) and return them
     in ``dtypes`` (dX's, dW's, db's: each input's own, so fp32 parameters that autocast cast get their fp32
     accumulators back, unrounded), dW padded to ``rows`` or added into ``main_weight.main_grad``. dW first: dX's

@@ -249,9 +249,13 @@ def log_probs(hidden, weight, bias, tg: TokenTargets, lp: LogProbOptions, call: 
                          lp.log_sum_sq, lp.top1)
 
 
-def scale_cast(src: torch.Tensor, g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``(src * g).to(dtype)``, in place on ``src``."""
-    return src.mul_(g).to(dtype)
+def scale_cast(src: torch.Tensor, g: torch.Tensor, dtype: torch.dtype,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """``(src * g).to(dtype)``, in place on ``src``; into ``out`` (a 16-bit ``src`` itself) with the product in
+    fp32."""
+    if out is None:
+        return src.mul_(g).to(dtype)
+    return out.copy_(src.float().mul_(g))
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -255,7 +255,7 @@ def _rows(x, c):
     return x.view(-1, c["t"], x.shape[-1]) if x.shape[0] == c["y"].numel() else x
 
 
-def _vpce_grpo(env: Env, *, level: str) -> LossFn:
+def _vpce_grpo(env: Env, *, level: str, memory_budget: str | float = "auto") -> LossFn:
     """``vpce.linear_grpo_loss`` as GRPOTrainer would call it: ``dapo``, ``beta=0.04``, per-sequence advantages,
     ``old_log_probs`` given; ``level="sequence"``: GSPO."""
     from .. import linear_grpo_loss
@@ -265,7 +265,7 @@ def _vpce_grpo(env: Env, *, level: str) -> LossFn:
         c = _post_training_inputs(env, x, w, y, cache)
         return linear_grpo_loss(_rows(x, c), w, c["y"], c["adv"], old_log_probs=c["old"], ref_log_probs=c["ref"],
                                 beta=0.04, loss_type="dapo", importance_sampling_level=level, backend=device_backend(env),
-                                **env.vpce_layout()).loss
+                                memory_budget=memory_budget, **env.vpce_layout()).loss
     return fn
 
 
@@ -470,6 +470,10 @@ _ROWS = [
     Method(name="vpce-triton-lean", label="vpce triton lean",
            build=functools.partial(_vpce, backend="triton", memory_budget="lean"), package="vpce",
            needs_cuda=True, tp=True),
+    Method(name="vpce-triton-compact",
+           label="vpce triton compact (memory_budget=1.0: 1 GiB P chunks freed in forward)",
+           build=functools.partial(_vpce, backend="triton", memory_budget=1.0), package="vpce", needs_cuda=True,
+           tp=True),
     Method(name="vpce-triton-main-grad", label="vpce triton, dW into fp32 main_grad (Megatron)",
            build=functools.partial(_vpce, backend="triton", accumulate_main_grad=True), package="vpce",
            needs_cuda=True, main_grad=True),
@@ -497,6 +501,9 @@ _ROWS = [
            package="vpce", build=_vpce_trl, requires=("trl",)),
     Method(name="vpce-grpo", label="vpce {backend} linear_grpo_loss (dapo, beta 0.04, old log-probs)",
            package="vpce", build=functools.partial(_vpce_grpo, level="token"), plain=False, tp=True),
+    Method(name="vpce-grpo-compact", label="vpce {backend} linear_grpo_loss (dapo, beta 0.04), memory_budget=1.0",
+           package="vpce", build=functools.partial(_vpce_grpo, level="token", memory_budget=1.0), plain=False,
+           tp=True),
     Method(name="vpce-gspo", label="vpce {backend} linear_grpo_loss, sequence-level ratio (GSPO)", package="vpce",
            build=functools.partial(_vpce_grpo, level="sequence"), plain=False, tp=True),
     Method(name="vpce-dpo", label="vpce {backend} linear_dpo_loss (sigmoid)", package="vpce", build=_vpce_dpo,

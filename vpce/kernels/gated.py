@@ -21,7 +21,7 @@ __all__ = ["scale_cast", "row_scale_cast", "gated_weight_grad_", "gated_scale_"]
 
 @triton.jit
 def _scale_cast_kernel(SRC, DST, G, numel, BLOCK: tl.constexpr):
-    """``DST = (SRC * G[0]).to(DST.dtype)``: one pass over an fp32 accumulator."""
+    """``DST = (SRC * G[0]).to(DST.dtype)``, the product in fp32: one pass (``DST`` may be ``SRC``)."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
     g = tl.load(G)
@@ -113,9 +113,11 @@ def _gated_scale_kernel(X, S, FLAG, numel, BLOCK: tl.constexpr):
             tl.store(X + offs, tl.load(X + offs, mask=mask, other=0.0) * s, mask=mask)
 
 
-def scale_cast(src: torch.Tensor, g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``(src * g).to(dtype)`` for a contiguous fp32 ``src`` and a one-element fp32 ``g``, in one pass."""
-    out = torch.empty(src.shape, dtype=dtype, device=src.device)
+def scale_cast(src: torch.Tensor, g: torch.Tensor, dtype: torch.dtype,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """``(src * g).to(dtype)`` for a contiguous ``src`` (fp32, or any dtype into ``out``) and a one-element fp32
+    ``g``, in one pass, the product in fp32; ``out``: where to write it (``src`` itself: in place)."""
+    out = torch.empty(src.shape, dtype=dtype, device=src.device) if out is None else out
     n = src.numel()
     if n:
         block = 4096 if src.is_cuda and not INTERPRET else 1024

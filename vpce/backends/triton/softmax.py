@@ -59,7 +59,7 @@ from ...speculation import block_flags, split_upstream
 from ...targets import TokenTargets
 from ..gemm import logits_into, logits_with_stats, stats_epilogue_ready
 from ..grads import FastGrads, pad_rows, scaled, weight_grad_to_main
-from .engine import block_loop, chunk_loop, p_quack_ready
+from .engine import block_loop, chunk_loop, dx_deferred, p_quack_ready
 
 __all__ = ["cross_entropy", "log_probs", "log_probs_formed", "log_prob_loss", "recompute_grads",
            "speculative_grads"]
@@ -333,6 +333,13 @@ def cross_entropy(hidden, weight, bias, tg: TokenTargets, opts: LossOptions, cal
     keep = plan.route in ("lean", "speculative")
     rows = RowStats.empty(n, torch.float32, dev) if keep else None
     unit = tg.row_scale(torch.ones((), device=dev).expand(n)) if formed else None
+    # dX written in the hidden's dtype in forward: the mean's 1/count goes into P, so that backward's scale is the
+    # upstream gradient alone (no second rounding of dX where it is 1). Not where dX's GEMM waits for backward
+    # (``engine.dx_deferred``): there one GEMM scales and rounds it once either way
+    fold = (formed and plan.route == "fast" and plan.dx_in_forward and opts.reduction == "mean"
+            and not dx_deferred(hidden, w, chunk, call, defer))
+    if fold:
+        unit = unit / tg.denominator(torch.float32)
 
     late = ("entropy", "token_accuracy") if epilogue else ()  # from the gradient pass (``on_grad``)
 
@@ -356,8 +363,8 @@ def cross_entropy(hidden, weight, bias, tg: TokenTargets, opts: LossOptions, cal
 
     step = _softmax_step(hidden, w, b, tl_local, stats, p, call, folded, cw, on_part,
                          on_grad=on_grad if stats.late else None)
-    return loss_tok, rows, chunk_loop(hidden, w, b, chunk, call, step, form=formed, defer_last=defer,
-                                      whole_p=p if one_dw else None)
+    grads = chunk_loop(hidden, w, b, chunk, call, step, form=formed, defer_last=defer, whole_p=p if one_dw else None)
+    return loss_tok, rows, None if grads is None else grads._replace(mean_folded=fold)
 
 
 def log_probs(hidden, weight, bias, tg: TokenTargets, lp: LogProbOptions, call: Call) -> RankStats:
