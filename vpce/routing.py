@@ -51,7 +51,7 @@ from .parallel import VocabShard
 __all__ = ["Plan", "Sizes", "Call", "resolve_backend", "plan_cross_entropy", "plan_log_probs", "plan_distillation",
            "settle_by_memory", "settle", "FIT_LEAN", "FIT_COMPACT", "FIT_FAST", "FIT_WHOLE", "size_cross_entropy",
            "size_log_probs", "size_log_prob_loss", "size_distillation", "fast_route_bytes", "one_weight_grad_gemm",
-           "SIZING", "Sizing"]
+           "SIZING", "Sizing", "Finish", "finish_fast"]
 
 ROW_ALIGN = 128      # chunk and sub-chunk boundaries are multiples of the kernel's largest BLOCK_M
 FAST_HEADROOM = 0.9      # the fast route's buffers may take at most this share of the free device memory
@@ -161,6 +161,52 @@ class Call:
     history: Any = None
     """``vpce.speculation.Record`` of a call eligible for the speculative route (whichever route it took): its
     backward reports there whether the upstream gradient was uniform. None otherwise."""
+
+
+@dataclass(frozen=True)
+class Finish:
+    """How one call's fast (or speculative) route forms and hands back its gradients (``finish_fast``), decided once
+    per call from the plan and this rank's facts: whether the ``hopper`` extra can take the call's GEMMs (asked once,
+    by the backend) and whether the logits GEMM can take the statistics. None of it changes a collective, so each
+    rank may decide it alone. The defaults: everything by cuBLAS in forward."""
+
+    epilogue: bool = False
+    """The statistics in the logits GEMM's epilogue (``backends.gemm.logits_with_stats``)."""
+    defer_dw: bool = False
+    """The last chunk's dW GEMM left to backward, where one quack GEMM reads the fp32 accumulator (none with one
+    chunk) and writes dW scaled in its 16-bit dtype: only where ``Plan.keep_p`` or there is one chunk."""
+    defer_dx: bool = False
+    """One chunk, no group: dX's GEMM left to backward too (one quack GEMM writes it scaled)."""
+    one_dw: bool = False
+    """Under a group, every token's gradient in one ``P`` and this rank's dW in one GEMM (``one_weight_grad_gemm``)."""
+    fold_mean: bool = False
+    """The cross-entropy's ``mean`` ``1/count`` folded into ``P`` (``Plan.dx_in_forward`` where dX's GEMM runs in
+    forward): backward scales by the upstream gradient alone."""
+
+
+def finish_fast(plan: Plan, opts: LossOptions, tokens: int, d: int, dtype: torch.dtype, needs: tuple[bool, bool, bool],
+                valid_rows: int, sharded: bool, main_grad: bool, quack_ready: bool, epilogue_ready: bool) -> Finish:
+    """The cross-entropy's ``Finish`` for ``tokens`` tokens (all of them under sequence parallelism) and this rank's
+    ``valid_rows``. ``quack_ready``: the ``hopper`` extra can finish dX and dW from this call's ``P``
+    (``backends.gemm.hopper_dw_ready``, and ``P``'s rows 16-byte aligned); ``epilogue_ready``: its logits GEMM can
+    take the statistics (``backends.gemm.stats_epilogue_ready``). The epilogue where the options need of the statistics only the
+    log-sum-exp, the target logit and (smoothing) the sum of the logits, a logit scale only beside a soft cap, and
+    under a group no metrics (their sums are over the ranks). Deferred GEMMs on the fast route only (the speculative
+    route's backward adds to the accumulator) and not into ``main_grad``."""
+    formed = plan.route in ("fast", "speculative")
+    if not formed or valid_rows == 0:
+        return Finish()
+    folded = opts.folded
+    epilogue = (epilogue_ready and (folded.softcap is not None or folded.inv_t == 1.0)
+                and not (opts.metrics and sharded))
+    defer = plan.route == "fast" and not main_grad and quack_ready
+    one_dw = one_weight_grad_gemm(plan, opts, tokens, d, dtype, quack_ready,
+                                  plan.route == "fast" and not main_grad and needs[1])
+    one_chunk = 0 < tokens <= plan.sizes.chunk
+    defer_dw = defer and needs[1] and (plan.keep_p or one_chunk)
+    defer_dx = defer and needs[0] and not sharded and one_chunk
+    fold = plan.route == "fast" and plan.dx_in_forward and opts.reduction == "mean" and not defer_dx
+    return Finish(epilogue, defer_dw, defer_dx, one_dw, fold)
 
 
 def _triton_importable() -> bool:

@@ -281,7 +281,7 @@ def _one_dw_gemm_main(rank, world, takes, sp, n=232, d=104):
     dist.reduce = lambda t, *a, **kw: collectives.append(("reduce", *t.shape, kw.get("dst"))) or \
         real_reduce(t, *a, **kw)
     if takes[rank]:
-        engine.hopper_dw_ready = lambda g, x: True
+        softmax.hopper_dw_ready = lambda g, x: True
     sizes = [64, 48][:world]  # valid rows a multiple of 8 (P's rows 16-byte aligned for the GEMM)
     # chunks [128 = 64 + 64, 104]; P of 232 tokens: (232 - 128) * 4 bytes = 4 d (n=300, d=200: three chunks)
     vsize = sum(sizes) - 8
@@ -334,3 +334,42 @@ def _sums_merged(pairs: list) -> list:
         else:
             out.append((kind, rows))
     return out
+
+
+def _finish(tokens=16384, compact=False, sharded=False, main_grad=False, quack=True, epilogue=True,
+            needs=(True, True, False), route="fast", dtype=torch.bfloat16, opts=LossOptions()):
+    """``routing.finish_fast`` on the Llama-3-8B head (one process, or rank 0 of two), the plan as the API sizes it."""
+    rows = 128256
+    shard = parallel.VocabShard("group", 0, 2, 0, rows // 2, rows) if sharded else \
+        parallel.VocabShard(None, 0, 1, 0, rows, rows)
+    plan = routing.plan_cross_entropy(opts, needs, "triton", sharded, False)
+    plan = routing.settle(plan, routing.FIT_COMPACT if compact else routing.FIT_FAST)
+    if route != "fast":
+        plan = dataclasses.replace(plan, route=route)
+    plan = routing.size_cross_entropy(plan, opts, shard, 4096, dtype)
+    return routing.finish_fast(plan, opts, tokens, 4096, dtype, needs, shard.valid_rows, sharded, main_grad, quack,
+                               epilogue)
+
+
+def test_the_fast_routes_finish_is_decided_once_in_the_plan():
+    """How the gradients are handed back, one decision per call (``routing.Finish``): the last dW GEMM waits for
+    backward where the hopper extra takes it and ``P`` may stay (the fast route, not the compact one, or one
+    chunk); dX's GEMM too with one chunk in one process; the mean's ``1/count`` goes into ``P`` where dX is written
+    in forward; never into ``main_grad``, never without the extra, never on the speculative route."""
+    fast = _finish()  # two chunks of 8192 tokens
+    assert (fast.defer_dw, fast.defer_dx, fast.fold_mean, fast.one_dw, fast.epilogue) == (True, False, True, False,
+                                                                                          True)
+    one = _finish(tokens=8192)
+    assert (one.defer_dw, one.defer_dx, one.fold_mean) == (True, True, False)
+    compact = _finish(compact=True)  # chunks of 4096 tokens, each P freed in forward
+    assert (compact.defer_dw, compact.defer_dx, compact.fold_mean) == (False, False, True)
+    assert _finish(tokens=4096, compact=True).defer_dw  # one chunk: no accumulator to keep P beside
+    no_quack = _finish(quack=False, epilogue=False)
+    assert no_quack == routing.Finish(fold_mean=True)
+    assert not _finish(main_grad=True).defer_dw and not _finish(main_grad=True).defer_dx
+    assert not _finish(needs=(False, True, False)).defer_dx  # frozen hidden: no dX
+    assert _finish(route="speculative") == routing.Finish(epilogue=True)  # its backward adds to the accumulator
+    assert _finish(opts=LossOptions(reduction="sum")).fold_mean is False
+    group = _finish(sharded=True)  # tp=2: the whole P and one dW GEMM under "auto" with the extra
+    assert (group.one_dw, group.defer_dw, group.defer_dx, group.fold_mean) == (True, True, False, False)
+    assert not _finish(sharded=True, quack=False).one_dw

@@ -208,11 +208,12 @@ def scaled_hidden_grad(g: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, dt
 LOGITS_TILE = dict(tile_m=128, tile_n=192, cluster_m=2, cluster_n=1, pingpong=True)
 
 
-def stats_epilogue_ready(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, cols: int) -> bool:
-    """Whether the fast route's logits GEMM can take the statistics in its epilogue (``logits_with_stats``): the
-    ``hopper`` extra on sm_90, bf16 operands (the epilogue rounds as a bf16 ``P`` stores), no bias, and ``P``'s
-    rows (``cols`` wide) 16-byte aligned."""
-    return b is None and h.dtype == torch.bfloat16 and cols % 8 == 0 and hopper_dw_ready(h, w)
+def stats_epilogue_ready(h: torch.Tensor, b: torch.Tensor | None, cols: int, hopper: bool) -> bool:
+    """Whether the fast route's logits GEMM can take the statistics in its epilogue (``logits_with_stats``):
+    ``hopper``, the ``hopper`` extra can take the call's GEMMs (``hopper_dw_ready``, asked once by the caller);
+    bf16 operands (the epilogue rounds as a bf16 ``P`` stores), no bias, and ``P``'s rows (``cols`` wide) 16-byte
+    aligned."""
+    return hopper and b is None and h.dtype == torch.bfloat16 and cols % 8 == 0
 
 
 def logits_with_stats(p: torch.Tensor, h: torch.Tensor, w: torch.Tensor, t_local: torch.Tensor, zt: torch.Tensor,

@@ -17,11 +17,11 @@ from __future__ import annotations
 import torch
 
 from ...parallel import HiddenGradReduce
-from ...routing import Call, round_to
-from ..gemm import add_product, hopper_dw_ready, mm_into
+from ...routing import Call, Finish, round_to
+from ..gemm import add_product, mm_into
 from ..grads import FastGrads, add_block, weight_grad, written_rows
 
-__all__ = ["chunk_loop", "dx_deferred", "block_loop", "p_quack_ready", "flat_buffer", "buffer_view"]
+__all__ = ["chunk_loop", "block_loop", "flat_buffer", "buffer_view"]
 
 
 def block_loop(hidden, weight, bias, call: Call, step, main_weight=None):
@@ -82,35 +82,19 @@ def block_loop(hidden, weight, bias, call: Call, step, main_weight=None):
     return dx, dw, None if db is None else db.to(dtype)
 
 
-def p_quack_ready(hidden, w, v: int) -> bool:
-    """Whether quack's GEMMs can finish dX or dW from a ``P`` of ``v`` columns (``vpce.backends.gemm.hopper_dw_ready``):
-    its rows, ``v`` apart, must start on 16-byte boundaries (TMA)."""
-    return v > 0 and (v * hidden.element_size()) % 16 == 0 and hopper_dw_ready(hidden, w)
-
-
-def dx_deferred(hidden, w, chunk: int, call: Call, defer_last: bool) -> bool:
-    """Whether ``chunk_loop`` leaves dX's GEMM to backward (``FastGrads.dx_last``): one chunk, no group, dX
-    needed, the last dW GEMM deferred (``defer_last``), and quack ready for the chunk's ``P`` (``p_quack_ready``).
-    There one quack GEMM writes dX scaled in its 16-bit dtype, whatever the upstream gradient."""
-    n = hidden.shape[0]
-    return (call.needs_grad[0] and defer_last and not call.shard.sharded and 0 < n <= chunk
-            and p_quack_ready(hidden, w, call.shard.valid_rows))
-
-
-def chunk_loop(hidden, w, b, chunk: int, call: Call, step, form: bool = True,
-               defer_last: bool = False, whole_p: torch.Tensor | None = None) -> FastGrads | None:
+def chunk_loop(hidden, w, b, chunk: int, call: Call, step, form: bool = True, finish: Finish = Finish(),
+               whole_p: torch.Tensor | None = None) -> FastGrads | None:
     """The forward chunk loop, every loss and route: per chunk ``sl`` of ``chunk`` tokens the per-loss ``step(sl,
     first)`` takes the chunk's statistics and outputs (from its logits buffer where the route holds one, ``first``: the
     first chunk's logits already written, launched before the forward's set-up) and, where ``form``, writes the chunk's
-    gradient at unit upstream scale over them and returns that ``[c, V_local]`` buffer (None on an all-padding shard);
-    the chunk's dX rows (fp32, or the hidden's dtype with ``Plan.dx_in_forward``) and dW (db: fp32) follow (with
-    ``dx_reduce == "forward"``, dX summed over the group, overlapped with the dW GEMM and the next chunk).
-    ``defer_last``: leave the last chunk's dW GEMM to backward where one quack GEMM can finish dW (``FastGrads.last``,
-    ``vpce.backends.gemm.hopper_dw_ready``; only where ``Plan.keep_p`` or there is one chunk), and with one chunk and
-    no group the dX GEMM too (``FastGrads.dx_last``). ``whole_p``: ``P`` of every token
-    (``routing.one_weight_grad_gemm``), where each chunk's step leaves its gradient in that chunk's rows; dW is then one
-    GEMM over all of it after the last chunk (left to backward with ``defer_last``), none per chunk. Returns the
-    ``FastGrads`` at unit upstream scale, or None without ``form``."""
+    gradient over them and returns that ``[c, V_local]`` buffer (None on an all-padding shard); the chunk's dX rows
+    (fp32, or the hidden's dtype with ``Plan.dx_in_forward``) and dW (db: fp32) follow (with ``dx_reduce ==
+    "forward"``, dX summed over the group, overlapped with the dW GEMM and the next chunk). ``finish``
+    (``routing.Finish``): whether the last chunk's dW GEMM (``FastGrads.last``) and, with one chunk and no group, dX's
+    GEMM (``FastGrads.dx_last``) wait for backward, where one quack GEMM each writes them scaled. ``whole_p``: ``P``
+    of every token (``Finish.one_dw``), where each chunk's step leaves its gradient in that chunk's rows; dW is then
+    one GEMM over all of it after the last chunk (left to backward with ``Finish.defer_dw``), none per chunk.
+    Returns the held ``FastGrads``, or None without ``form``."""
     n, d = hidden.shape
     if not form:
         for c0 in range(0, n, chunk):
@@ -120,13 +104,7 @@ def chunk_loop(hidden, w, b, chunk: int, call: Call, step, form: bool = True,
     dev = hidden.device
     v = shard.valid_rows
     dx = dx_last = None
-    # the last chunk's dW GEMM waits for backward only where its P may stay live beside the fp32 accumulator
-    # (``Plan.keep_p``), or where there is one chunk and so no accumulator
-    defer_last = defer_last and (plan.keep_p or n <= chunk)
-    # one chunk, no group: dX's GEMM too can wait for backward, where one quack GEMM writes it scaled in bf16. It reads
-    # the chunk's P [n, V_local] (the first chunk's buffer: row-major, rows V_local apart), whose rows must start on
-    # 16-byte boundaries: V_local a multiple of 8 (else cuBLAS's GEMM below, as without the extra)
-    defer_dx = dx_deferred(hidden, w, chunk, call, defer_last)
+    defer_dx = finish.defer_dx
     if needs[0] and not defer_dx:  # an all-padding shard contributes zeros (and still joins the collectives)
         # fp32 for the group's sum and the caller's scaling, else each chunk's rows written once in the hidden's dtype
         dx_dtype = hidden.dtype if plan.dx_in_forward else torch.float32
@@ -149,7 +127,7 @@ def chunk_loop(hidden, w, b, chunk: int, call: Call, step, form: bool = True,
             continue
         if needs[1] and (whole_p is None or sl.stop == n):  # with whole_p: one dW GEMM, over every chunk's rows
             gw, x = (g, hidden[sl]) if whole_p is None else (whole_p, hidden)
-            if defer_last and sl.stop == n and hopper_dw_ready(gw, x):
+            if finish.defer_dw and sl.stop == n:
                 last = (gw, x)
             else:
                 dw = add_product(dw, gw.t(), x)

@@ -54,12 +54,12 @@ from ...formulas.softmax import (Coefficients, RowStats, ce_coefficients, ce_tok
 from ...options import Folded, LogProbLossOptions, LogProbOptions, LossOptions
 from ...parallel import PendingStats, gather_sequence, start_stats_exchange
 from ...rank_stats import RankStats
-from ...routing import ROW_ALIGN, Call, one_weight_grad_gemm, round_to
+from ...routing import ROW_ALIGN, Call, finish_fast, round_to
 from ...speculation import block_flags, split_upstream
 from ...targets import TokenTargets
-from ..gemm import logits_into, logits_with_stats, stats_epilogue_ready
+from ..gemm import hopper_dw_ready, logits_into, logits_with_stats, stats_epilogue_ready
 from ..grads import FastGrads, pad_rows, scaled, weight_grad_to_main
-from .engine import block_loop, chunk_loop, dx_deferred, p_quack_ready
+from .engine import block_loop, chunk_loop
 
 __all__ = ["cross_entropy", "log_probs", "log_probs_formed", "log_prob_loss", "recompute_grads",
            "speculative_grads"]
@@ -306,19 +306,17 @@ def cross_entropy(hidden, weight, bias, tg: TokenTargets, opts: LossOptions, cal
     b = None if bias is None else bias[:v]
     formed = plan.route in ("fast", "speculative")
     smooth = opts.label_smoothing > 0
-    # the statistics in the logits GEMM's epilogue (the hopper extra), where the options need of them only the
-    # log-sum-exp, the target logit and (smoothing) the sum of the logits, a logit scale only beside a soft cap;
-    # with one process the entropy and the argmax test then come from the gradient pass
-    # (``_ChunkStats.late``), under a group they keep the statistics pass (their sums are over the ranks). Under a
-    # group this GEMM starts after the set-up (it needs the targets), not before it as cuBLAS's first GEMM does.
-    # The statistics exchanged are the same tensor either way, so the choice is no collective's.
+    # how the gradients are finished, decided once (``routing.finish_fast``) from this call's facts: whether the
+    # hopper extra takes P's GEMMs, and the statistics in the logits GEMM's epilogue. With one process the entropy and the argmax
+    # test then come from the gradient pass (``_ChunkStats.late``). Under a group the epilogue's GEMM starts after the
+    # set-up (it needs the targets), not before it as cuBLAS's first GEMM does; the statistics exchanged are the
+    # same tensor either way, so the choice is no collective's.
     folded = opts.folded
-    epilogue = (formed and v > 0 and (folded.softcap is not None or folded.inv_t == 1.0)
-                and not (opts.metrics and shard.sharded) and stats_epilogue_ready(hidden, w, b, v))
-    defer = plan.route == "fast" and not call.main_grad  # the speculative route's backward adds to the accumulator
-    # under a group: every token's gradient in one P, this rank's dW in one quack GEMM (changes no collective)
-    one_dw = v > 0 and one_weight_grad_gemm(
-        plan, opts, n, d, hidden.dtype, p_quack_ready(hidden, w, v), defer and call.needs_grad[1])
+    hopper = formed and v > 0 and hopper_dw_ready(hidden, w)  # asked once per call
+    quack = hopper and (v * hidden.element_size()) % 16 == 0  # P's rows, V_local apart, 16-byte aligned (TMA)
+    fin = finish_fast(plan, opts, n, d, hidden.dtype, call.needs_grad, v, shard.sharded, call.main_grad, quack,
+                      formed and v > 0 and stats_epilogue_ready(hidden, b, v, hopper))
+    epilogue, one_dw = fin.epilogue, fin.one_dw
     if formed:
         p, chunk = _first_chunk(hidden, w, b, call, early=not epilogue, every_token=one_dw)
     tl_local = tg.local_columns()
@@ -333,12 +331,7 @@ def cross_entropy(hidden, weight, bias, tg: TokenTargets, opts: LossOptions, cal
     keep = plan.route in ("lean", "speculative")
     rows = RowStats.empty(n, torch.float32, dev) if keep else None
     unit = tg.row_scale(torch.ones((), device=dev).expand(n)) if formed else None
-    # dX written in the hidden's dtype in forward: the mean's 1/count goes into P, so that backward's scale is the
-    # upstream gradient alone (no second rounding of dX where it is 1). Not where dX's GEMM waits for backward
-    # (``engine.dx_deferred``): there one GEMM scales and rounds it once either way
-    fold = (formed and plan.route == "fast" and plan.dx_in_forward and opts.reduction == "mean"
-            and not dx_deferred(hidden, w, chunk, call, defer))
-    if fold:
+    if fin.fold_mean:  # dX in the hidden's dtype in forward: backward's scale is the upstream gradient alone
         unit = unit / tg.denominator(torch.float32)
 
     late = ("entropy", "token_accuracy") if epilogue else ()  # from the gradient pass (``on_grad``)
@@ -363,8 +356,8 @@ def cross_entropy(hidden, weight, bias, tg: TokenTargets, opts: LossOptions, cal
 
     step = _softmax_step(hidden, w, b, tl_local, stats, p, call, folded, cw, on_part,
                          on_grad=on_grad if stats.late else None)
-    grads = chunk_loop(hidden, w, b, chunk, call, step, form=formed, defer_last=defer, whole_p=p if one_dw else None)
-    return loss_tok, rows, None if grads is None else grads._replace(mean_folded=fold)
+    grads = chunk_loop(hidden, w, b, chunk, call, step, form=formed, finish=fin, whole_p=p if one_dw else None)
+    return loss_tok, rows, None if grads is None else grads._replace(mean_folded=fin.fold_mean)
 
 
 def log_probs(hidden, weight, bias, tg: TokenTargets, lp: LogProbOptions, call: Call) -> RankStats:
