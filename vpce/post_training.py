@@ -50,7 +50,7 @@ from .options import SCOPES, LogProbLossOptions
 from .parallel import all_gather_tensor, group_rank_and_size
 from .prepare import (Entry, check_bool, check_int, check_logit_scale, check_memory_budget, check_number, enter,
                       prepare_call)
-from .routing import Plan, plan_cross_entropy, plan_log_probs, settle_by_memory, size_log_prob_loss
+from .routing import Plan, plan_log_prob_loss, settle_by_memory, size_log_prob_loss
 
 __all__ = ["linear_log_prob_loss", "linear_grpo_loss", "GRPOOutput", "vllm_importance_sampling_ratio",
            "high_entropy_mask", "linear_dpo_loss", "DPOOutput", "SCOPES", "GRPO_LOSS_TYPES",
@@ -189,9 +189,8 @@ def _log_prob_loss(hidden, weight, target, bias, args: LogProbLossArgs, *, input
 
 
 class LogProbLossEntry(Entry):
-    """``linear_log_prob_loss`` in ``prepare_call``: its checks, the fields every rank must agree on, its plan (the
-    fast route on the Triton backend for scopes ``"token"`` and ``"sequence"`` where its buffers fit; else the
-    two-pass form) and sizes."""
+    """``linear_log_prob_loss`` in ``prepare_call``: its checks, the fields every rank must agree on, its plan
+    (``routing.plan_log_prob_loss``: the fast route or the two-pass form) and sizes."""
 
     name = "logprob_loss"
 
@@ -212,10 +211,7 @@ class LogProbLossEntry(Entry):
                 ("inputs", ",".join(f"{k}:{tuple(v.shape[1:])}" for k, v in sorted(self.inputs.items())))]
 
     def plan(self, needs, _dtype, backend_name, sharded, sp) -> Plan:
-        o = self.options
-        if backend_name == "triton" and o.scope != "batch" and o.memory_budget != "lean" and any(needs):
-            return plan_cross_entropy(o.chunk_options(), needs, backend_name, sharded, sp)
-        return plan_log_probs(needs, backend_name, sharded, sp)
+        return plan_log_prob_loss(self.options, needs, backend_name, sharded, sp)
 
     def memory(self, p, h, rows, needs, world):
         return settle_by_memory(p, h, rows, needs, self.options.chunk_options(), world,

@@ -51,7 +51,7 @@ from .parallel import VocabShard
 __all__ = ["Plan", "Sizes", "Call", "resolve_backend", "plan_cross_entropy", "plan_log_probs", "plan_distillation",
            "settle_by_memory", "settle", "FIT_LEAN", "FIT_COMPACT", "FIT_FAST", "FIT_WHOLE", "size_cross_entropy",
            "size_log_probs", "size_log_prob_loss", "size_distillation", "fast_route_bytes", "one_weight_grad_gemm",
-           "SIZING", "Sizing", "Finish", "finish_fast"]
+           "SIZING", "Sizing", "Finish", "finish_fast", "plan_log_prob_loss"]
 
 ROW_ALIGN = 128      # chunk and sub-chunk boundaries are multiples of the kernel's largest BLOCK_M
 FAST_HEADROOM = 0.9      # the fast route's buffers may take at most this share of the free device memory
@@ -411,6 +411,18 @@ def plan_log_probs(needs_grad: tuple[bool, bool, bool], backend: str, sharded: b
     else:
         route = "speculative" if speculate else "lean"
     return Plan(backend, route, _dx_reduce(backend, route, sharded), sequence_parallel)
+
+
+def plan_log_prob_loss(o: LogProbLossOptions, needs_grad: tuple[bool, bool, bool], backend: str, sharded: bool,
+                       sequence_parallel: bool) -> Plan:
+    """``linear_log_prob_loss``: the cross-entropy's fast route (``loss_fn`` evaluated per chunk while its logits are
+    live; ``"auto"`` weighed against free memory as the cross-entropy's) on the Triton backend for scopes
+    ``"token"`` and ``"sequence"``; else the two-pass form (statistics of every token, ``loss_fn``, the recompute),
+    as ``linear_log_probs``' lean route: scope ``"batch"`` (it needs every token's statistics first),
+    ``memory_budget="lean"``, the torch backend, or no gradient."""
+    if backend == "triton" and o.scope != "batch" and o.memory_budget != "lean" and any(needs_grad):
+        return plan_cross_entropy(o.chunk_options(), needs_grad, backend, sharded, sequence_parallel)
+    return plan_log_probs(needs_grad, backend, sharded, sequence_parallel)
 
 
 def plan_distillation(reduction: str, lean: bool, needs_grad: tuple[bool, bool, bool], backend: str, sharded: bool,

@@ -373,3 +373,18 @@ def test_the_fast_routes_finish_is_decided_once_in_the_plan():
     group = _finish(sharded=True)  # tp=2: the whole P and one dW GEMM under "auto" with the extra
     assert (group.one_dw, group.defer_dw, group.defer_dx, group.fold_mean) == (True, True, False, False)
     assert not _finish(sharded=True, quack=False).one_dw
+
+
+@pytest.mark.parametrize("case", ["token", "sequence", "batch", "lean", "torch", "no-grad", "fixed"])
+def test_the_log_prob_losss_route_is_the_plans(case):
+    """``linear_log_prob_loss``: the fast route (left to memory under ``"auto"``) on the Triton backend for scopes
+    ``"token"`` and ``"sequence"``, else the two-pass form (the lean route), decided in ``vpce.routing``."""
+    from vpce.options import LogProbLossOptions
+
+    opts = LogProbLossOptions(loss_fn=lambda logp, ent: logp, scope="batch" if case == "batch" else
+                              "sequence" if case == "sequence" else "token",
+                              memory_budget={"lean": "lean", "fixed": 0.5}.get(case, "auto"))
+    needs = (False, False, False) if case == "no-grad" else (True, True, False)
+    plan = routing.plan_log_prob_loss(opts, needs, "torch" if case == "torch" else "triton", False, False)
+    want = {"token": "auto", "sequence": "auto", "fixed": "fast", "no-grad": "forward"}.get(case, "lean")
+    assert plan.route == want, (case, plan)
