@@ -275,3 +275,31 @@ def test_distill_vocab_parallel(distill_run):
         assert agg["loss_err"] < 1e-5 and agg["dx_err"] < 1e-2 and agg["dw_err"] < 1e-2, (m, agg)
         assert agg["loss_spread"] <= 1e-6 * abs(agg["loss"]), f"{m}: ranks returned different losses"
     assert "## tiny-odd distillation: N=200 D=72 teacher D_T=96 V=2003, bf16, tp=2" in stdout, stdout
+
+
+def test_grpo_rows_under_sequence_parallelism(tmp_path):
+    """``--tp --sp``: the GRPO and GSPO rows pass each rank its whole rows (``[B / world, T, D]``), the layout
+    ``linear_grpo_loss`` takes under sequence parallelism, and give the loss of one process on the whole batch;
+    where a rank's slice does not hold whole rows the row is ``missing``, saying so."""
+    from vpce.bench.methods import METHODS as ROWS
+
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               OMP_NUM_THREADS="1")
+    methods = ["vpce-grpo", "vpce-gspo"]
+    shapes = {"rows": "4096x32x256", "slices": "tiny"}  # two rows of 2048 tokens; one row of 256
+    cmds = {key: [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
+                  "vpce.bench", "--tp", "--sp", "--device", "cpu", "--shapes", shape, "--methods", ",".join(methods),
+                  "--reps", "1", "--warmup", "0", "--rep-time", "0", "--timeout", "60", "--out", str(tmp_path / key)]
+            for key, shape in shapes.items()}
+    run_commands(cmds, cwd=REPO, env=env, timeout=TIMEOUT)
+    docs = {key: json.loads((tmp_path / key / "bench-tp2-sp.json").read_text()) for key in cmds}
+    cpu = Env(device=torch.device("cpu"), dtype=torch.bfloat16)
+    prob = make_problem(Shape(name="rows", n=4096, d=32, v=256), cpu, Settings())
+    for method in methods:
+        with torch.no_grad():
+            one = float(ROWS[method].build(cpu)(prob.x, prob.w, prob.y))
+        rows = {r["rank"]: r for r in docs["rows"]["rows"] if r["method"] == method}
+        for rank in (0, 1):
+            assert rows[rank]["status"] == "ok" and rows[rank]["loss"] == pytest.approx(one, rel=1e-4), (rows, one)
+        slices = [r for r in docs["slices"]["rows"] if r["method"] == method and r["rank"] in (0, 1)]
+        assert len(slices) == 2 and all("must hold whole rows of 256 tokens" in r["status"] for r in slices), slices

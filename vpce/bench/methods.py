@@ -249,10 +249,16 @@ def _post_training_inputs(env: Env, x, w, y, cache: dict):
     return cache
 
 
-def _rows(x, c):
-    """The hidden states as ``[B, T, D]`` (a view: the gradient reaches ``x``); a sequence-parallel slice stays
-    flat."""
-    return x.view(-1, c["t"], x.shape[-1]) if x.shape[0] == c["y"].numel() else x
+def _rows(x, c, whole_rows: bool = False):
+    """The hidden states as ``[B, T, D]`` (a view: the gradient reaches ``x``). A sequence-parallel slice stays
+    flat, or with ``whole_rows`` (a loss over whole sequences: GRPO, DPO, verl's) becomes this rank's ``[B / world,
+    T, D]`` rows, the layout those losses take under sequence parallelism (the slice must hold whole rows)."""
+    t = c["t"]
+    if x.shape[0] == c["y"].numel() or (whole_rows and x.shape[0] % t == 0):
+        return x.view(-1, t, x.shape[-1])
+    if whole_rows:
+        raise Unavailable(f"under --sp each rank's slice of {x.shape[0]} tokens must hold whole rows of {t} tokens")
+    return x
 
 
 def _vpce_grpo(env: Env, *, level: str, memory_budget: str | float = "auto") -> LossFn:
@@ -263,7 +269,7 @@ def _vpce_grpo(env: Env, *, level: str, memory_budget: str | float = "auto") -> 
 
     def fn(x, w, y):
         c = _post_training_inputs(env, x, w, y, cache)
-        return linear_grpo_loss(_rows(x, c), w, c["y"], c["adv"], old_log_probs=c["old"], ref_log_probs=c["ref"],
+        return linear_grpo_loss(_rows(x, c, True), w, c["y"], c["adv"], old_log_probs=c["old"], ref_log_probs=c["ref"],
                                 beta=0.04, loss_type="dapo", importance_sampling_level=level, backend=device_backend(env),
                                 memory_budget=memory_budget, **env.vpce_layout()).loss
     return fn
@@ -281,7 +287,7 @@ def _vpce_dpo(env: Env) -> LossFn:
         if rows % 2:
             raise Unavailable("DPO needs an even number of 2048-token rows")
         ref = c["ref"].sum(-1)
-        return linear_dpo_loss(_rows(x, c), w, c["y"], ref[: rows // 2], ref[rows // 2:], backend=device_backend(env),
+        return linear_dpo_loss(_rows(x, c, True), w, c["y"], ref[: rows // 2], ref[rows // 2:], backend=device_backend(env),
                                **env.vpce_layout()).loss
     return fn
 
@@ -317,7 +323,7 @@ def _vpce_verl(env: Env) -> LossFn:
     def fn(x, w, y):
         c = _post_training_inputs(env, x, w, y, cache)
         adv = c["adv"][:, None].expand_as(c["old"])
-        return vverl.ppo_loss(config, _rows(x, c), w, c["y"], c["old"], adv, backend=device_backend(env),
+        return vverl.ppo_loss(config, _rows(x, c, True), w, c["y"], c["old"], adv, backend=device_backend(env),
                               group=env.group, vocab_start=env.vocab_start, vocab_size=env.vocab_size)[0]
     return fn
 
