@@ -16,13 +16,12 @@ from typing import NamedTuple
 
 import torch
 
-from . import speculation
 from .autograd import LinearCrossEntropyFunction, LinearLogProbsFunction, accumulation_dtype
 from .backends.grads import check_main_grad
 from .options import BACKENDS, METRICS, REDUCTIONS, LogProbOptions, LossOptions
 from .prepare import (Entry, check_bool, check_class_weight, check_int, check_logit_scale, check_memory_budget,
                       check_number, check_token_weight, compute_operands, enter, prepare_call)
-from .routing import plan_cross_entropy, plan_log_probs, settle_by_memory, size_cross_entropy, size_log_probs
+from .routing import Site, plan_cross_entropy, plan_log_probs, settle_by_memory, size_cross_entropy, size_log_probs
 
 __all__ = ["linear_cross_entropy", "linear_log_probs", "LinearCrossEntropy", "CrossEntropyOutput"]
 
@@ -175,11 +174,8 @@ class CrossEntropyEntry(Entry):
 
     def plan(self, needs, dtype, backend_name, sharded, sp):
         o = self.opts
-        speculate = False
-        if o.reduction == "none" and not o.lean:
-            key = (o, self.token_weight is not None, self.class_weight is not None, self.accumulate_main_grad)
-            speculate, self.history = speculation.decide("ce", self.weight, key, backend_name, sharded, needs)
-        return plan_cross_entropy(o, needs, backend_name, sharded, sp, speculate)
+        key = (o, self.token_weight is not None, self.class_weight is not None, self.accumulate_main_grad)
+        return plan_cross_entropy(o, needs, backend_name, sharded, sp, Site("ce", self.weight, key))
 
     def memory(self, p, h, rows, needs, world):
         return settle_by_memory(p, h, rows, needs, self.opts, world, self.weight_cast, whole_ok=True)
@@ -219,7 +215,7 @@ def _cross_entropy(entry: CrossEntropyEntry, hidden, weight, target, bias, *, gr
             loss = library.linear_cross_entropy(h2, *compute_operands(h2.dtype, weight, bias), t1, tw1,
                                                 call.plan.backend, opts, call.shard.vocab_size, call.needs_grad, cw1)
     else:
-        call = dataclasses.replace(call, main_grad=accumulate_main_grad, history=entry.history)
+        call = dataclasses.replace(call, main_grad=accumulate_main_grad)
         with torch.autocast(h2.device.type, enabled=False):  # (the Function casts the parameters)
             loss = LinearCrossEntropyFunction.apply(enter(h2, call), weight, bias, t1, tw1, opts, call, cw1)
     shape = (lambda x: x.reshape(target.shape)) if opts.reduction == "none" else (lambda x: x)
@@ -275,7 +271,6 @@ def linear_log_probs(hidden, weight, target, bias=None, *, temperature=1.0, soft
     h2, weight, bias, target, call = prepare_call(
         entry, hidden, weight, target, bias, group=group, vocab_start=vocab_start, vocab_size=vocab_size,
         sequence_parallel=sequence_parallel, backend=backend, validate=validate)
-    call = dataclasses.replace(call, history=entry.history)
     lp = entry.lp
     with torch.autocast(h2.device.type, enabled=False):  # (the Function casts the parameters)
         out = LinearLogProbsFunction.apply(enter(h2, call), weight, bias, target.reshape(-1), lp, call)
@@ -340,11 +335,8 @@ class LogProbsEntry(Entry):
                 ("memory_budget", lp.memory_budget)]
 
     def plan(self, needs, dtype, backend_name, sharded, sp):
-        speculate = False
-        if self.lp.memory_budget != "lean":
-            speculate, self.history = speculation.decide("logprob", self.weight, tuple(self.fields()), backend_name,
-                                                         sharded, needs)
-        return plan_log_probs(needs, backend_name, sharded, sp, speculate)
+        site = Site("logprob", self.weight, tuple(self.fields())) if self.lp.memory_budget != "lean" else None
+        return plan_log_probs(needs, backend_name, sharded, sp, site)
 
     def memory(self, p, h, rows, needs, world):
         return settle_by_memory(p, h, rows, needs, self.lp.chunk_options(), world, self.weight_cast)

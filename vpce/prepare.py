@@ -199,8 +199,6 @@ class Entry:
     """The entry's name in the agreement's fingerprint (``"ce"``, ``"logprob"``, ``"distill"``)."""
     ignore_index: int = -100
     """The target id the agreement's target check skips."""
-    history = None
-    """``vpce.speculation.Record`` where ``plan`` asked ``speculation.decide``, else None."""
     weight_cast = False
     """Whether the autograd Function casts the weight (fp32 under autocast): ``memory`` and ``size`` pass it on
     (``vpce.routing._fast_chunk``); set by ``prepare_call`` and agreed by the group."""
@@ -294,7 +292,8 @@ def prepare_call(entry: Entry, hidden, weight, target, bias, *, group, vocab_sta
     shard, poison, all_fit = parallel.agree(group, facts, device, read=read)
     if all_fit is not None:  # the route left to memory: fast (in one chunk) only where it fits on every rank
         call_plan = settle(call_plan, all_fit)
-    call = Call(shard, entry.size(call_plan, shard, hidden.shape[-1], hidden.dtype), needs, poison=poison)
+    sized = entry.size(call_plan, shard, hidden.shape[-1], hidden.dtype)
+    call = Call(shard, sized, needs, poison=poison, history=sized.history)
     return hidden.reshape(-1, hidden.shape[-1]), weight, bias, target, call
 
 

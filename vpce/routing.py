@@ -22,9 +22,10 @@ chunk and buffer sizes the backends read (they size nothing themselves).
   of this rank's alone, since it changes no collective.
   ``"speculative"`` (Triton, one process; ``reduction="none"`` and ``linear_log_probs``, whose per-token outputs
   the caller reduces): the fast route's forward at unit upstream scale, exact in backward for any upstream gradient,
-  as cheap as the fast route when that gradient is uniform over the non-ignored tokens. The API asks
-  ``vpce.speculation.decide`` per call; with ``memory_budget="auto"`` it is weighed against free memory as the fast
-  route is, and falls back to lean where it does not fit.
+  as cheap as the fast route when that gradient is uniform over the non-ignored tokens. The plan asks
+  ``vpce.speculation.decide`` once per call for the entry's call site (``Site``; ``Plan.history``); with
+  ``memory_budget="auto"`` it is weighed against free memory as the fast route is, and falls back to lean where it
+  does not fit.
 * ``dx_reduce``: where the hidden states' gradient is summed over the group: ``"none"`` (not sharded),
   ``"region"`` (``vpce.parallel.enter_vocab_parallel`` around the backend: all-reduce or reduce-scatter in
   backward) or ``"forward"`` (the Triton fast route sums each chunk's ``dX`` in forward, overlapped with its dW
@@ -45,13 +46,14 @@ from typing import Any
 
 import torch
 
+from . import speculation
 from .options import BACKENDS, DEFAULT_CHUNK_GIB, DistillOptions, LogProbLossOptions, LogProbOptions, LossOptions
 from .parallel import VocabShard
 
 __all__ = ["Plan", "Sizes", "Call", "resolve_backend", "plan_cross_entropy", "plan_log_probs", "plan_distillation",
            "settle_by_memory", "settle", "FIT_LEAN", "FIT_COMPACT", "FIT_FAST", "FIT_WHOLE", "size_cross_entropy",
            "size_log_probs", "size_log_prob_loss", "size_distillation", "fast_route_bytes", "one_weight_grad_gemm",
-           "SIZING", "Sizing", "Finish", "finish_fast", "plan_log_prob_loss"]
+           "SIZING", "Sizing", "Finish", "finish_fast", "plan_log_prob_loss", "Site"]
 
 ROW_ALIGN = 128      # chunk and sub-chunk boundaries are multiples of the kernel's largest BLOCK_M
 FAST_HEADROOM = 0.9      # the fast route's buffers may take at most this share of the free device memory
@@ -124,6 +126,9 @@ class Plan:
     """``hidden`` is this rank's slice along dim 0 (Megatron SP)."""
     sizes: Sizes | None = None
     """Chunk and buffer sizes; None until the shard is agreed (``size_cross_entropy`` and its kin)."""
+    history: Any = dataclasses.field(default=None, compare=False)
+    """``vpce.speculation.Record`` of a call site eligible for the speculative route (whichever route it takes): its
+    backward reports there whether the upstream gradient was uniform (``Call.history``). None otherwise."""
     whole: bool = False
     """The cross-entropy's fast route in one chunk of every token (``FIT_WHOLE``): ``memory_budget="auto"`` where
     free memory allows (``settle_by_memory``)."""
@@ -245,10 +250,31 @@ def _dx_reduce(backend: str, route: str, sharded: bool) -> str:
     return "forward" if backend == "triton" and route == "fast" else "region"
 
 
+@dataclass(frozen=True)
+class Site:
+    """The call site of per-token outputs the caller reduces (``vpce.speculation``): the entry's name, the caller's
+    weight (before any autocast cast) and a hashable summary of the call's options."""
+
+    entry: str
+    weight: Any
+    key: Any
+
+
+def _speculate(site: Site | None, backend: str, sharded: bool, needs_grad: tuple[bool, bool, bool]):
+    """``(speculate, history)``: ``vpce.speculation.decide`` for ``site`` (which alone weighs whether a call is
+    eligible), or ``(False, None)`` without one."""
+    if site is None:
+        return False, None
+    return speculation.decide(site.entry, site.weight, site.key, backend, sharded, needs_grad)
+
+
 def plan_cross_entropy(opts: LossOptions, needs_grad: tuple[bool, bool, bool], backend: str,
-                       sharded: bool, sequence_parallel: bool, speculate: bool = False) -> Plan:
-    """``speculate``: ``vpce.speculation.decide``'s verdict for ``reduction="none"`` (which alone weighs whether a
-    call is eligible)."""
+                       sharded: bool, sequence_parallel: bool, site: Site | None = None) -> Plan:
+    """``site``: the call site where ``reduction="none"`` may take the speculative route (``memory_budget`` not
+    ``"lean"``), asked here (``vpce.speculation.decide``)."""
+    speculate, history = (False, None)
+    if opts.reduction == "none" and not opts.lean:
+        speculate, history = _speculate(site, backend, sharded, needs_grad)
     if not any(needs_grad):
         route = "forward"
     elif opts.reduction == "none" and speculate:
@@ -259,7 +285,7 @@ def plan_cross_entropy(opts: LossOptions, needs_grad: tuple[bool, bool, bool], b
         route = "auto"  # fast where its buffers fit: settle_by_memory
     else:
         route = "fast"
-    return Plan(backend, route, _dx_reduce(backend, route, sharded), sequence_parallel)
+    return Plan(backend, route, _dx_reduce(backend, route, sharded), sequence_parallel, history=history)
 
 
 def settle(plan: Plan, fit: int) -> Plan:
@@ -388,7 +414,7 @@ def settle_by_memory(plan: Plan, hidden: torch.Tensor, rows: int, needs: tuple[b
         if opts.memory_budget != "auto" or not weigh or _fast_route_fits(hidden, tokens, rows, needs, opts,
                                                                          12 * tokens, weight_cast):
             return plan, None
-        return Plan(plan.backend, "lean", plan.dx_reduce, plan.sequence_parallel), None
+        return dataclasses.replace(plan, route="lean"), None
     if plan.route != "auto":
         return plan, None
     if not weigh:
@@ -404,13 +430,15 @@ def settle_by_memory(plan: Plan, hidden: torch.Tensor, rows: int, needs: tuple[b
 
 
 def plan_log_probs(needs_grad: tuple[bool, bool, bool], backend: str, sharded: bool,
-                   sequence_parallel: bool, speculate: bool = False) -> Plan:
-    """``speculate``: ``vpce.speculation.decide``'s verdict (which alone weighs whether a call is eligible)."""
+                   sequence_parallel: bool, site: Site | None = None) -> Plan:
+    """``site``: the call site, where the speculative route may be taken (``memory_budget`` not ``"lean"``), asked
+    here (``vpce.speculation.decide``)."""
+    speculate, history = _speculate(site, backend, sharded, needs_grad)
     if not any(needs_grad):
         route = "forward"
     else:
         route = "speculative" if speculate else "lean"
-    return Plan(backend, route, _dx_reduce(backend, route, sharded), sequence_parallel)
+    return Plan(backend, route, _dx_reduce(backend, route, sharded), sequence_parallel, history=history)
 
 
 def plan_log_prob_loss(o: LogProbLossOptions, needs_grad: tuple[bool, bool, bool], backend: str, sharded: bool,

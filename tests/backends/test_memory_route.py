@@ -388,3 +388,33 @@ def test_the_log_prob_losss_route_is_the_plans(case):
     plan = routing.plan_log_prob_loss(opts, needs, "torch" if case == "torch" else "triton", False, False)
     want = {"token": "auto", "sequence": "auto", "fixed": "fast", "no-grad": "forward"}.get(case, "lean")
     assert plan.route == want, (case, plan)
+
+
+def test_whether_to_speculate_is_asked_once_in_the_plan():
+    """``reduction="none"`` and ``linear_log_probs``: the plan asks the call site's history
+    (``vpce.speculation.decide``) and carries its record (``Plan.history``); a site's first call takes the lean
+    route, one after a uniform backward the speculative route; ``memory_budget="lean"``, a group and the torch
+    backend never ask."""
+    from vpce import speculation
+
+    needs = (True, True, False)
+    none, lean = LossOptions(reduction="none"), LossOptions(reduction="none", memory_budget="lean")
+    speculation.reset()
+    try:
+        site = routing.Site("ce", torch.zeros(8, 4), ("options",))
+        first = routing.plan_cross_entropy(none, needs, "triton", False, False, site)
+        assert first.route == "lean" and first.history is not None
+        first.history.report(torch.ones((), dtype=torch.bool))  # a uniform backward (read at once on a CPU)
+        second = routing.plan_cross_entropy(none, needs, "triton", False, False, site)
+        assert second.route == "speculative" and second.history is first.history
+        assert routing.plan_cross_entropy(lean, needs, "triton", False, False, site).history is None
+        sharded = routing.plan_cross_entropy(none, needs, "triton", True, False, site)
+        assert sharded.route == "lean" and sharded.history is None
+        assert routing.plan_cross_entropy(none, needs, "torch", False, False, site).history is None
+        assert routing.plan_cross_entropy(LossOptions(), needs, "triton", False, False, site).history is None
+        lp_site = routing.Site("logprob", torch.zeros(8, 4), ("options",))
+        lp = routing.plan_log_probs(needs, "triton", False, False, lp_site)
+        assert lp.route == "lean" and lp.history is not None
+        assert routing.plan_log_probs(needs, "triton", False, False, None).history is None
+    finally:
+        speculation.reset()
