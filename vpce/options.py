@@ -61,8 +61,9 @@ class LossOptions:
     """Logits become ``softcap * tanh(logits / softcap)`` before everything else."""
     memory_budget: str | float = "auto"
     """``"fast"`` (gradients formed in forward, fp32 dW accumulator), ``"lean"`` (statistics in forward,
-    logits recomputed in backward), ``"auto"`` (the fast route where its buffers fit in free device memory, else
-    the lean one: ``vpce.routing.settle_by_memory``), or a number: GiB of live chunk data on the fast route."""
+    logits recomputed in backward), ``"auto"`` (the fastest route whose buffers fit in free device memory: one
+    chunk, fast, compact, lean; ``vpce.routing.settle_by_memory``), or a number: GiB of live chunk data on the
+    compact fast route (each chunk freed in forward)."""
 
     logit_scale: float = 1.0
     """Multiplies the logits (after the bias, before the soft cap): ``z = softcap * tanh(logit_scale * x /

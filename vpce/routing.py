@@ -136,19 +136,22 @@ class Plan:
     """The compact fast route (``FIT_COMPACT``: ``memory_budget="auto"`` where the fast route does not fit, and a
     numeric ``memory_budget``): smaller ``P`` chunks (``Sizing.compact_p_gib``), each freed in forward
     (``keep_p`` False)."""
-    keep_p: bool = True
-    """Whether the fast route's last ``P`` chunk stays live into backward beside the fp32 dW accumulator, its dW
-    GEMM left there (with the ``hopper`` extra one quack GEMM reads the accumulator and writes dW scaled in its
-    16-bit dtype, sparing a pass over the accumulator). False on the compact route: the last chunk's dW goes into
-    the accumulator in forward and ``P`` is freed there, so the peak is the accumulator with one ``P`` chunk, or
-    with the 16-bit dW in backward, never all three. A call of one chunk holds no accumulator and leaves both
-    GEMMs to backward either way."""
     dx_in_forward: bool = False
     """The fast route in one process writes each chunk's dX in the hidden's dtype in forward (no fp32 ``[N, D]``;
     one chunk with the ``hopper`` extra leaves dX's GEMM to backward instead). The cross-entropy's ``mean`` then
     folds ``1/count`` into ``P`` (``FastGrads.mean_folded``), so that backward scales dX (and dW, db) by the upstream
     gradient alone, in fp32: no second rounding of dX where that gradient is 1. Not for float16 (its range), nor
     where the caller scales the held gradients itself (``vpce.library``)."""
+
+    @property
+    def keep_p(self) -> bool:
+        """Whether the fast route's last ``P`` chunk stays live into backward beside the fp32 dW accumulator, its dW
+        GEMM left there (with the ``hopper`` extra one quack GEMM reads the accumulator and writes dW scaled in its
+        16-bit dtype, sparing a pass over the accumulator). Not on the compact route: the last chunk's dW goes into
+        the accumulator in forward and ``P`` is freed there, so the peak is the accumulator with one ``P`` chunk, or
+        with the 16-bit dW in backward, never all three. A call of one chunk holds no accumulator and leaves both
+        GEMMs to backward either way."""
+        return not self.compact
 
 
 @dataclass(frozen=True)
@@ -194,10 +197,10 @@ def finish_fast(plan: Plan, opts: LossOptions, tokens: int, d: int, dtype: torch
     """The cross-entropy's ``Finish`` for ``tokens`` tokens (all of them under sequence parallelism) and this rank's
     ``valid_rows``. ``quack_ready``: the ``hopper`` extra can finish dX and dW from this call's ``P``
     (``backends.gemm.hopper_dw_ready``, and ``P``'s rows 16-byte aligned); ``epilogue_ready``: its logits GEMM can
-    take the statistics (``backends.gemm.stats_epilogue_ready``). The epilogue where the options need of the statistics only the
-    log-sum-exp, the target logit and (smoothing) the sum of the logits, a logit scale only beside a soft cap, and
-    under a group no metrics (their sums are over the ranks). Deferred GEMMs on the fast route only (the speculative
-    route's backward adds to the accumulator) and not into ``main_grad``."""
+    take the statistics (``backends.gemm.stats_epilogue_ready``). The epilogue where the options need of the
+    statistics only the log-sum-exp, the target logit and (smoothing) the sum of the logits, a logit scale only
+    beside a soft cap, and under a group no metrics (their sums are over the ranks). Deferred GEMMs on the fast
+    route only (the speculative route's backward adds to the accumulator) and not into ``main_grad``."""
     formed = plan.route in ("fast", "speculative")
     if not formed or valid_rows == 0:
         return Finish()
@@ -483,8 +486,7 @@ def _finish(plan: Plan, opts: LossOptions, shard: VocabShard, dtype: torch.dtype
     fast = plan.backend == "triton" and plan.route == "fast"
     compact = fast and (plan.compact or isinstance(opts.memory_budget, float))
     single = fast and not shard.sharded
-    return dict(compact=compact, keep_p=not compact,
-                dx_in_forward=single and not held_fp32 and dtype != torch.float16)
+    return dict(compact=compact, dx_in_forward=single and not held_fp32 and dtype != torch.float16)
 
 
 def size_cross_entropy(plan: Plan, opts: LossOptions, shard: VocabShard, d: int, dtype: torch.dtype,

@@ -307,15 +307,15 @@ def cross_entropy(hidden, weight, bias, tg: TokenTargets, opts: LossOptions, cal
     formed = plan.route in ("fast", "speculative")
     smooth = opts.label_smoothing > 0
     # how the gradients are finished, decided once (``routing.finish_fast``) from this call's facts: whether the
-    # hopper extra takes P's GEMMs, and the statistics in the logits GEMM's epilogue. With one process the entropy and the argmax
-    # test then come from the gradient pass (``_ChunkStats.late``). Under a group the epilogue's GEMM starts after the
-    # set-up (it needs the targets), not before it as cuBLAS's first GEMM does; the statistics exchanged are the
-    # same tensor either way, so the choice is no collective's.
+    # hopper extra takes P's GEMMs, and the statistics in the logits GEMM's epilogue. With one process the entropy
+    # and the argmax test then come from the gradient pass (``_ChunkStats.late``). Under a group the epilogue's GEMM
+    # starts after the set-up (it needs the targets), not before it as cuBLAS's first GEMM does; the statistics
+    # exchanged are the same tensor either way, so the choice is no collective's.
     folded = opts.folded
     hopper = formed and v > 0 and hopper_dw_ready(hidden, w)  # asked once per call
     quack = hopper and (v * hidden.element_size()) % 16 == 0  # P's rows, V_local apart, 16-byte aligned (TMA)
     fin = finish_fast(plan, opts, n, d, hidden.dtype, call.needs_grad, v, shard.sharded, call.main_grad, quack,
-                      formed and v > 0 and stats_epilogue_ready(hidden, b, v, hopper))
+                      stats_epilogue_ready(hidden, b, v, hopper))
     epilogue, one_dw = fin.epilogue, fin.one_dw
     if formed:
         p, chunk = _first_chunk(hidden, w, b, call, early=not epilogue, every_token=one_dw)
