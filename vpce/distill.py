@@ -85,11 +85,8 @@ class DistillArgs:
 
 
 def _is_dtensor(x) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch without DTensor
-        return False
-    return isinstance(x, DTensor)
+    dtensor = parallel.dtensor_type()
+    return dtensor is not None and isinstance(x, dtensor)
 
 
 def _check_teacher(hidden, weight, t_hidden, t_weight, t_bias, sequence_parallel):

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import math
 import struct
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple
 
@@ -78,6 +79,7 @@ __all__ = [
     "start_gather_sequence",
     "PendingGather",
     "enter_vocab_parallel",
+    "dtensor_type",
     "from_dtensors",
     "all_gather_tensor",
     "reduce_scatter_tensor",
@@ -616,6 +618,14 @@ def enter_vocab_parallel(hidden: torch.Tensor, shard: VocabShard, sequence_paral
     return hidden
 
 
+def dtensor_type():
+    """The ``DTensor`` class where ``torch.distributed.tensor`` is loaded in this process, else None: a tensor can
+    only be a DTensor once that module is loaded, and importing it for the check (sympy, torch.fx) would add
+    seconds to a process's first call."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None)
+
+
 def from_dtensors(hidden, weight, bias, target, *, group, vocab_start, vocab_size, sequence_parallel):
     """torchtitan-style inputs: a ``weight`` DTensor sharded ``Shard(0)`` on a 1-D mesh gives the group and this
     rank's ``vocab_start`` (``torch.chunk`` layout: ``ceil(V / world)`` rows per rank); ``bias`` must then be a
@@ -623,10 +633,11 @@ def from_dtensors(hidden, weight, bias, target, *, group, vocab_start, vocab_siz
     (sequence parallel); ``target`` a ``Replicate()`` DTensor. The local tensors come back; ``to_local`` carries
     the gradients back as DTensors with the same placements.
     """
-    try:
-        from torch.distributed.tensor import DTensor, Replicate, Shard
-    except ImportError:  # pragma: no cover - torch without DTensor
+    DTensor = dtensor_type()
+    if DTensor is None:  # no DTensor exists in this process
         return hidden, weight, bias, target, group, vocab_start, vocab_size, sequence_parallel
+    from torch.distributed.tensor import Replicate, Shard
+
     if not isinstance(weight, DTensor):
         for name, t in (("hidden", hidden), ("bias", bias), ("target", target)):
             if isinstance(t, DTensor):

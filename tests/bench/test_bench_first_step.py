@@ -31,6 +31,12 @@ def test_first_step_runs_each_row_in_fresh_processes(tmp_path, capsys):
     assert set(cold) == set(CACHE_VARIABLES) and all(cold.values()), cold
     assert cold == warm, (cold, warm)
     assert all(cold[v] != other[v] for v in CACHE_VARIABLES), (cold, other)
+    # Python's bytecode in one folder for every process, outside every row's kernel caches (a priming process per
+    # row filled it before the row's cold process)
+    pycache = {r["pycache"] for r in doc["rows"]}
+    assert len(pycache) == 1 and None not in pycache, pycache
+    prefix = pycache.pop()
+    assert not any(v.startswith(prefix) for r in doc["rows"] for v in r["caches"].values()), doc["rows"]
     table = capsys.readouterr().out
     assert "| vpce torch | cold |" in table and "| vpce torch | warm cache |" in table, table
 

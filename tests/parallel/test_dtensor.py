@@ -1,5 +1,8 @@
 """DTensor tensor parallelism (torchtitan's layout) on gloo ranks: a Shard(0) weight DTensor on a 1-D mesh."""
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -72,3 +75,17 @@ def _run_docs_snippet(rank, world):
 
 def test_docs_dtensor_snippet_runs():
     assert all(run_ranks(_run_docs_snippet, 2))
+
+
+def test_a_call_without_dtensors_does_not_import_them():
+    """No tensor can be a DTensor before ``torch.distributed.tensor`` is loaded, so a call in a process that never
+    loaded it must not load it (with sympy and torch.fx, seconds of a process's first step)."""
+    code = ("import sys, torch, vpce\n"
+            "x = torch.randn(6, 8, requires_grad=True); w = torch.randn(20, 8, requires_grad=True)\n"
+            "y = torch.tensor([0, 3, -100, 19, 7, 1])\n"
+            "vpce.linear_cross_entropy(x, w, y).backward()\n"
+            "vpce.linear_distillation_loss(x, w, x.detach(), w.detach(), y).backward()\n"
+            "print(sorted(m for m in ('torch.distributed.tensor', 'sympy') if m in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout

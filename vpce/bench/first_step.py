@@ -4,10 +4,18 @@ A training job's first step pays for every kernel it compiles: Triton's JIT, qua
 ``hopper`` extra), TorchInductor's code generation. This mode measures that wait, row by row, in processes of
 their own:
 
-1. **cold**: a new process whose kernel caches are empty: ``TRITON_CACHE_DIR``, ``QUACK_CACHE_DIR`` and
+1. **cold**: a new process whose kernel caches are empty: ``TRITON_CACHE_DIR``, ``QUACK_CACHE_DIR`` (quack's
+   compiled GEMMs), ``CUTE_DSL_CACHE_DIR`` (the CuTe DSL's own file cache of compiled modules) and
    ``TORCHINDUCTOR_CACHE_DIR`` point into a fresh temporary folder;
 2. **warm cache**: a second new process with the same folders, so that it reuses what the first one compiled
    (a job restarted on the same machine, or a second job).
+
+Python's own bytecode is not a kernel cache: pip compiles it when it installs a package, so no user's first step
+compiles Python sources. Some images cannot keep it (a read-only ``site-packages``, ``PYTHONDONTWRITEBYTECODE``),
+and a row would then count seconds of compiling ``sympy`` or ``torch._dynamo`` sources as its first step. So every
+process of the mode writes and reads bytecode under one ``PYTHONPYCACHEPREFIX`` folder, and before each row's cold
+process a **priming** process runs the row once with kernel caches of its own, thrown away: the row's modules are
+then compiled to bytecode as an installed environment has them, and its kernel caches stay empty.
 
 Each process builds the row's loss as the main bench does (``vpce.bench.methods``), draws the shape's inputs
 (``x ~ N(0, 1)``, ``w ~ N(0, 1/D)``, uniform targets), and times, with the device synchronized:
@@ -36,7 +44,7 @@ from pathlib import Path
 __all__ = ["CACHE_VARIABLES", "DEFAULT_METHODS", "run_first_step", "format_first_step"]
 
 #: The environment variables that place each compiler's persistent cache (all pointed into one fresh folder).
-CACHE_VARIABLES = ("TRITON_CACHE_DIR", "QUACK_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")
+CACHE_VARIABLES = ("TRITON_CACHE_DIR", "QUACK_CACHE_DIR", "CUTE_DSL_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")
 
 #: The rows measured when ``--methods`` is not given: vpce on the device's backend, and the peers a user weighs it
 #: against for start-up time.
@@ -69,7 +77,8 @@ def _child(argv: list[str]) -> int:
         torch.zeros(1, device=device)  # the CUDA context is the process's, not the row's
     env = Env(device=device, dtype=DTYPES[args.dtype])
     method = METHODS[args.method]
-    out = dict(method=args.method, label=method.row_label(env), caches={v: os.environ.get(v) for v in CACHE_VARIABLES})
+    out = dict(method=args.method, label=method.row_label(env), caches={v: os.environ.get(v) for v in CACHE_VARIABLES},
+               pycache=os.environ.get("PYTHONPYCACHEPREFIX"))
     try:
         method.require(env)
         if method.main_grad or method.distill or method.tp_only:
@@ -105,9 +114,11 @@ def _child(argv: list[str]) -> int:
     return 0
 
 
-def _run_process(method: str, shape, dtype: str, device: str, seed: int, cache: Path) -> dict:
-    """Run one child process with its caches in ``cache``; returns its JSON line plus the process's wall time."""
-    env = dict(os.environ)
+def _run_process(method: str, shape, dtype: str, device: str, seed: int, cache: Path, pycache: Path) -> dict:
+    """Run one child process with its kernel caches in ``cache`` and Python's bytecode under ``pycache``; returns its
+    JSON line plus the process's wall time."""
+    env = dict(os.environ, PYTHONPYCACHEPREFIX=str(pycache))
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
     for var in CACHE_VARIABLES:
         env[var] = str(cache / var.lower())
     cmd = [sys.executable, "-m", "vpce.bench.first_step", method, f"{shape.n}x{shape.d}x{shape.v}",
@@ -130,18 +141,30 @@ def _run_process(method: str, shape, dtype: str, device: str, seed: int, cache: 
 
 
 def run_first_step(methods: list[str], shapes, dtype: str, device: str, seed: int, progress) -> list[dict]:
-    """Each row of ``methods`` on each shape: a cold process, then a warm-cache one, each with fresh caches."""
+    """Each row of ``methods`` on each shape: a priming process (its kernel caches thrown away), then a cold
+    process, then a warm-cache one, with kernel caches of the row's own and one bytecode folder for all."""
     rows = []
-    for shape in shapes:
-        for method in methods:
-            with tempfile.TemporaryDirectory(prefix="vpce-first-step-") as tmp:
-                for phase in ("cold", "warm cache"):
-                    progress.note(f"{shape.name} {method} ({phase}) ...")
-                    row = _run_process(method, shape, dtype, device, seed, Path(tmp))
-                    row.update(shape=shape.name, n=shape.n, d=shape.d, v=shape.v, phase=phase)
-                    rows.append(row)
-                    progress.note(f"{shape.name} {method} ({phase}): " + (
-                        f"first step {row['first_s']:.2f} s" if row.get("status") == "ok" else row["status"]))
+    with tempfile.TemporaryDirectory(prefix="vpce-first-step-pyc-") as pycache:
+        for shape in shapes:
+            for method in methods:
+                with tempfile.TemporaryDirectory(prefix="vpce-first-step-prime-") as prime:
+                    progress.note(f"{shape.name} {method} (priming Python's bytecode) ...")
+                    _run_process(method, shape, dtype, device, seed, Path(prime), Path(pycache))
+                rows += _cold_then_warm(method, shape, dtype, device, seed, Path(pycache), progress)
+    return rows
+
+
+def _cold_then_warm(method: str, shape, dtype: str, device: str, seed: int, pycache: Path, progress) -> list[dict]:
+    """The row's cold process, then its warm-cache one, sharing one fresh folder of kernel caches."""
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="vpce-first-step-") as tmp:
+        for phase in ("cold", "warm cache"):
+            progress.note(f"{shape.name} {method} ({phase}) ...")
+            row = _run_process(method, shape, dtype, device, seed, Path(tmp), pycache)
+            row.update(shape=shape.name, n=shape.n, d=shape.d, v=shape.v, phase=phase)
+            rows.append(row)
+            progress.note(f"{shape.name} {method} ({phase}): " + (
+                f"first step {row['first_s']:.2f} s" if row.get("status") == "ok" else row["status"]))
     return rows
 
 

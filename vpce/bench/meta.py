@@ -76,13 +76,18 @@ def timings_caveat(device: torch.device) -> str | None:
 
 
 def git_commit() -> str | None:
-    """The checkout's ``HEAD`` commit, or None outside a git checkout (an installed wheel)."""
+    """The checkout's ``HEAD`` commit, with ``-dirty`` after it where tracked files differ from it (the result then
+    belongs to no commit), or None outside a git checkout (an installed wheel)."""
+    here = Path(__file__).resolve().parent
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent,
-                             capture_output=True, text=True, timeout=10)
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10)
+        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                                 capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.SubprocessError):
         return None
-    return out.stdout.strip() if out.returncode == 0 else None
+    if out.returncode != 0:
+        return None
+    return out.stdout.strip() + ("-dirty" if changed.returncode == 0 and changed.stdout.strip() else "")
 
 
 def now_utc() -> str:
