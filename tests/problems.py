@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -72,3 +73,23 @@ def tie_problem(n, d, rows, *, dtype, vocab_size=None, seed=0, ignore_frac=0.2, 
 
 def leaf(x: torch.Tensor | None) -> torch.Tensor | None:
     return None if x is None else x.detach().clone().requires_grad_()
+
+
+def stats_epilogue_stand_in(calls):
+    """What ``vpce.backends.gemm.logits_with_stats`` computes (one quack GEMM with an epilogue on a GPU), in torch: P, the
+    log-sum-exp of every logit as P holds it (capped and scaled), the target's raw fp32 logit (-inf where it is
+    not in these columns)."""
+    def run(p, h, w, t_local, zt, folded=None, sum_z=False, class_weight=None):
+        softcap, inv_t = (None, 1.0) if folded is None else (folded.softcap, folded.inv_t)
+        calls.append(tuple(p.shape))
+        torch.mm(h, w.t(), out=p)
+        capped = (lambda x: x) if softcap is None else (lambda x: inv_t * softcap * torch.tanh(x / softcap))  # noqa
+        z = capped(p.float())
+        here = t_local >= 0
+        raw = (h.double() * w[t_local.clamp(min=0).long()].double()).sum(1).float()
+        zt.copy_(torch.where(here, raw, -math.inf))
+        sums = None
+        if sum_z:  # every column's logit as P holds it, the target's too, times its class weight
+            sums = (z * (1.0 if class_weight is None else class_weight.float())).sum(1)
+        return torch.logsumexp(z, 1), sums
+    return run

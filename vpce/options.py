@@ -206,6 +206,21 @@ class LogProbLossOptions:
         """The options the fast route's ``P`` chunk is sized from (the cross-entropy's)."""
         return LossOptions(memory_budget=self.memory_budget)
 
+    def finish_options(self) -> LossOptions:
+        """The cross-entropy options whose fast-route finish (``routing.finish_fast``) is this loss's: the same
+        logits (the temperature folded into the logit scale and the soft cap, so that ``folded`` is this loss's),
+        ``reduction="sum"`` (``loss_fn`` normalises its own sum: there is no ``mean`` to fold into ``P``) and the
+        same ``memory_budget``."""
+        t = self.temperature
+        return LossOptions(memory_budget=self.memory_budget, reduction="sum", logit_scale=self.logit_scale / t,
+                           softcap=None if self.softcap is None else self.softcap / t)
+
+    @property
+    def stats_beyond_lse(self) -> bool:
+        """Whether the loss needs statistics beyond the log-sum-exp and the target logit before its gradient pass
+        (the entropy, the argmax test, the mean logit), which the logits GEMM's epilogue does not take."""
+        return self.entropy_stats or self.top1 or self.mean_logits
+
     def stats_options(self) -> LogProbOptions:
         """The options of the statistics pass (``log_probs``) of the two-pass form."""
         return LogProbOptions(ignore_index=self.ignore_index, softcap=self.softcap, logit_scale=self.logit_scale,

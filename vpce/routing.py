@@ -194,8 +194,9 @@ class Finish:
 
 def finish_fast(plan: Plan, opts: LossOptions, tokens: int, d: int, dtype: torch.dtype, needs: tuple[bool, bool, bool],
                 valid_rows: int, sharded: bool, main_grad: bool, quack_ready: bool, epilogue_ready: bool) -> Finish:
-    """The cross-entropy's ``Finish`` for ``tokens`` tokens (all of them under sequence parallelism) and this rank's
-    ``valid_rows``. ``quack_ready``: the ``hopper`` extra can finish dX and dW from this call's ``P``
+    """The fast route's ``Finish`` for ``tokens`` tokens (all of them under sequence parallelism) and this rank's
+    ``valid_rows``: the cross-entropy's, and ``linear_log_prob_loss``'s from its ``finish_options()`` (whose
+    ``epilogue_ready`` is False where its loss needs the entropy or a metric before the gradient pass). ``quack_ready``: the ``hopper`` extra can finish dX and dW from this call's ``P``
     (``backends.gemm.hopper_dw_ready``, and ``P``'s rows 16-byte aligned); ``epilogue_ready``: its logits GEMM can
     take the statistics (``backends.gemm.stats_epilogue_ready``). The epilogue where the options need of the
     statistics only the log-sum-exp, the target logit and (smoothing) the sum of the logits, a logit scale only

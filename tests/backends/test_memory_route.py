@@ -256,11 +256,12 @@ def test_one_dw_gemm_under_a_group_where_the_extra_finishes_dw():
     assert not takes(opts=LossOptions(memory_budget=0.5))
 
 
-def _one_dw_gemm_main(rank, world, takes, sp, n=232, d=104):
+def _one_dw_gemm_main(rank, world, takes, sp, n=232, d=104, loss_kind="cross_entropy"):
     """Rank ``r`` keeps every token's gradient in one ``P`` where ``takes[r]``: the hopper extra's readiness stood
     in, since this CPU has no sm_90 GPU (an fp32 dW is then finished by cuBLAS's GEMM, as on a GPU). Every dW GEMM's
     token count is recorded, and every collective (kind and size) in order. 128-token chunks, each split in two
-    for its exchanges."""
+    for its exchanges. ``loss_kind``: the cross-entropy with label smoothing, or ``linear_log_prob_loss`` (a
+    policy-gradient term per token), whose fast route finishes as the cross-entropy's."""
     import dataclasses as dc
 
     import torch.distributed as dist
@@ -291,11 +292,26 @@ def _one_dw_gemm_main(rank, world, takes, sp, n=232, d=104):
     w, b = leaf(p.weight[lo:lo + sizes[rank]]), leaf(p.bias[lo:lo + sizes[rank]])
     tok = slice(rank * n // world, (rank + 1) * n // world)
     h = leaf(p.hidden[tok] if sp else p.hidden)
+    mine = slice(lo, lo + sizes[rank])
+    if loss_kind == "log_prob_loss":
+        adv = torch.randn(n, generator=torch.Generator().manual_seed(5))
+        loss = vpce.linear_log_prob_loss(h, w, p.target, lambda lp, ent, adv: -lp * adv, b, inputs={"adv": adv},
+                                         group=dist.group.WORLD, vocab_size=vsize, sequence_parallel=sp,
+                                         backend="triton")
+        (loss * 0.75).backward()
+        hr, wr, br = (x.double().requires_grad_() for x in (p.hidden, p.weight[:vsize], p.bias[:vsize]))
+        keep = p.target != -100
+        lq = (hr @ wr.t() + br).log_softmax(-1)
+        want = -(torch.where(keep, lq.gather(1, p.target.clamp(min=0)[:, None])[:, 0], 0) * adv.double()).sum()
+        (want * 0.75).backward()
+        pad = lambda g: torch.cat([g, g.new_zeros(sum(sizes) - vsize, *g.shape[1:])])  # noqa: E731
+        errs = (rel_err(loss, want), rel_err(h.grad, hr.grad[tok] if sp else hr.grad),
+                rel_err(w.grad, pad(wr.grad)[mine]), rel_err(b.grad, pad(br.grad)[mine]))
+        return gemms, errs, collectives
     loss = vpce.linear_cross_entropy(h, w, p.target, b, group=dist.group.WORLD, vocab_size=vsize,
                                      sequence_parallel=sp, label_smoothing=0.1, backend="triton")
     (loss * 0.75).backward()
     ref = reference(p.hidden, p.weight, p.target, p.bias, vocab_size=vsize, label_smoothing=0.1)
-    mine = slice(lo, lo + sizes[rank])
     errs = (rel_err(loss, ref.loss), rel_err(h.grad, 0.75 * (ref.dhidden[tok] if sp else ref.dhidden)),
             rel_err(w.grad, 0.75 * ref.dweight[mine]), rel_err(b.grad, 0.75 * ref.dbias[mine]))
     return gemms, errs, collectives
@@ -306,22 +322,24 @@ def _one_dw_gemm_main(rank, world, takes, sp, n=232, d=104):
                                          ((False, True), True, 232, 104), ((True, False), False, 300, 200),
                                          ((False, True), True, 300, 200)],
                          ids=["both", "rank0-only", "rank1-only-sp", "rank0-only-3-chunks", "rank1-only-sp-3-chunks"])
-def test_one_dw_gemm_changes_no_collective(takes, sp, n, d):
+@pytest.mark.parametrize("loss_kind", ["cross_entropy", "log_prob_loss"])
+def test_one_dw_gemm_changes_no_collective(takes, sp, n, d, loss_kind):
     """A rank that keeps every token's gradient in one ``P`` issues the same exchanges and dX sums, of the same
     sizes in the same order, as one that does not (the choice is each rank's own, from its own extra): ranks that
     differ finish together, within the timeout, each exact against float64; the one that takes it runs one dW
-    GEMM over every token."""
-    per_rank = run_ranks(_one_dw_gemm_main, 2, takes, sp, n, d, timeout=TIMEOUT)
+    GEMM over every token. The same for ``linear_log_prob_loss``'s fast route."""
+    per_rank = run_ranks(_one_dw_gemm_main, 2, takes, sp, n, d, loss_kind, timeout=TIMEOUT)
     counts = [min(128, n - s) for s in range(0, n, 128)]
     for rank, (gemms, errs, _) in enumerate(per_rank):
         assert gemms == ([n] if takes[rank] else counts), (rank, gemms)
         assert max(errs) < 2e-5, (rank, errs)
     assert per_rank[0][2] == per_rank[1][2], (per_rank[0][2], per_rank[1][2])
-    # per chunk: its statistics exchanges (4 packed rows with label smoothing; two halves of a 128-token chunk),
-    # then its dX sum (its pieces, one per owning rank, under sequence parallelism)
+    # per chunk: its statistics exchanges (4 packed rows with label smoothing, else 3; two halves of a 128-token
+    # chunk), then its dX sum (its pieces, one per owning rank, under sequence parallelism)
+    packed = 4 if loss_kind == "cross_entropy" else 3
     want = [e for c in counts for e in ([("gather", c // 2)] * 2 if c >= 128 else [("gather", c)]) + [("sum", c)]]
     got = [("gather", shape[1]) if kind == "gather" else ("sum", shape[0]) for kind, *shape in per_rank[0][2]
-           if kind != "gather" or shape[0] == 4]  # not the agreement, nor the sequence-parallel hidden states
+           if kind != "gather" or shape[0] == packed]  # not the agreement, nor the sequence-parallel hidden states
     assert _sums_merged(got) == want, (got, want)
 
 

@@ -13,7 +13,7 @@ import vpce
 from distributed import run_ranks
 from vpce.options import Folded
 from vpce.reference import describe, reference, reference_metrics, rel_err, torch_eager
-from problems import VARIANTS, leaf, make_problem, tie_problem
+from problems import VARIANTS, leaf, make_problem, stats_epilogue_stand_in, tie_problem
 
 triton = pytest.importorskip("triton")
 CUDA = torch.cuda.is_available()
@@ -371,26 +371,6 @@ def test_one_chunk_dx_where_the_hopper_gemm_cannot_take_the_gradient(monkeypatch
     assert seen == ([] if v % 4 else [(37, v)]), seen
 
 
-def _stats_epilogue_stand_in(calls):
-    """What ``vpce.backends.gemm.logits_with_stats`` computes (one quack GEMM with an epilogue on a GPU), in torch: P, the
-    log-sum-exp of every logit as P holds it (capped and scaled), the target's raw fp32 logit (-inf where it is
-    not in these columns)."""
-    def run(p, h, w, t_local, zt, folded=Folded(), sum_z=False, class_weight=None):
-        softcap, inv_t = folded.softcap, folded.inv_t
-        calls.append(tuple(p.shape))
-        torch.mm(h, w.t(), out=p)
-        capped = (lambda x: x) if softcap is None else (lambda x: inv_t * softcap * torch.tanh(x / softcap))  # noqa
-        z = capped(p.float())
-        here = t_local >= 0
-        raw = (h.double() * w[t_local.clamp(min=0).long()].double()).sum(1).float()
-        zt.copy_(torch.where(here, raw, -math.inf))
-        sums = None
-        if sum_z:  # every column's logit as P holds it, the target's too, times its class weight
-            sums = (z * (1.0 if class_weight is None else class_weight.float())).sum(1)
-        return torch.logsumexp(z, 1), sums
-    return run
-
-
 @pytest.mark.parametrize("case", ["plain", "z-loss-weights", "dft-class-weight", "confident", "softcap",
                                   "softcap-scale", "smoothing", "all-four", "bias", "scale", "metrics"])
 def test_statistics_in_the_logits_gemms_epilogue(monkeypatch, case):
@@ -404,7 +384,7 @@ def test_statistics_in_the_logits_gemms_epilogue(monkeypatch, case):
 
     calls = []
     monkeypatch.setattr(triton_backend, "stats_epilogue_ready", lambda h, b, cols, hopper: b is None and cols % 8 == 0)
-    monkeypatch.setattr(triton_backend, "logits_with_stats", _stats_epilogue_stand_in(calls))
+    monkeypatch.setattr(triton_backend, "logits_with_stats", stats_epilogue_stand_in(calls))
     opts = {"z-loss-weights": dict(z_loss=1e-3), "dft-class-weight": dict(token_scaling=True),
             "smoothing": dict(label_smoothing=0.1), "softcap": dict(softcap=3.0),
             "softcap-scale": dict(softcap=3.0, logit_scale=0.7), "scale": dict(logit_scale=0.7),
@@ -449,7 +429,7 @@ def test_metrics_from_the_gradient_pass_beside_the_epilogue(monkeypatch, case, r
 
     calls = []
     monkeypatch.setattr(triton_backend, "stats_epilogue_ready", lambda h, b, cols, hopper: b is None and cols % 8 == 0)
-    monkeypatch.setattr(triton_backend, "logits_with_stats", _stats_epilogue_stand_in(calls))
+    monkeypatch.setattr(triton_backend, "logits_with_stats", stats_epilogue_stand_in(calls))
     n, d, v = 70, 6, 88
     if case.startswith("clustered"):
         n, v = 70, 200
@@ -504,7 +484,7 @@ def _epilogue_under_group_main(rank, world, only_rank=None):
         triton_backend.stats_epilogue_ready = lambda h, b, cols, hopper: b is None and cols % 8 == 0
     else:
         triton_backend.stats_epilogue_ready = lambda *a: False
-    triton_backend.logits_with_stats = _stats_epilogue_stand_in(calls)
+    triton_backend.logits_with_stats = stats_epilogue_stand_in(calls)
     gathers, real_gather = [], parallel.all_gather_tensor  # every statistics exchange's size, in order
     parallel.all_gather_tensor = lambda out, x, **kw: gathers.append(tuple(x.shape)) or real_gather(out, x, **kw)
     sizes = [48, 40]

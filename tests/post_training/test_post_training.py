@@ -301,6 +301,60 @@ def test_vocab_parallel(backend, sizes):
         check(f"dpo rank {rank} dW", got[3], wr.grad[s:s + n], gtol)
 
 
+@pytest.mark.skipif(CUDA, reason="the hopper extra's facts stood in on the CPU interpreter")
+@pytest.mark.parametrize("scope,fn,entropy", [("token", lambda lp, ent, adv: -lp * adv + 0.3 * lp * lp, False),
+                                              ("token", loss_token, True),
+                                              ("sequence", lambda lp, ent, adv: -lp.sum(-1) * adv[:, 0], False)],
+                         ids=["token", "token-entropy", "sequence"])
+@pytest.mark.parametrize("chunks", ["one", "several"])
+@pytest.mark.parametrize("softcap", [None, 3.0], ids=["plain", "softcap"])
+def test_fused_form_finishes_as_the_cross_entropy(monkeypatch, sizing, scope, fn, entropy, chunks, softcap):
+    """The fused form's fast route takes the cross-entropy's finish (``routing.finish_fast``): with the ``hopper``
+    extra's facts stood in (this CPU has no sm_90 GPU), the logits GEMM's epilogue takes the statistics (a torch
+    stand-in of quack's GEMM, counted) where the loss needs no statistic but the log-sum-exp and the target logit,
+    and the last chunk's dW GEMM (with one chunk, dX's too) waits for backward (fp32 here, so torch's GEMM finishes
+    it, counted); the entropy keeps the statistics pass. Against the float64 oracle, with a soft cap and without."""
+    from problems import stats_epilogue_stand_in
+    from vpce.backends import grads
+    from vpce.backends.triton import softmax
+
+    calls, deferred = [], []
+    monkeypatch.setattr(softmax, "hopper_dw_ready", lambda g, x: True)
+    monkeypatch.setattr(softmax, "stats_epilogue_ready", lambda h, b, cols, hopper: hopper and b is None and cols % 8 == 0)
+    monkeypatch.setattr(softmax, "logits_with_stats", stats_epilogue_stand_in(calls))
+    for name in ("add_product", "mm_out"):  # backward's GEMMs of what forward left (dW's last chunk, dX's one chunk)
+        real = getattr(grads, name)
+        monkeypatch.setattr(grads, name, lambda *a, real=real, name=name: deferred.append(name) or real(*a))
+    if chunks == "several":
+        sizing(fast_p_gib=1e-9, min_p_gib=1e-9)  # P chunks of the fewest tokens
+    b, t, v = 8, 40, 160  # P's rows 16-byte aligned in fp32; several: chunks of 128 tokens (ROW_ALIGN), 3 of them
+    h, w, _, y, gen = problem(seed=4, b=b, t=t, v=v)
+    adv = torch.randn(b, t, generator=gen, dtype=torch.float64)
+    hx, wx = leaves(torch.float32, h, w)
+    loss, logp, ent = vpce.linear_log_prob_loss(hx, wx, y.to(DEV), fn, inputs={"adv": adv.to(DEV, torch.float32)},
+                                                scope=scope, use_entropy=entropy, softcap=softcap, backend="triton",
+                                                return_outputs=True)
+    (loss * 1.5).backward()
+    hr, wr = h.clone().requires_grad_(), w.clone().requires_grad_()
+    z = hr @ wr.t()
+    z = z if softcap is None else softcap * torch.tanh(z / softcap)
+    lq = z.log_softmax(-1)
+    keep = y != -100
+    lp_r = torch.where(keep, lq.gather(-1, y.clamp(min=0)[..., None])[..., 0], 0)
+    ent_r = torch.where(keep, -(lq.exp() * lq).sum(-1), 0)
+    out = fn(lp_r, ent_r, adv)
+    want = torch.where(keep, out, 0).sum() if out.shape == lp_r.shape else out.sum()
+    (want * 1.5).backward()
+    check("loss", loss, want, 2e-5)
+    check("log_probs", logp, lp_r, 2e-5)
+    for name, x, r in (("dX", hx, hr), ("dW", wx, wr)):
+        check(name, x.grad, r.grad, 5e-5)
+    assert bool(calls) == (not entropy), calls
+    assert sum(rows for rows, _ in calls) == (0 if entropy else b * t), calls
+    assert len(calls) == (0 if entropy else 1 if chunks == "one" else 3), calls
+    assert deferred == (["add_product", "mm_out"] if chunks == "one" else ["add_product"]), deferred
+
+
 def test_exported():
     for name in ("linear_log_prob_loss", "linear_grpo_loss", "GRPOOutput", "linear_dpo_loss", "DPOOutput"):
         assert name in vpce.__all__ and hasattr(vpce, name)

@@ -420,13 +420,19 @@ def log_prob_loss(hidden, weight, bias, tg: TokenTargets, o: LogProbLossOptions,
     shard, plan = call.shard, call.plan
     if plan.dx_reduce == "forward" and plan.sequence_parallel:
         hidden = gather_sequence(hidden, shard)
-    n = hidden.shape[0]
+    n, d = hidden.shape
     dev = hidden.device
     v = shard.valid_rows
     hidden = hidden.contiguous()
     w = weight[:v]
     b = None if bias is None else bias[:v]
-    p, chunk = _first_chunk(hidden, w, b, call)
+    # finished as the cross-entropy's fast route is (``routing.finish_fast``, the same two facts asked once); the
+    # statistics in the logits GEMM's epilogue only where the loss needs no other statistic before its gradient pass
+    hopper = v > 0 and hopper_dw_ready(hidden, w)
+    quack = hopper and (v * hidden.element_size()) % 16 == 0  # P's rows, V_local apart, 16-byte aligned (TMA)
+    fin = finish_fast(plan, o.finish_options(), n, d, hidden.dtype, call.needs_grad, v, shard.sharded, False, quack,
+                      stats_epilogue_ready(hidden, b, v, hopper) and not o.stats_beyond_lse)
+    p, chunk = _first_chunk(hidden, w, b, call, early=not fin.epilogue, every_token=fin.one_dw)
     logp = torch.zeros(n, dtype=torch.float32, device=dev)
     ent = torch.zeros(n, dtype=torch.float32, device=dev) if o.entropy_stats else None
     fn_ent = (lambda sl: ent[sl]) if o.entropy else (lambda sl: None)  # what loss_fn gets
@@ -455,10 +461,10 @@ def log_prob_loss(hidden, weight, bias, tg: TokenTargets, o: LogProbLossOptions,
                                      o.folded.inv_t) for part, _, st in got]
 
     stats = _ChunkStats(chunk, v, hidden, o.mean_logits, o.entropy_stats,
-                        before=tg.before.to(torch.int32) if o.top1 else None)
+                        before=tg.before.to(torch.int32) if o.top1 else None, epilogue=fin.epilogue)
     step = _softmax_step(hidden, w, b, tg.local_columns(), stats, p, call, o.folded, None, on_part,
                          on_chunk=on_chunk if o.scope == "sequence" else None)
-    grads = chunk_loop(hidden, w, b, chunk, call, step)
+    grads = chunk_loop(hidden, w, b, chunk, call, step, finish=fin, whole_p=p if fin.one_dw else None)
     loss = torch.stack(total).sum() if total else torch.zeros((), dtype=torch.float32, device=dev)
     return loss, logp, ent, grads, metrics
 
