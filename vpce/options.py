@@ -215,11 +215,11 @@ class LogProbLossOptions:
         return LossOptions(memory_budget=self.memory_budget, reduction="sum", logit_scale=self.logit_scale / t,
                            softcap=None if self.softcap is None else self.softcap / t)
 
-    @property
-    def stats_beyond_lse(self) -> bool:
-        """Whether the loss needs statistics beyond the log-sum-exp and the target logit before its gradient pass
-        (the entropy, the argmax test, the mean logit), which the logits GEMM's epilogue does not take."""
-        return self.entropy_stats or self.top1 or self.mean_logits
+    def stats_beyond_lse(self, sharded: bool) -> bool:
+        """Whether the loss needs statistics that the logits GEMM's epilogue does not take (it takes the log-sum-exp
+        and the target logit): the entropy for ``loss_fn``, the argmax test, the mean logit; an entropy that is only
+        an output comes from the gradient pass instead, in one process (under a group its sum is over the ranks)."""
+        return self.entropy or self.top1 or self.mean_logits or (self.entropy_stats and sharded)
 
     def stats_options(self) -> LogProbOptions:
         """The options of the statistics pass (``log_probs``) of the two-pass form."""

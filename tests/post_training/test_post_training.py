@@ -302,10 +302,11 @@ def test_vocab_parallel(backend, sizes):
 
 
 @pytest.mark.skipif(CUDA, reason="the hopper extra's facts stood in on the CPU interpreter")
-@pytest.mark.parametrize("scope,fn,entropy", [("token", lambda lp, ent, adv: -lp * adv + 0.3 * lp * lp, False),
-                                              ("token", loss_token, True),
-                                              ("sequence", lambda lp, ent, adv: -lp.sum(-1) * adv[:, 0], False)],
-                         ids=["token", "token-entropy", "sequence"])
+@pytest.mark.parametrize("scope,fn,entropy", [("token", lambda lp, ent, adv: -lp * adv + 0.3 * lp * lp, None),
+                                              ("token", loss_token, "loss"),
+                                              ("token", lambda lp, ent, adv: -lp * adv, "output"),
+                                              ("sequence", lambda lp, ent, adv: -lp.sum(-1) * adv[:, 0], "output")],
+                         ids=["token", "token-entropy", "token-entropy-output", "sequence-entropy-output"])
 @pytest.mark.parametrize("chunks", ["one", "several"])
 @pytest.mark.parametrize("softcap", [None, 3.0], ids=["plain", "softcap"])
 def test_fused_form_finishes_as_the_cross_entropy(monkeypatch, sizing, scope, fn, entropy, chunks, softcap):
@@ -313,8 +314,10 @@ def test_fused_form_finishes_as_the_cross_entropy(monkeypatch, sizing, scope, fn
     extra's facts stood in (this CPU has no sm_90 GPU), the logits GEMM's epilogue takes the statistics (a torch
     stand-in of quack's GEMM, counted) where the loss needs no statistic but the log-sum-exp and the target logit,
     and the last chunk's dW GEMM (with one chunk, dX's too) waits for backward (fp32 here, so torch's GEMM finishes
-    it, counted); the entropy keeps the statistics pass. Against the float64 oracle, with a soft cap and without."""
+    it, counted). An entropy that ``loss_fn`` takes keeps the statistics pass; one that is only an output (GRPO's
+    metric) comes from the gradient pass. Against the float64 oracle, with a soft cap and without."""
     from problems import stats_epilogue_stand_in
+    from vpce import post_training
     from vpce.backends import grads
     from vpce.backends.triton import softmax
 
@@ -331,9 +334,10 @@ def test_fused_form_finishes_as_the_cross_entropy(monkeypatch, sizing, scope, fn
     h, w, _, y, gen = problem(seed=4, b=b, t=t, v=v)
     adv = torch.randn(b, t, generator=gen, dtype=torch.float64)
     hx, wx = leaves(torch.float32, h, w)
-    loss, logp, ent = vpce.linear_log_prob_loss(hx, wx, y.to(DEV), fn, inputs={"adv": adv.to(DEV, torch.float32)},
-                                                scope=scope, use_entropy=entropy, softcap=softcap, backend="triton",
-                                                return_outputs=True)
+    args = post_training.LogProbLossArgs(loss_fn=fn, scope=scope, use_entropy=entropy == "loss",
+                                         entropy_stats=entropy is not None, softcap=softcap)
+    loss, logp, ent = post_training._log_prob_loss(hx, wx, y.to(DEV), None, args, backend="triton",
+                                                   inputs={"adv": adv.to(DEV, torch.float32)})
     (loss * 1.5).backward()
     hr, wr = h.clone().requires_grad_(), w.clone().requires_grad_()
     z = hr @ wr.t()
@@ -347,11 +351,13 @@ def test_fused_form_finishes_as_the_cross_entropy(monkeypatch, sizing, scope, fn
     (want * 1.5).backward()
     check("loss", loss, want, 2e-5)
     check("log_probs", logp, lp_r, 2e-5)
+    if entropy is not None:
+        check("entropy", ent, ent_r, 2e-5)
     for name, x, r in (("dX", hx, hr), ("dW", wx, wr)):
         check(name, x.grad, r.grad, 5e-5)
-    assert bool(calls) == (not entropy), calls
-    assert sum(rows for rows, _ in calls) == (0 if entropy else b * t), calls
-    assert len(calls) == (0 if entropy else 1 if chunks == "one" else 3), calls
+    epilogue = entropy != "loss"
+    assert sum(rows for rows, _ in calls) == (b * t if epilogue else 0), calls
+    assert len(calls) == (0 if not epilogue else 1 if chunks == "one" else 3), calls
     assert deferred == (["add_product", "mm_out"] if chunks == "one" else ["add_product"]), deferred
 
 

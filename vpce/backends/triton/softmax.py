@@ -428,10 +428,11 @@ def log_prob_loss(hidden, weight, bias, tg: TokenTargets, o: LogProbLossOptions,
     b = None if bias is None else bias[:v]
     # finished as the cross-entropy's fast route is (``routing.finish_fast``, the same two facts asked once); the
     # statistics in the logits GEMM's epilogue only where the loss needs no other statistic before its gradient pass
+    # (an entropy that is only an output then comes from that pass, ``_ChunkStats.late``: one process only)
     hopper = v > 0 and hopper_dw_ready(hidden, w)
     quack = hopper and (v * hidden.element_size()) % 16 == 0  # P's rows, V_local apart, 16-byte aligned (TMA)
     fin = finish_fast(plan, o.finish_options(), n, d, hidden.dtype, call.needs_grad, v, shard.sharded, False, quack,
-                      stats_epilogue_ready(hidden, b, v, hopper) and not o.stats_beyond_lse)
+                      stats_epilogue_ready(hidden, b, v, hopper) and not o.stats_beyond_lse(shard.sharded))
     p, chunk = _first_chunk(hidden, w, b, call, early=not fin.epilogue, every_token=fin.one_dw)
     logp = torch.zeros(n, dtype=torch.float32, device=dev)
     ent = torch.zeros(n, dtype=torch.float32, device=dev) if o.entropy_stats else None
@@ -441,10 +442,13 @@ def log_prob_loss(hidden, weight, bias, tg: TokenTargets, o: LogProbLossOptions,
     metrics = loss_fn_metric_outputs(o, n, dev)
 
     def outputs(part, st):
-        logp[part], en = logprob_part_outputs(tg, st, part, o.entropy_stats)
+        logp[part], en = logprob_part_outputs(tg, st, part, o.entropy_stats and not fin.epilogue)
         if en is not None:
             ent[part] = en
         store_metric_outputs(metrics, tg, st, part, shard.vocab_size)
+
+    def on_grad(part, r, st):  # the entropy beside the epilogue: from the gradient pass
+        ent[part] = tg.token_loss(stats.grad_metrics(r, st)[0], part)
 
     def on_part(part, st):
         outputs(part, st)
@@ -463,7 +467,7 @@ def log_prob_loss(hidden, weight, bias, tg: TokenTargets, o: LogProbLossOptions,
     stats = _ChunkStats(chunk, v, hidden, o.mean_logits, o.entropy_stats,
                         before=tg.before.to(torch.int32) if o.top1 else None, epilogue=fin.epilogue)
     step = _softmax_step(hidden, w, b, tg.local_columns(), stats, p, call, o.folded, None, on_part,
-                         on_chunk=on_chunk if o.scope == "sequence" else None)
+                         on_chunk=on_chunk if o.scope == "sequence" else None, on_grad=on_grad if stats.late else None)
     grads = chunk_loop(hidden, w, b, chunk, call, step, finish=fin, whole_p=p if fin.one_dw else None)
     loss = torch.stack(total).sum() if total else torch.zeros((), dtype=torch.float32, device=dev)
     return loss, logp, ent, grads, metrics
