@@ -53,7 +53,8 @@ from .parallel import VocabShard
 __all__ = ["Plan", "Sizes", "Call", "resolve_backend", "plan_cross_entropy", "plan_log_probs", "plan_distillation",
            "settle_by_memory", "settle", "FIT_LEAN", "FIT_COMPACT", "FIT_FAST", "FIT_WHOLE", "size_cross_entropy",
            "size_log_probs", "size_log_prob_loss", "size_distillation", "fast_route_bytes", "one_weight_grad_gemm",
-           "SIZING", "Sizing", "Finish", "finish_fast", "plan_log_prob_loss", "Site"]
+           "SIZING", "Sizing", "Extra", "extra_facts", "Finish", "finish_fast", "plan_finish", "plan_log_prob_loss",
+           "Site"]
 
 ROW_ALIGN = 128      # chunk and sub-chunk boundaries are multiples of the kernel's largest BLOCK_M
 FAST_HEADROOM = 0.9      # the fast route's buffers may take at most this share of the free device memory
@@ -172,11 +173,33 @@ class Call:
 
 
 @dataclass(frozen=True)
+class Extra:
+    """What this rank's ``hopper`` extra (quack-kernels' CuTe GEMMs) can run on one call's operands, asked once per
+    call (``extra_facts``). Rank-local facts: ``finish_fast`` makes nothing of them that changes a collective."""
+
+    gemms: bool = False
+    """quack's GEMMs run on these operands: an sm_90 GPU, the extra installed, 16-bit row-major hidden states and
+    weight of one dtype, 16-byte aligned for TMA (``backends.gemm.hopper_dw_ready``)."""
+    epilogue: bool = False
+    """quack's logits GEMM with the statistics in its epilogue runs on them: ``gemms`` and bf16 operands (the
+    epilogue rounds each logit as a bf16 ``P`` stores it)."""
+
+
+def extra_facts(hidden: torch.Tensor, weight: torch.Tensor) -> Extra:
+    """The ``hopper`` extra's facts for a call whose fast route multiplies ``hidden`` (contiguous, every token the
+    route sees) by this rank's valid weight rows ``weight``: asked once per call, here only (the tests stand in for
+    an sm_90 GPU by replacing this function)."""
+    from .backends import gemm  # the CUDA-side helpers: loaded only where a fast route runs
+
+    ready = gemm.hopper_dw_ready(hidden, weight)
+    return Extra(ready, ready and hidden.dtype == torch.bfloat16)
+
+
+@dataclass(frozen=True)
 class Finish:
     """How one call's fast (or speculative) route forms and hands back its gradients (``finish_fast``), decided once
-    per call from the plan and this rank's facts: whether the ``hopper`` extra can take the call's GEMMs (asked once,
-    by the backend) and whether the logits GEMM can take the statistics. None of it changes a collective, so each
-    rank may decide it alone. The defaults: everything by cuBLAS in forward."""
+    per call from the plan and this rank's ``Extra``. None of it changes a collective, so each rank may decide it
+    alone. The defaults: everything by cuBLAS in forward."""
 
     epilogue: bool = False
     """The statistics in the logits GEMM's epilogue (``backends.gemm.logits_with_stats``)."""
@@ -193,29 +216,45 @@ class Finish:
 
 
 def finish_fast(plan: Plan, opts: LossOptions, tokens: int, d: int, dtype: torch.dtype, needs: tuple[bool, bool, bool],
-                valid_rows: int, sharded: bool, main_grad: bool, quack_ready: bool, epilogue_ready: bool) -> Finish:
+                valid_rows: int, sharded: bool, main_grad: bool, extra: Extra, bias: bool,
+                stats_only: bool = True) -> Finish:
     """The fast route's ``Finish`` for ``tokens`` tokens (all of them under sequence parallelism) and this rank's
-    ``valid_rows``: the cross-entropy's, and ``linear_log_prob_loss``'s from its ``finish_options()`` (whose
-    ``epilogue_ready`` is False where its loss needs the entropy or a metric before the gradient pass). ``quack_ready``: the ``hopper`` extra can finish dX and dW from this call's ``P``
-    (``backends.gemm.hopper_dw_ready``, and ``P``'s rows 16-byte aligned); ``epilogue_ready``: its logits GEMM can
-    take the statistics (``backends.gemm.stats_epilogue_ready``). The epilogue where the options need of the
-    statistics only the log-sum-exp, the target logit and (smoothing) the sum of the logits, a logit scale only
-    beside a soft cap, and under a group no metrics (their sums are over the ranks). Deferred GEMMs on the fast
+    ``valid_rows``: the cross-entropy's, and ``linear_log_prob_loss``'s from its ``finish_options()``. quack
+    finishes dX and dW where ``extra.gemms`` and ``P``'s rows (``valid_rows`` apart) are 16-byte aligned. The
+    statistics come from the logits GEMM's epilogue where ``extra.epilogue``, with no ``bias``, ``P``'s rows 16-byte
+    aligned in bf16, the options needing of the statistics only the log-sum-exp, the target logit and (smoothing)
+    the sum of the logits (``stats_only``: False where the loss needs more before its gradient pass), a logit scale
+    only beside a soft cap, and under a group no metrics (their sums are over the ranks). Deferred GEMMs on the fast
     route only (the speculative route's backward adds to the accumulator) and not into ``main_grad``."""
     formed = plan.route in ("fast", "speculative")
     if not formed or valid_rows == 0:
         return Finish()
     folded = opts.folded
-    epilogue = (epilogue_ready and (folded.softcap is not None or folded.inv_t == 1.0)
-                and not (opts.metrics and sharded))
-    defer = plan.route == "fast" and not main_grad and quack_ready
-    one_dw = one_weight_grad_gemm(plan, opts, tokens, d, dtype, quack_ready,
+    quack = extra.gemms and (valid_rows * torch.empty((), dtype=dtype).element_size()) % 16 == 0
+    epilogue = (extra.epilogue and stats_only and not bias and valid_rows % 8 == 0
+                and (folded.softcap is not None or folded.inv_t == 1.0) and not (opts.metrics and sharded))
+    defer = plan.route == "fast" and not main_grad and quack
+    one_dw = one_weight_grad_gemm(plan, opts, tokens, d, dtype, quack,
                                   plan.route == "fast" and not main_grad and needs[1])
     one_chunk = 0 < tokens <= plan.sizes.chunk
     defer_dw = defer and needs[1] and (plan.keep_p or one_chunk)
     defer_dx = defer and needs[0] and not sharded and one_chunk
     fold = plan.route == "fast" and plan.dx_in_forward and opts.reduction == "mean" and not defer_dx
     return Finish(epilogue, defer_dw, defer_dx, one_dw, fold)
+
+
+def plan_finish(call: Call, opts: LossOptions, hidden: torch.Tensor, weight: torch.Tensor, bias: bool,
+                stats_only: bool = True) -> Finish:
+    """``finish_fast`` for one call of the fast (or speculative) route, the ``hopper`` extra asked once
+    (``extra_facts``) where that route runs on this rank's rows: ``hidden`` every token the route sees
+    (contiguous), ``weight`` this rank's valid rows."""
+    plan, shard = call.plan, call.shard
+    v = shard.valid_rows
+    formed = plan.route in ("fast", "speculative") and v > 0
+    extra = extra_facts(hidden, weight) if formed else Extra()
+    n, d = hidden.shape
+    return finish_fast(plan, opts, n, d, hidden.dtype, call.needs_grad, v, shard.sharded, call.main_grad, extra,
+                       bias, stats_only)
 
 
 def _triton_importable() -> bool:

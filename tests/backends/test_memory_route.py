@@ -282,7 +282,7 @@ def _one_dw_gemm_main(rank, world, takes, sp, n=232, d=104, loss_kind="cross_ent
     dist.reduce = lambda t, *a, **kw: collectives.append(("reduce", *t.shape, kw.get("dst"))) or \
         real_reduce(t, *a, **kw)
     if takes[rank]:
-        softmax.hopper_dw_ready = lambda g, x: True
+        routing.extra_facts = lambda hidden, weight: routing.Extra(gemms=True)
     sizes = [64, 48][:world]  # valid rows a multiple of 8 (P's rows 16-byte aligned for the GEMM)
     # chunks [128 = 64 + 64, 104]; P of 232 tokens: (232 - 128) * 4 bytes = 4 d (n=300, d=200: three chunks)
     vsize = sum(sizes) - 8
@@ -355,9 +355,10 @@ def _sums_merged(pairs: list) -> list:
 
 
 def _finish(tokens=16384, compact=False, sharded=False, main_grad=False, quack=True, epilogue=True,
-            needs=(True, True, False), route="fast", dtype=torch.bfloat16, opts=LossOptions()):
-    """``routing.finish_fast`` on the Llama-3-8B head (one process, or rank 0 of two), the plan as the API sizes it."""
-    rows = 128256
+            needs=(True, True, False), route="fast", dtype=torch.bfloat16, opts=LossOptions(), bias=False,
+            stats_only=True, rows=128256):
+    """``routing.finish_fast`` on the Llama-3-8B head (one process, or rank 0 of two), the plan as the API sizes it;
+    ``quack``, ``epilogue``: the ``hopper`` extra's facts (``routing.Extra``)."""
     shard = parallel.VocabShard("group", 0, 2, 0, rows // 2, rows) if sharded else \
         parallel.VocabShard(None, 0, 1, 0, rows, rows)
     plan = routing.plan_cross_entropy(opts, needs, "triton", sharded, False)
@@ -365,8 +366,8 @@ def _finish(tokens=16384, compact=False, sharded=False, main_grad=False, quack=T
     if route != "fast":
         plan = dataclasses.replace(plan, route=route)
     plan = routing.size_cross_entropy(plan, opts, shard, 4096, dtype)
-    return routing.finish_fast(plan, opts, tokens, 4096, dtype, needs, shard.valid_rows, sharded, main_grad, quack,
-                               epilogue)
+    return routing.finish_fast(plan, opts, tokens, 4096, dtype, needs, shard.valid_rows, sharded, main_grad,
+                               routing.Extra(quack, epilogue), bias, stats_only)
 
 
 def test_the_fast_routes_finish_is_decided_once_in_the_plan():
@@ -391,6 +392,36 @@ def test_the_fast_routes_finish_is_decided_once_in_the_plan():
     group = _finish(sharded=True)  # tp=2: the whole P and one dW GEMM under "auto" with the extra
     assert (group.one_dw, group.defer_dw, group.defer_dx, group.fold_mean) == (True, True, False, False)
     assert not _finish(sharded=True, quack=False).one_dw
+    # quack reads P only where its rows are 16-byte aligned (TMA): V_local a multiple of 8 in bf16
+    assert not _finish(rows=128257).defer_dw and _finish(rows=128264).defer_dw
+    # the statistics in the epilogue: the extra's fact, no bias, P's rows aligned, no statistic the loss needs first
+    # (``linear_log_prob_loss`` with the entropy), a logit scale only beside a soft cap, no metric under a group
+    assert not _finish(epilogue=False).epilogue
+    assert not _finish(bias=True).epilogue and _finish(bias=True).defer_dw
+    assert not _finish(rows=128252).epilogue
+    assert not _finish(stats_only=False).epilogue
+    assert not _finish(opts=LossOptions(logit_scale=0.5)).epilogue
+    assert _finish(opts=LossOptions(logit_scale=0.5, softcap=30.0)).epilogue
+    assert _finish(opts=LossOptions(metrics=("entropy",))).epilogue
+    assert not _finish(opts=LossOptions(metrics=("entropy",)), sharded=True).epilogue
+
+
+@cpu_triton
+def test_the_hopper_extra_is_asked_once_per_call_and_only_on_a_fast_route(monkeypatch):
+    """``routing.plan_finish`` asks the extra's facts (``routing.extra_facts``) once per fast-route call and
+    never for a route that forms no gradient in forward (nor for a rank whose shard holds only padding)."""
+    asked = []
+    monkeypatch.setattr(routing, "extra_facts", lambda h, w: asked.append(tuple(w.shape)) or routing.Extra())
+    p = make_problem(40, 16, 96, dtype=torch.float32, ignore_frac=0.2, seed=2)
+    for budget, want in (("auto", [(96, 16)]), ("lean", [])):
+        asked.clear()
+        h, w = leaf(p.hidden), leaf(p.weight)
+        vpce.linear_cross_entropy(h, w, p.target, memory_budget=budget, backend="triton").backward()
+        assert asked == want, (budget, asked)
+    asked.clear()
+    with torch.no_grad():
+        vpce.linear_cross_entropy(p.hidden, p.weight, p.target, backend="triton")
+    assert asked == [], asked
 
 
 @pytest.mark.parametrize("case", ["token", "sequence", "batch", "lean", "torch", "no-grad", "fixed"])

@@ -4,6 +4,7 @@ On a machine without CUDA the kernels run through Triton's CPU interpreter (fp32
 there); with CUDA the same tests run on the GPU, plus large-shape, int64-offset and determinism tests.
 """
 
+import dataclasses
 import math
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 
 import vpce
 from distributed import run_ranks
+from vpce import routing
 from vpce.options import Folded
 from vpce.reference import describe, reference, reference_metrics, rel_err, torch_eager
 from problems import VARIANTS, leaf, make_problem, stats_epilogue_stand_in, tie_problem
@@ -356,14 +358,14 @@ def test_one_chunk_dx_config_is_chosen_by_the_device(monkeypatch, name, want):
 def test_one_chunk_dx_where_the_hopper_gemm_cannot_take_the_gradient(monkeypatch, v):
     """One chunk, no group, hopper extra present: dX's GEMM waits for backward only where one quack GEMM can read
     the gradient buffer ``P [N, V]`` (16-byte aligned rows); where it cannot (``V`` not a multiple of 8) forward
-    does cuBLAS's GEMM as without the extra. Here ``hopper_dw_ready`` (asked once per call) says yes on any
+    does cuBLAS's GEMM as without the extra. Here ``routing.extra_facts`` (asked once per call) says yes on any
     device, and the inputs are fp32 (``P``'s rows aligned where ``V`` is a multiple of 4), so backward's deferred
     GEMM is torch's (``grads.mm_out``, counted): both branches run here, and both match the oracle."""
     from vpce.backends import grads
     from vpce.backends.triton import softmax
 
     d = 16
-    monkeypatch.setattr(softmax, "hopper_dw_ready", lambda a, b: True)
+    monkeypatch.setattr(routing, "extra_facts", lambda h, w: routing.Extra(gemms=True))
     seen, real = [], grads.mm_out
     monkeypatch.setattr(grads, "mm_out", lambda a, b, dt: seen.append(tuple(a.shape)) or real(a, b, dt))
     p = make_problem(37, d, v, dtype=torch.float32, bias=False, ignore_frac=0.1, reduction="sum", seed=11)
@@ -383,7 +385,7 @@ def test_statistics_in_the_logits_gemms_epilogue(monkeypatch, case):
     from vpce.backends.triton import softmax as triton_backend
 
     calls = []
-    monkeypatch.setattr(triton_backend, "stats_epilogue_ready", lambda h, b, cols, hopper: b is None and cols % 8 == 0)
+    monkeypatch.setattr(routing, "extra_facts", lambda h, w: routing.Extra(epilogue=True))
     monkeypatch.setattr(triton_backend, "logits_with_stats", stats_epilogue_stand_in(calls))
     opts = {"z-loss-weights": dict(z_loss=1e-3), "dft-class-weight": dict(token_scaling=True),
             "smoothing": dict(label_smoothing=0.1), "softcap": dict(softcap=3.0),
@@ -428,7 +430,7 @@ def test_metrics_from_the_gradient_pass_beside_the_epilogue(monkeypatch, case, r
     from vpce.reference import reference_metrics
 
     calls = []
-    monkeypatch.setattr(triton_backend, "stats_epilogue_ready", lambda h, b, cols, hopper: b is None and cols % 8 == 0)
+    monkeypatch.setattr(routing, "extra_facts", lambda h, w: routing.Extra(epilogue=True))
     monkeypatch.setattr(triton_backend, "logits_with_stats", stats_epilogue_stand_in(calls))
     n, d, v = 70, 6, 88
     if case.startswith("clustered"):
@@ -481,9 +483,9 @@ def _epilogue_under_group_main(rank, world, only_rank=None):
 
     calls = []  # a rank's own process: the stand-in as in the test above, without monkeypatch
     if only_rank is None or rank == only_rank:  # ``only_rank``: the other rank keeps the statistics pass
-        triton_backend.stats_epilogue_ready = lambda h, b, cols, hopper: b is None and cols % 8 == 0
+        routing.extra_facts = lambda h, w: routing.Extra(epilogue=True)
     else:
-        triton_backend.stats_epilogue_ready = lambda *a: False
+        routing.extra_facts = lambda h, w: routing.Extra()
     triton_backend.logits_with_stats = stats_epilogue_stand_in(calls)
     gathers, real_gather = [], parallel.all_gather_tensor  # every statistics exchange's size, in order
     parallel.all_gather_tensor = lambda out, x, **kw: gathers.append(tuple(x.shape)) or real_gather(out, x, **kw)
@@ -554,7 +556,9 @@ def test_gpu_metrics_beside_the_epilogue_match_the_two_passes(monkeypatch, softc
     outs = []
     for on in (True, False):
         if not on:
-            monkeypatch.setattr(triton_backend, "stats_epilogue_ready", lambda *a: False)
+            real_facts = routing.extra_facts
+            monkeypatch.setattr(routing, "extra_facts",
+                                lambda h, w: dataclasses.replace(real_facts(h, w), epilogue=False))
         calls, real = [], triton_backend.logits_with_stats
         monkeypatch.setattr(triton_backend, "logits_with_stats", lambda *a: calls.append(1) or real(*a))
         h, w = leaf(p.hidden.to(DEV)), leaf(p.weight.to(DEV))

@@ -317,13 +317,12 @@ def test_fused_form_finishes_as_the_cross_entropy(monkeypatch, sizing, scope, fn
     it, counted). An entropy that ``loss_fn`` takes keeps the statistics pass; one that is only an output (GRPO's
     metric) comes from the gradient pass. Against the float64 oracle, with a soft cap and without."""
     from problems import stats_epilogue_stand_in
-    from vpce import post_training
+    from vpce import post_training, routing
     from vpce.backends import grads
     from vpce.backends.triton import softmax
 
     calls, deferred = [], []
-    monkeypatch.setattr(softmax, "hopper_dw_ready", lambda g, x: True)
-    monkeypatch.setattr(softmax, "stats_epilogue_ready", lambda h, b, cols, hopper: hopper and b is None and cols % 8 == 0)
+    monkeypatch.setattr(routing, "extra_facts", lambda h, w: routing.Extra(gemms=True, epilogue=True))
     monkeypatch.setattr(softmax, "logits_with_stats", stats_epilogue_stand_in(calls))
     for name in ("add_product", "mm_out"):  # backward's GEMMs of what forward left (dW's last chunk, dX's one chunk)
         real = getattr(grads, name)

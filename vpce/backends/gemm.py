@@ -25,7 +25,7 @@ import torch
 from ..options import Folded
 
 __all__ = ["HopperExtraWarning", "mm_out", "mm_into", "addmm_out_", "add_product", "logits_into", "has_mixed_gemm",
-           "hopper_dw_ready", "scaled_weight_grad", "scaled_hidden_grad", "stats_epilogue_ready", "logits_with_stats"]
+           "hopper_dw_ready", "scaled_weight_grad", "scaled_hidden_grad", "logits_with_stats"]
 
 _UPCAST_ELEMS = 1 << 24  # elements of ``b`` upcast at a time on the fallback path
 
@@ -208,19 +208,11 @@ def scaled_hidden_grad(g: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, dt
 LOGITS_TILE = dict(tile_m=128, tile_n=192, cluster_m=2, cluster_n=1, pingpong=True)
 
 
-def stats_epilogue_ready(h: torch.Tensor, b: torch.Tensor | None, cols: int, hopper: bool) -> bool:
-    """Whether the fast route's logits GEMM can take the statistics in its epilogue (``logits_with_stats``):
-    ``hopper``, the ``hopper`` extra can take the call's GEMMs (``hopper_dw_ready``, asked once by the caller);
-    bf16 operands (the epilogue rounds as a bf16 ``P`` stores), no bias, and ``P``'s rows (``cols`` wide) 16-byte
-    aligned."""
-    return hopper and b is None and h.dtype == torch.bfloat16 and cols % 8 == 0
-
-
 def logits_with_stats(p: torch.Tensor, h: torch.Tensor, w: torch.Tensor, t_local: torch.Tensor, zt: torch.Tensor,
                       folded: Folded = Folded(), sum_z: bool = False,
                       class_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``p = h @ w.T`` (bf16) in one quack GEMM whose epilogue also takes the row statistics
-    (``stats_epilogue_ready``), without reading ``p`` again. Returns per row the log-sum-exp ``[C]`` fp32 of all of
+    (``vpce.routing.finish_fast`` decides where), without reading ``p`` again. Returns per row the log-sum-exp ``[C]`` fp32 of all of
     ``p``'s logits as ``p`` holds them (soft-capped and scaled by ``folded``, where it has a soft cap), and
     (``sum_z``: label smoothing) the sum of those logits times ``class_weight`` (ones where None), else None;
     writes the target column's raw fp32 logit into ``zt`` (-inf where the target is not among these columns:

@@ -54,10 +54,10 @@ from ...formulas.softmax import (Coefficients, RowStats, ce_coefficients, ce_tok
 from ...options import Folded, LogProbLossOptions, LogProbOptions, LossOptions
 from ...parallel import PendingStats, gather_sequence, start_stats_exchange
 from ...rank_stats import RankStats
-from ...routing import ROW_ALIGN, Call, finish_fast, round_to
+from ...routing import ROW_ALIGN, Call, plan_finish, round_to
 from ...speculation import block_flags, split_upstream
 from ...targets import TokenTargets
-from ..gemm import hopper_dw_ready, logits_into, logits_with_stats, stats_epilogue_ready
+from ..gemm import logits_into, logits_with_stats
 from ..grads import FastGrads, pad_rows, scaled, weight_grad_to_main
 from .engine import block_loop, chunk_loop
 
@@ -306,16 +306,13 @@ def cross_entropy(hidden, weight, bias, tg: TokenTargets, opts: LossOptions, cal
     b = None if bias is None else bias[:v]
     formed = plan.route in ("fast", "speculative")
     smooth = opts.label_smoothing > 0
-    # how the gradients are finished, decided once (``routing.finish_fast``) from this call's facts: whether the
+    # how the gradients are finished, decided once (``routing.plan_finish``) from this call's facts: whether the
     # hopper extra takes P's GEMMs, and the statistics in the logits GEMM's epilogue. With one process the entropy
     # and the argmax test then come from the gradient pass (``_ChunkStats.late``). Under a group the epilogue's GEMM
     # starts after the set-up (it needs the targets), not before it as cuBLAS's first GEMM does; the statistics
     # exchanged are the same tensor either way, so the choice is no collective's.
     folded = opts.folded
-    hopper = formed and v > 0 and hopper_dw_ready(hidden, w)  # asked once per call
-    quack = hopper and (v * hidden.element_size()) % 16 == 0  # P's rows, V_local apart, 16-byte aligned (TMA)
-    fin = finish_fast(plan, opts, n, d, hidden.dtype, call.needs_grad, v, shard.sharded, call.main_grad, quack,
-                      stats_epilogue_ready(hidden, b, v, hopper))
+    fin = plan_finish(call, opts, hidden, w, b is not None)
     epilogue, one_dw = fin.epilogue, fin.one_dw
     if formed:
         p, chunk = _first_chunk(hidden, w, b, call, early=not epilogue, every_token=one_dw)
@@ -426,13 +423,10 @@ def log_prob_loss(hidden, weight, bias, tg: TokenTargets, o: LogProbLossOptions,
     hidden = hidden.contiguous()
     w = weight[:v]
     b = None if bias is None else bias[:v]
-    # finished as the cross-entropy's fast route is (``routing.finish_fast``, the same two facts asked once); the
-    # statistics in the logits GEMM's epilogue only where the loss needs no other statistic before its gradient pass
-    # (an entropy that is only an output then comes from that pass, ``_ChunkStats.late``: one process only)
-    hopper = v > 0 and hopper_dw_ready(hidden, w)
-    quack = hopper and (v * hidden.element_size()) % 16 == 0  # P's rows, V_local apart, 16-byte aligned (TMA)
-    fin = finish_fast(plan, o.finish_options(), n, d, hidden.dtype, call.needs_grad, v, shard.sharded, False, quack,
-                      stats_epilogue_ready(hidden, b, v, hopper) and not o.stats_beyond_lse(shard.sharded))
+    # finished as the cross-entropy's fast route is (``routing.plan_finish``); the statistics in the logits GEMM's
+    # epilogue only where the loss needs no other statistic before its gradient pass (an entropy that is only an
+    # output then comes from that pass, ``_ChunkStats.late``: one process only)
+    fin = plan_finish(call, o.finish_options(), hidden, w, b is not None, not o.stats_beyond_lse(shard.sharded))
     p, chunk = _first_chunk(hidden, w, b, call, early=not fin.epilogue, every_token=fin.one_dw)
     logp = torch.zeros(n, dtype=torch.float32, device=dev)
     ent = torch.zeros(n, dtype=torch.float32, device=dev) if o.entropy_stats else None
