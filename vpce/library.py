@@ -31,8 +31,7 @@ from .formulas.distill import DistillRows
 from .formulas.softmax import RowStats
 from .options import BUDGET_NAMES, DistillOptions, LossOptions
 from .parallel import VocabShard
-from .routing import (FIT_FAST, Call, plan_cross_entropy, plan_distillation, settle, size_cross_entropy,
-                      size_distillation)
+from .routing import Call, plan_compiled_cross_entropy, plan_compiled_distillation
 from .targets import TokenTargets
 
 __all__ = ["linear_cross_entropy", "linear_distillation_loss"]
@@ -159,12 +158,10 @@ def _ce_call(backend, ignore_index, reduction, label_smoothing, z_loss, softcap,
              logit_scale, needs, hidden, weight) -> tuple[LossOptions, Call]:
     opts = LossOptions(ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
                        z_loss=z_loss, softcap=softcap, memory_budget=_budget(memory_budget), logit_scale=logit_scale)
-    # the compiled graph's outputs must not depend on free memory: "auto" is the fast route here
-    plan = settle(plan_cross_entropy(opts, tuple(needs), backend, False, False), FIT_FAST)
     shard = _shard(weight, vocab_size)
-    size = size_cross_entropy(plan, opts, shard, hidden.shape[-1], hidden.dtype, weight.dtype != hidden.dtype,
-                              held_fp32=True)  # (this op scales the held gradients itself: _scale_held)
-    return opts, Call(shard, size, tuple(needs))
+    plan = plan_compiled_cross_entropy(opts, tuple(needs), backend, shard, hidden.shape[-1], hidden.dtype,
+                                       weight.dtype != hidden.dtype)  # (this op scales the held gradients: _scale_held)
+    return opts, Call(shard, plan, tuple(needs))
 
 
 def _ce_forward(tensors, opts: LossOptions, call: Call):
@@ -209,9 +206,9 @@ def _distill_call(backend, kind, beta, temperature, kd_scale, ce_weight, ignore_
     o = DistillOptions(kind=kind, beta=beta, temperature=temperature, kd_scale=kd_scale, ce_weight=ce_weight,
                        ignore_index=ignore_index, reduction=reduction, softcap=softcap,
                        teacher_softcap=teacher_softcap, memory_budget=budget)
-    plan = plan_distillation(reduction, budget == "lean", tuple(needs), backend, False, False)
     shard = _shard(weight, vocab_size)
-    return o, Call(shard, size_distillation(plan, o, shard, hidden.shape[-1], hidden.dtype), tuple(needs))
+    return o, Call(shard, plan_compiled_distillation(o, tuple(needs), backend, shard, hidden.shape[-1], hidden.dtype),
+                   tuple(needs))
 
 
 def _distill_present(o: DistillOptions) -> tuple[bool, ...]:

@@ -53,7 +53,7 @@ from .parallel import VocabShard
 __all__ = ["Plan", "Sizes", "Call", "resolve_backend", "plan_cross_entropy", "plan_log_probs", "plan_distillation",
            "settle_by_memory", "settle", "FIT_LEAN", "FIT_COMPACT", "FIT_FAST", "FIT_WHOLE", "size_cross_entropy",
            "size_log_probs", "size_log_prob_loss", "size_distillation", "fast_route_bytes", "one_weight_grad_gemm",
-           "SIZING", "Sizing", "Extra", "extra_facts", "Finish", "finish_fast", "plan_finish", "plan_log_prob_loss",
+           "SIZING", "Sizing", "Extra", "extra_facts", "plan_compiled_cross_entropy", "plan_compiled_distillation", "Finish", "finish_fast", "plan_finish", "plan_log_prob_loss",
            "Site"]
 
 ROW_ALIGN = 128      # chunk and sub-chunk boundaries are multiples of the kernel's largest BLOCK_M
@@ -199,7 +199,8 @@ def extra_facts(hidden: torch.Tensor, weight: torch.Tensor) -> Extra:
 class Finish:
     """How one call's fast (or speculative) route forms and hands back its gradients (``finish_fast``), decided once
     per call from the plan and this rank's ``Extra``. None of it changes a collective, so each rank may decide it
-    alone. The defaults: everything by cuBLAS in forward."""
+    alone. The defaults: everything by cuBLAS in forward, as the distillation's fast route always finishes (its two
+    logits buffers already take what a ``P`` kept into backward would, and its statistics are the two heads')."""
 
     epilogue: bool = False
     """The statistics in the logits GEMM's epilogue (``backends.gemm.logits_with_stats``)."""
@@ -494,6 +495,24 @@ def plan_log_prob_loss(o: LogProbLossOptions, needs_grad: tuple[bool, bool, bool
     if backend == "triton" and o.scope != "batch" and o.memory_budget != "lean" and any(needs_grad):
         return plan_cross_entropy(o.chunk_options(), needs_grad, backend, sharded, sequence_parallel)
     return plan_log_probs(needs_grad, backend, sharded, sequence_parallel)
+
+
+def plan_compiled_cross_entropy(opts: LossOptions, needs_grad: tuple[bool, bool, bool], backend: str,
+                                shard: VocabShard, d: int, dtype: torch.dtype, weight_cast: bool) -> Plan:
+    """The cross-entropy's plan inside a compiled graph (``vpce.library``'s op; one process), with its sizes: the
+    graph's outputs must not depend on free memory, so ``"auto"`` is the fast route in default chunks
+    (``FIT_FAST``), never one chunk nor the compact form; and the op scales the held gradients itself, so they
+    stay fp32 (``held_fp32``: no dX in the hidden's dtype, no mean folded into ``P``)."""
+    plan = settle(plan_cross_entropy(opts, needs_grad, backend, False, False), FIT_FAST)
+    return size_cross_entropy(plan, opts, shard, d, dtype, weight_cast, held_fp32=True)
+
+
+def plan_compiled_distillation(o: DistillOptions, needs_grad: tuple[bool, bool, bool], backend: str,
+                               shard: VocabShard, d: int, dtype: torch.dtype) -> Plan:
+    """The distillation's plan inside a compiled graph (``vpce.library``'s op; one process), with its sizes: as
+    outside (``plan_distillation``; it weighs no memory)."""
+    plan = plan_distillation(o.reduction, o.memory_budget == "lean", needs_grad, backend, False, False)
+    return size_distillation(plan, o, shard, d, dtype)
 
 
 def plan_distillation(reduction: str, lean: bool, needs_grad: tuple[bool, bool, bool], backend: str, sharded: bool,

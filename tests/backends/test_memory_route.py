@@ -424,6 +424,35 @@ def test_the_hopper_extra_is_asked_once_per_call_and_only_on_a_fast_route(monkey
     assert asked == [], asked
 
 
+def test_the_compiled_graphs_plan_is_the_routings():
+    """Inside a compiled graph (``vpce.library``'s ops) the plan comes from ``vpce.routing`` too: ``"auto"`` is the
+    fast route in default chunks whatever the free memory (never one chunk, never the compact form), the held
+    gradients stay fp32 (the op scales them: no dX in the hidden's dtype), and a numeric budget keeps its compact
+    chunks; the distillation's plan is the one outside."""
+    from vpce.options import DistillOptions
+
+    rows, d = 128256, 4096
+    shard = parallel.VocabShard(None, 0, 1, 0, rows, rows)
+    needs = (True, True, False)
+    auto = routing.plan_compiled_cross_entropy(LossOptions(), needs, "triton", shard, d, torch.bfloat16, False)
+    assert (auto.route, auto.whole, auto.compact, auto.dx_in_forward) == ("fast", False, False, False)
+    outside = routing.size_cross_entropy(routing.settle(routing.plan_cross_entropy(LossOptions(), needs, "triton",
+                                                                                   False, False), routing.FIT_FAST),
+                                         LossOptions(), shard, d, torch.bfloat16)
+    assert auto.sizes == outside.sizes and outside.dx_in_forward
+    numeric = routing.plan_compiled_cross_entropy(LossOptions(memory_budget=0.5), needs, "triton", shard, d,
+                                                  torch.bfloat16, False)
+    assert numeric.compact and numeric.sizes.chunk == round(0.5 * 2**30 / (rows * 2)) // 128 * 128
+    lean = routing.plan_compiled_cross_entropy(LossOptions(memory_budget="lean"), needs, "triton", shard, d,
+                                               torch.bfloat16, False)
+    assert lean.route == "lean"
+    o = DistillOptions(reduction="none")
+    got = routing.plan_compiled_distillation(o, needs, "triton", shard, d, torch.bfloat16)
+    assert got == routing.size_distillation(routing.plan_distillation("none", False, needs, "triton", False, False),
+                                            o, shard, d, torch.bfloat16)
+    assert got.route == "lean"
+
+
 @pytest.mark.parametrize("case", ["token", "sequence", "batch", "lean", "torch", "no-grad", "fixed"])
 def test_the_log_prob_losss_route_is_the_plans(case):
     """``linear_log_prob_loss``: the fast route (left to memory under ``"auto"``) on the Triton backend for scopes
