@@ -291,19 +291,25 @@ def _first_chunk(hidden, w, b, call: Call, early: bool = True, every_token: bool
     return p, chunk
 
 
+def _fast_operands(hidden, weight, bias, call: Call):
+    """``(hidden, weight, bias)`` as a forward chunk loop reads them: every token of the group's sequence where the
+    fast route sums dX in forward under sequence parallelism (gathered here), contiguous, and this rank's valid
+    vocab rows only."""
+    if call.plan.dx_reduce == "forward" and call.plan.sequence_parallel:
+        hidden = gather_sequence(hidden, call.shard)
+    v = call.shard.valid_rows
+    return hidden.contiguous(), weight[:v], None if bias is None else bias[:v]
+
+
 def cross_entropy(hidden, weight, bias, tg: TokenTargets, opts: LossOptions, call: Call):
     """Per-token loss ``[N]`` (weighted, 0 on ignored tokens), and what backward needs: the fast route's
     unscaled ``FastGrads`` (with ``dx_reduce == "forward"``: already summed over the group, this rank's slice
     under sequence parallelism), the lean route's ``RowStats``, or both (the speculative route)."""
     shard, plan = call.shard, call.plan
-    if plan.dx_reduce == "forward" and plan.sequence_parallel:
-        hidden = gather_sequence(hidden, shard)
+    hidden, w, b = _fast_operands(hidden, weight, bias, call)
     n, d = hidden.shape
     dev = hidden.device
     v = shard.valid_rows
-    hidden = hidden.contiguous()
-    w = weight[:v]
-    b = None if bias is None else bias[:v]
     formed = plan.route in ("fast", "speculative")
     smooth = opts.label_smoothing > 0
     # how the gradients are finished, decided once (``routing.plan_finish``) from this call's facts: whether the
@@ -414,15 +420,11 @@ def log_prob_loss(hidden, weight, bias, tg: TokenTargets, o: LogProbLossOptions,
     statistics are in, ``on_chunk``), its per-token gradients the gradient pass's coefficients. Returns ``(loss,
     log_probs, entropy or None, FastGrads, metrics)`` (with ``dx_reduce == "forward"``: dX already summed over the
     group; ``metrics``: ``is_top1`` and ``mean_logits`` by name where ``o`` asks, from the same statistics)."""
-    shard, plan = call.shard, call.plan
-    if plan.dx_reduce == "forward" and plan.sequence_parallel:
-        hidden = gather_sequence(hidden, shard)
+    shard = call.shard
+    hidden, w, b = _fast_operands(hidden, weight, bias, call)
     n, d = hidden.shape
     dev = hidden.device
     v = shard.valid_rows
-    hidden = hidden.contiguous()
-    w = weight[:v]
-    b = None if bias is None else bias[:v]
     # finished as the cross-entropy's fast route is (``routing.plan_finish``); the statistics in the logits GEMM's
     # epilogue only where the loss needs no other statistic before its gradient pass (an entropy that is only an
     # output then comes from that pass, ``_ChunkStats.late``: one process only)
