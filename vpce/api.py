@@ -336,7 +336,7 @@ class LogProbsEntry(Entry):
 
     def plan(self, needs, dtype, backend_name, sharded, sp):
         site = Site("logprob", self.weight, tuple(self.fields())) if self.lp.memory_budget != "lean" else None
-        return plan_log_probs(needs, backend_name, sharded, sp, site)
+        return plan_log_probs(needs, backend_name, sharded, sp, site, self.lp.folded)
 
     def memory(self, p, h, rows, needs, world):
         return settle_by_memory(p, h, rows, needs, self.lp.chunk_options(), world, self.weight_cast)

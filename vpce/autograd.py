@@ -87,7 +87,7 @@ def cross_entropy_grads(hidden, weight, bias, target, token_weight, rows: RowSta
     scale = tg.row_scale(g if scaling is None else g * scaling)
     coef = ce_coefficients(scale, rows.lse, opts, call.shard.vocab_size, tg.class_rows(slice(None)))
     return backend_module(call.plan.backend).recompute_grads(hidden, weight, bias, tg, rows, coef, call,
-                                                             opts.folded, main_weight)
+                                                             call.plan.folded, main_weight)
 
 
 
@@ -141,7 +141,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                                            class_rows)
 
                 *out, uniform = backend_module(call.plan.backend).speculative_grads(
-                    grads, hidden, weight, bias, tg, rows, g, coefficients, call, opts.folded,
+                    grads, hidden, weight, bias, tg, rows, g, coefficients, call, call.plan.folded,
                     ctx.main_weight, ctx.dtypes)
                 if call.history is not None:
                     call.history.report(uniform)
@@ -206,7 +206,7 @@ class LinearLogProbsFunction(torch.autograd.Function):
         if grads is not None and g_ent is None:  # the speculative route, its guess that the entropy is only logged
             dx, dw, db, uniform = backend_module(call.plan.backend).speculative_grads(
                 grads, hidden, weight, bias, tg, RowStats(m, log_s, q), torch.zeros_like(m) if g is None else g,
-                lambda r: logprob_coefficients(tg, r, None, None, lp.folded.inv_t, like=m), call, lp.folded,
+                lambda r: logprob_coefficients(tg, r, None, None, call.plan.folded.inv_t, like=m), call, call.plan.folded,
                 None, ctx.dtypes)
             if call.history is not None:
                 call.history.report(uniform)
@@ -214,9 +214,9 @@ class LinearLogProbsFunction(torch.autograd.Function):
         # the lean route, a second backward, or an entropy with a gradient (known on the host: the speculative
         # route's held gradients are dropped, and the call site learns it)
         report_uniform(call, g, tg.keep, g_ent)
-        coef = logprob_coefficients(tg, g_logp, g_ent, centred, lp.folded.inv_t, like=m)
+        coef = logprob_coefficients(tg, g_logp, g_ent, centred, call.plan.folded.inv_t, like=m)
         grads = backend_module(call.plan.backend).recompute_grads(hidden, weight, bias, tg, RowStats(m, log_s, q),
-                                                                  coef, call, lp.folded)
+                                                                  coef, call, call.plan.folded)
         return (*grads, None, None, None)
 
 
@@ -291,8 +291,8 @@ class LogProbLossFunction(torch.autograd.Function):
             ev = evaluate_loss_fn(o, logp, ent if o.entropy else None, tg.keep, inputs, everything)
             loss, grads = ev.value, None
             if any(call.needs_grad):
-                coef = loss_fn_coefficients(tg, everything, ev, st, o.folded.inv_t)
-                grads = backend.recompute_grads(hidden, weight, bias, tg, RowStats.of(st), coef, call, o.folded)
+                coef = loss_fn_coefficients(tg, everything, ev, st, call.plan.folded.inv_t)
+                grads = backend.recompute_grads(hidden, weight, bias, tg, RowStats.of(st), coef, call, call.plan.folded)
         ctx.grads, ctx.rows = grads, weight.shape[0]
         ctx.fast, ctx.backend = call.plan.route == "fast", call.plan.backend
         ent = torch.zeros_like(logp) if ent is None else ent

@@ -47,7 +47,8 @@ from typing import Any
 import torch
 
 from . import speculation
-from .options import BACKENDS, DEFAULT_CHUNK_GIB, DistillOptions, LogProbLossOptions, LogProbOptions, LossOptions
+from .options import (BACKENDS, DEFAULT_CHUNK_GIB, DistillOptions, Folded, LogProbLossOptions, LogProbOptions,
+                      LossOptions)
 from .parallel import VocabShard
 
 __all__ = ["Plan", "Sizes", "Call", "resolve_backend", "plan_cross_entropy", "plan_log_probs", "plan_distillation",
@@ -127,6 +128,10 @@ class Plan:
     """``hidden`` is this rank's slice along dim 0 (Megatron SP)."""
     sizes: Sizes | None = None
     """Chunk and buffer sizes; None until the shard is agreed (``size_cross_entropy`` and its kin)."""
+    folded: Folded | None = None
+    """The logits every kernel of the call computes from ``h @ W.T + b``: the soft cap, the logit scale and the
+    temperature folded together (``options.Folded``), from the call's options; the backends read it here. None for
+    the distillation, whose two heads keep theirs in ``DistillOptions`` (each head its own)."""
     history: Any = dataclasses.field(default=None, compare=False)
     """``vpce.speculation.Record`` of a call site eligible for the speculative route (whichever route it takes): its
     backward reports there whether the upstream gradient was uniform (``Call.history``). None otherwise."""
@@ -329,7 +334,8 @@ def plan_cross_entropy(opts: LossOptions, needs_grad: tuple[bool, bool, bool], b
         route = "auto"  # fast where its buffers fit: settle_by_memory
     else:
         route = "fast"
-    return Plan(backend, route, _dx_reduce(backend, route, sharded), sequence_parallel, history=history)
+    return Plan(backend, route, _dx_reduce(backend, route, sharded), sequence_parallel, history=history,
+                folded=opts.folded)
 
 
 def settle(plan: Plan, fit: int) -> Plan:
@@ -338,8 +344,8 @@ def settle(plan: Plan, fit: int) -> Plan:
     if plan.route != "auto":
         return plan
     route = "fast" if fit >= FIT_COMPACT else "lean"
-    return Plan(plan.backend, route, _dx_reduce(plan.backend, route, plan.dx_reduce != "none"),
-                plan.sequence_parallel, whole=fit >= FIT_WHOLE, compact=fit == FIT_COMPACT)
+    return dataclasses.replace(plan, route=route, dx_reduce=_dx_reduce(plan.backend, route, plan.dx_reduce != "none"),
+                               whole=fit >= FIT_WHOLE, compact=fit == FIT_COMPACT)
 
 
 def round_to(x: int, m: int) -> int:
@@ -474,15 +480,17 @@ def settle_by_memory(plan: Plan, hidden: torch.Tensor, rows: int, needs: tuple[b
 
 
 def plan_log_probs(needs_grad: tuple[bool, bool, bool], backend: str, sharded: bool,
-                   sequence_parallel: bool, site: Site | None = None) -> Plan:
+                   sequence_parallel: bool, site: Site | None = None, folded: Folded | None = None) -> Plan:
     """``site``: the call site, where the speculative route may be taken (``memory_budget`` not ``"lean"``), asked
-    here (``vpce.speculation.decide``)."""
+    here (``vpce.speculation.decide``); ``folded``: the options' logits (``Plan.folded``; the caller's
+    ``LogProbOptions.folded``)."""
     speculate, history = _speculate(site, backend, sharded, needs_grad)
     if not any(needs_grad):
         route = "forward"
     else:
         route = "speculative" if speculate else "lean"
-    return Plan(backend, route, _dx_reduce(backend, route, sharded), sequence_parallel, history=history)
+    return Plan(backend, route, _dx_reduce(backend, route, sharded), sequence_parallel, history=history,
+                folded=folded)
 
 
 def plan_log_prob_loss(o: LogProbLossOptions, needs_grad: tuple[bool, bool, bool], backend: str, sharded: bool,
@@ -493,8 +501,9 @@ def plan_log_prob_loss(o: LogProbLossOptions, needs_grad: tuple[bool, bool, bool
     as ``linear_log_probs``' lean route: scope ``"batch"`` (it needs every token's statistics first),
     ``memory_budget="lean"``, the torch backend, or no gradient."""
     if backend == "triton" and o.scope != "batch" and o.memory_budget != "lean" and any(needs_grad):
-        return plan_cross_entropy(o.chunk_options(), needs_grad, backend, sharded, sequence_parallel)
-    return plan_log_probs(needs_grad, backend, sharded, sequence_parallel)
+        plan = plan_cross_entropy(o.chunk_options(), needs_grad, backend, sharded, sequence_parallel)
+        return dataclasses.replace(plan, folded=o.folded)
+    return plan_log_probs(needs_grad, backend, sharded, sequence_parallel, folded=o.folded)
 
 
 def plan_compiled_cross_entropy(opts: LossOptions, needs_grad: tuple[bool, bool, bool], backend: str,

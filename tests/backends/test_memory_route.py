@@ -91,10 +91,21 @@ def test_auto_is_left_to_memory_only_on_the_triton_fast_route():
     assert no_grad.route == "forward"
     sharded = routing.plan_cross_entropy(auto, needs, "triton", True, False)
     assert routing.settle(sharded, routing.FIT_FAST).dx_reduce == "forward"  # the fast route sums dX in forward
-    assert routing.settle(sharded, routing.FIT_LEAN) == routing.Plan("triton", "lean", "region", False)
-    assert routing.settle(sharded, routing.FIT_WHOLE) == routing.Plan("triton", "fast", "forward", False, whole=True)
+    folded = auto.folded  # the options' logits travel with the plan through every settling
+    assert routing.settle(sharded, routing.FIT_LEAN) == routing.Plan("triton", "lean", "region", False, folded=folded)
+    assert routing.settle(sharded, routing.FIT_WHOLE) == routing.Plan("triton", "fast", "forward", False, whole=True,
+                                                                      folded=folded)
     assert routing.settle(sharded, routing.FIT_COMPACT) == routing.Plan("triton", "fast", "forward", False,
-                                                                        compact=True)
+                                                                        compact=True, folded=folded)
+    capped = LossOptions(softcap=30.0, logit_scale=0.5)
+    assert routing.settle(routing.plan_cross_entropy(capped, needs, "triton", False, False),
+                          routing.FIT_FAST).folded == capped.folded
+    from vpce.options import LogProbLossOptions
+
+    tempered = LogProbLossOptions(loss_fn=lambda lp, ent: lp, softcap=5.0, temperature=0.7)
+    for scope in ("token", "batch"):  # the fast route and the two-pass form carry the loss's logits alike
+        o = dataclasses.replace(tempered, scope=scope)
+        assert routing.plan_log_prob_loss(o, needs, "triton", False, False).folded == tempered.folded
     # on the CPU (the interpreter) there is no device memory to weigh: the fast route, nothing for the group
     plan, fits = routing.settle_by_memory(sharded, torch.zeros(4, 8), 16, needs, auto, world=2)
     assert plan.route == "fast" and fits is None

@@ -215,7 +215,7 @@ def cross_entropy(hidden, weight, bias, tg: TokenTargets, opts: LossOptions, cal
         tg.scaling = torch.empty(n, dtype=acc, device=hidden.device)
 
     def step(sl):
-        z, st = _chunk_stats(hidden, w, b, tg, sl, call, opts.folded, acc, sum_z=smooth, class_weight=cw,
+        z, st = _chunk_stats(hidden, w, b, tg, sl, call, call.plan.folded, acc, sum_z=smooth, class_weight=cw,
                              sum_ez="entropy" in opts.metrics, top1="token_accuracy" in opts.metrics)
         ce_token_outputs(st, opts, shard.vocab_size, tg, sl, loss_tok, metrics)
         if keep:
@@ -224,7 +224,7 @@ def cross_entropy(hidden, weight, bias, tg: TokenTargets, opts: LossOptions, cal
             return None
         scale = unit[sl] if tg.scaling is None else unit[sl] * tg.scaling[sl]
         co = ce_coefficients(scale, st.lse, opts, shard.vocab_size, tg.class_rows(sl))
-        return _logit_grad_(z, RowStats.of(st), co, tg.idx[sl], tg.in_shard[sl], opts.folded, cw)
+        return _logit_grad_(z, RowStats.of(st), co, tg.idx[sl], tg.in_shard[sl], call.plan.folded, cw)
 
     _chunk_loop(hidden, w, chunk, step, grads)
     tg.metrics = metrics
@@ -241,7 +241,7 @@ def log_probs(hidden, weight, bias, tg: TokenTargets, lp: LogProbOptions, call: 
     parts = []
 
     def step(sl):
-        _, st = _chunk_stats(hidden, w, b, tg, sl, call, lp.folded, acc, sum_z=lp.mean_logits, sum_ez=lp.entropy,
+        _, st = _chunk_stats(hidden, w, b, tg, sl, call, call.plan.folded, acc, sum_z=lp.mean_logits, sum_ez=lp.entropy,
                              sum_sq=lp.log_sum_sq, top1=lp.top1)
         parts.append(st)
     _chunk_loop(hidden, w, chunk, step, None)

@@ -317,7 +317,7 @@ def cross_entropy(hidden, weight, bias, tg: TokenTargets, opts: LossOptions, cal
     # and the argmax test then come from the gradient pass (``_ChunkStats.late``). Under a group the epilogue's GEMM
     # starts after the set-up (it needs the targets), not before it as cuBLAS's first GEMM does; the statistics
     # exchanged are the same tensor either way, so the choice is no collective's.
-    folded = opts.folded
+    folded = call.plan.folded
     fin = plan_finish(call, opts, hidden, w, b is not None)
     epilogue, one_dw = fin.epilogue, fin.one_dw
     if formed:
@@ -375,7 +375,7 @@ def log_probs(hidden, weight, bias, tg: TokenTargets, lp: LogProbOptions, call: 
     stats = _ChunkStats(chunk, v, hidden, lp.mean_logits, lp.entropy, sum_sq=lp.log_sum_sq,
                         before=tg.before.to(torch.int32) if lp.top1 else None)
     parts = []
-    step = _softmax_step(hidden, w, b, tl_local, stats, None, call, lp.folded, None,
+    step = _softmax_step(hidden, w, b, tl_local, stats, None, call, call.plan.folded, None,
                          lambda _, st: parts.append(st))
     chunk_loop(hidden, w, b, chunk, call, step, form=False)
     return RankStats.cat(parts, int(lp.mean_logits), int(lp.entropy), hidden.new_empty(0, dtype=torch.float32),
@@ -396,7 +396,7 @@ def log_probs_formed(hidden, weight, bias, tg: TokenTargets, lp: LogProbOptions,
     p, chunk = _first_chunk(hidden, w, b, call)
     tl_local = tg.local_columns()
     ones = torch.ones(n, dtype=torch.float32, device=dev)
-    unit = logprob_coefficients(tg, ones, None, None, lp.folded.inv_t, like=ones)
+    unit = logprob_coefficients(tg, ones, None, None, call.plan.folded.inv_t, like=ones)
     rows = RowStats.empty(n, torch.float32, dev)
     stats = _ChunkStats(chunk, v, hidden, lp.mean_logits, lp.entropy, sum_sq=lp.log_sum_sq,
                         before=tg.before.to(torch.int32) if lp.top1 else None)
@@ -407,7 +407,7 @@ def log_probs_formed(hidden, weight, bias, tg: TokenTargets, lp: LogProbOptions,
         rows.store(part, st)
         return unit.rows(part)
 
-    grads = chunk_loop(hidden, w, b, chunk, call, _softmax_step(hidden, w, b, tl_local, stats, p, call, lp.folded,
+    grads = chunk_loop(hidden, w, b, chunk, call, _softmax_step(hidden, w, b, tl_local, stats, p, call, call.plan.folded,
                                                                 None, on_part))
     st = RankStats.cat(parts, int(lp.mean_logits), int(lp.entropy), hidden.new_empty(0, dtype=torch.float32),
                        lp.log_sum_sq, lp.top1)
@@ -450,7 +450,7 @@ def log_prob_loss(hidden, weight, bias, tg: TokenTargets, o: LogProbLossOptions,
         outputs(part, st)
         ev = evaluate_loss_fn(o, logp[part], fn_ent(part), tg.keep, inputs, part)
         total.append(ev.value)
-        return loss_fn_coefficients(tg, part, ev, st, o.folded.inv_t)
+        return loss_fn_coefficients(tg, part, ev, st, call.plan.folded.inv_t)
 
     def on_chunk(sl, got):
         for part, _, st in got:
@@ -458,11 +458,11 @@ def log_prob_loss(hidden, weight, bias, tg: TokenTargets, o: LogProbLossOptions,
         ev = evaluate_loss_fn(o, logp[sl], fn_ent(sl), tg.keep, inputs, sl)
         total.append(ev.value)
         return [loss_fn_coefficients(tg, part, ev.rows(slice(part.start - sl.start, part.stop - sl.start)), st,
-                                     o.folded.inv_t) for part, _, st in got]
+                                     call.plan.folded.inv_t) for part, _, st in got]
 
     stats = _ChunkStats(chunk, v, hidden, o.mean_logits, o.entropy_stats,
                         before=tg.before.to(torch.int32) if o.top1 else None, epilogue=fin.epilogue)
-    step = _softmax_step(hidden, w, b, tg.local_columns(), stats, p, call, o.folded, None, on_part,
+    step = _softmax_step(hidden, w, b, tg.local_columns(), stats, p, call, call.plan.folded, None, on_part,
                          on_chunk=on_chunk if o.scope == "sequence" else None, on_grad=on_grad if stats.late else None)
     grads = chunk_loop(hidden, w, b, chunk, call, step, finish=fin, whole_p=p if fin.one_dw else None)
     loss = torch.stack(total).sum() if total else torch.zeros((), dtype=torch.float32, device=dev)
