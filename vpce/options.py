@@ -207,13 +207,10 @@ class LogProbLossOptions:
         return LossOptions(memory_budget=self.memory_budget)
 
     def finish_options(self) -> LossOptions:
-        """The cross-entropy options whose fast-route finish (``routing.finish_fast``) is this loss's: the same
-        logits (the temperature folded into the logit scale and the soft cap, so that ``folded`` is this loss's),
+        """The cross-entropy options whose fast-route finish (``routing.finish_fast``) is this loss's:
         ``reduction="sum"`` (``loss_fn`` normalises its own sum: there is no ``mean`` to fold into ``P``) and the
-        same ``memory_budget``."""
-        t = self.temperature
-        return LossOptions(memory_budget=self.memory_budget, reduction="sum", logit_scale=self.logit_scale / t,
-                           softcap=None if self.softcap is None else self.softcap / t)
+        same ``memory_budget`` (the logits are the plan's, ``Plan.folded``)."""
+        return LossOptions(memory_budget=self.memory_budget, reduction="sum")
 
     def stats_beyond_lse(self, sharded: bool) -> bool:
         """Whether the loss needs statistics that the logits GEMM's epilogue does not take (it takes the log-sum-exp

@@ -54,8 +54,8 @@ from .parallel import VocabShard
 __all__ = ["Plan", "Sizes", "Call", "resolve_backend", "plan_cross_entropy", "plan_log_probs", "plan_distillation",
            "settle_by_memory", "settle", "FIT_LEAN", "FIT_COMPACT", "FIT_FAST", "FIT_WHOLE", "size_cross_entropy",
            "size_log_probs", "size_log_prob_loss", "size_distillation", "fast_route_bytes", "one_weight_grad_gemm",
-           "SIZING", "Sizing", "Extra", "extra_facts", "plan_compiled_cross_entropy", "plan_compiled_distillation", "Finish", "finish_fast", "plan_finish", "plan_log_prob_loss",
-           "Site"]
+           "SIZING", "Sizing", "Extra", "extra_facts", "Finish", "finish_fast", "plan_finish", "plan_log_prob_loss",
+           "plan_compiled_cross_entropy", "plan_compiled_distillation", "Site"]
 
 ROW_ALIGN = 128      # chunk and sub-chunk boundaries are multiples of the kernel's largest BLOCK_M
 FAST_HEADROOM = 0.9      # the fast route's buffers may take at most this share of the free device memory
@@ -225,7 +225,8 @@ def finish_fast(plan: Plan, opts: LossOptions, tokens: int, d: int, dtype: torch
                 valid_rows: int, sharded: bool, main_grad: bool, extra: Extra, bias: bool,
                 stats_only: bool = True) -> Finish:
     """The fast route's ``Finish`` for ``tokens`` tokens (all of them under sequence parallelism) and this rank's
-    ``valid_rows``: the cross-entropy's, and ``linear_log_prob_loss``'s from its ``finish_options()``. quack
+    ``valid_rows``: the cross-entropy's, and ``linear_log_prob_loss``'s from its ``finish_options()`` (the logits:
+    ``Plan.folded``). quack
     finishes dX and dW where ``extra.gemms`` and ``P``'s rows (``valid_rows`` apart) are 16-byte aligned. The
     statistics come from the logits GEMM's epilogue where ``extra.epilogue``, with no ``bias``, ``P``'s rows 16-byte
     aligned in bf16, the options needing of the statistics only the log-sum-exp, the target logit and (smoothing)
@@ -235,7 +236,7 @@ def finish_fast(plan: Plan, opts: LossOptions, tokens: int, d: int, dtype: torch
     formed = plan.route in ("fast", "speculative")
     if not formed or valid_rows == 0:
         return Finish()
-    folded = opts.folded
+    folded = plan.folded
     quack = extra.gemms and (valid_rows * torch.empty((), dtype=dtype).element_size()) % 16 == 0
     epilogue = (extra.epilogue and stats_only and not bias and valid_rows % 8 == 0
                 and (folded.softcap is not None or folded.inv_t == 1.0) and not (opts.metrics and sharded))

@@ -302,14 +302,15 @@ def test_vocab_parallel(backend, sizes):
 
 
 @pytest.mark.skipif(CUDA, reason="the hopper extra's facts stood in on the CPU interpreter")
-@pytest.mark.parametrize("scope,fn,entropy", [("token", lambda lp, ent, adv: -lp * adv + 0.3 * lp * lp, None),
-                                              ("token", loss_token, "loss"),
-                                              ("token", lambda lp, ent, adv: -lp * adv, "output"),
-                                              ("sequence", lambda lp, ent, adv: -lp.sum(-1) * adv[:, 0], "output")],
-                         ids=["token", "token-entropy", "token-entropy-output", "sequence-entropy-output"])
+@pytest.mark.parametrize("scope,fn,entropy,softcap", [
+    ("token", lambda lp, ent, adv: -lp * adv + 0.3 * lp * lp, None, None),
+    ("token", lambda lp, ent, adv: -lp * adv + 0.3 * lp * lp, None, 3.0),
+    ("token", loss_token, "loss", None),
+    ("token", lambda lp, ent, adv: -lp * adv, "output", None),
+    ("sequence", lambda lp, ent, adv: -lp.sum(-1) * adv[:, 0], "output", 3.0)],
+    ids=["token", "token-softcap", "token-entropy", "token-entropy-output", "sequence-entropy-output-softcap"])
 @pytest.mark.parametrize("chunks", ["one", "several"])
-@pytest.mark.parametrize("softcap", [None, 3.0], ids=["plain", "softcap"])
-def test_fused_form_finishes_as_the_cross_entropy(monkeypatch, sizing, scope, fn, entropy, chunks, softcap):
+def test_fused_form_finishes_as_the_cross_entropy(monkeypatch, sizing, scope, fn, entropy, softcap, chunks):
     """The fused form's fast route takes the cross-entropy's finish (``routing.finish_fast``): with the ``hopper``
     extra's facts stood in (this CPU has no sm_90 GPU), the logits GEMM's epilogue takes the statistics (a torch
     stand-in of quack's GEMM, counted) where the loss needs no statistic but the log-sum-exp and the target logit,
