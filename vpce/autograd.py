@@ -206,8 +206,8 @@ class LinearLogProbsFunction(torch.autograd.Function):
         if grads is not None and g_ent is None:  # the speculative route, its guess that the entropy is only logged
             dx, dw, db, uniform = backend_module(call.plan.backend).speculative_grads(
                 grads, hidden, weight, bias, tg, RowStats(m, log_s, q), torch.zeros_like(m) if g is None else g,
-                lambda r: logprob_coefficients(tg, r, None, None, call.plan.folded.inv_t, like=m), call, call.plan.folded,
-                None, ctx.dtypes)
+                lambda r: logprob_coefficients(tg, r, None, None, call.plan.folded.inv_t, like=m), call,
+                call.plan.folded, None, ctx.dtypes)
             if call.history is not None:
                 call.history.report(uniform)
             return dx, dw, db, None, None, None

@@ -237,7 +237,7 @@ def finish_fast(plan: Plan, opts: LossOptions, tokens: int, d: int, dtype: torch
     if not formed or valid_rows == 0:
         return Finish()
     folded = plan.folded
-    quack = extra.gemms and (valid_rows * torch.empty((), dtype=dtype).element_size()) % 16 == 0
+    quack = extra.gemms and (valid_rows * dtype.itemsize) % 16 == 0
     epilogue = (extra.epilogue and stats_only and not bias and valid_rows % 8 == 0
                 and (folded.softcap is not None or folded.inv_t == 1.0) and not (opts.metrics and sharded))
     defer = plan.route == "fast" and not main_grad and quack

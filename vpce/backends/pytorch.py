@@ -224,7 +224,8 @@ def cross_entropy(hidden, weight, bias, tg: TokenTargets, opts: LossOptions, cal
             return None
         scale = unit[sl] if tg.scaling is None else unit[sl] * tg.scaling[sl]
         co = ce_coefficients(scale, st.lse, opts, shard.vocab_size, tg.class_rows(sl))
-        return _logit_grad_(z, RowStats.of(st), co, tg.idx[sl], tg.in_shard[sl], call.plan.folded, cw)
+        folded = call.plan.folded
+        return _logit_grad_(z, RowStats.of(st), co, tg.idx[sl], tg.in_shard[sl], folded, cw)
 
     _chunk_loop(hidden, w, chunk, step, grads)
     tg.metrics = metrics
@@ -241,8 +242,8 @@ def log_probs(hidden, weight, bias, tg: TokenTargets, lp: LogProbOptions, call: 
     parts = []
 
     def step(sl):
-        _, st = _chunk_stats(hidden, w, b, tg, sl, call, call.plan.folded, acc, sum_z=lp.mean_logits, sum_ez=lp.entropy,
-                             sum_sq=lp.log_sum_sq, top1=lp.top1)
+        _, st = _chunk_stats(hidden, w, b, tg, sl, call, call.plan.folded, acc, sum_z=lp.mean_logits,
+                             sum_ez=lp.entropy, sum_sq=lp.log_sum_sq, top1=lp.top1)
         parts.append(st)
     _chunk_loop(hidden, w, chunk, step, None)
     return RankStats.cat(parts, int(lp.mean_logits), int(lp.entropy), hidden.new_empty(0, dtype=acc),

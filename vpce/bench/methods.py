@@ -287,8 +287,8 @@ def _vpce_dpo(env: Env) -> LossFn:
         if rows % 2:
             raise Unavailable("DPO needs an even number of 2048-token rows")
         ref = c["ref"].sum(-1)
-        return linear_dpo_loss(_rows(x, c, True), w, c["y"], ref[: rows // 2], ref[rows // 2:], backend=device_backend(env),
-                               **env.vpce_layout()).loss
+        return linear_dpo_loss(_rows(x, c, True), w, c["y"], ref[: rows // 2], ref[rows // 2:],
+                               backend=device_backend(env), **env.vpce_layout()).loss
     return fn
 
 

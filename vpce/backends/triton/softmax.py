@@ -407,8 +407,8 @@ def log_probs_formed(hidden, weight, bias, tg: TokenTargets, lp: LogProbOptions,
         rows.store(part, st)
         return unit.rows(part)
 
-    grads = chunk_loop(hidden, w, b, chunk, call, _softmax_step(hidden, w, b, tl_local, stats, p, call, call.plan.folded,
-                                                                None, on_part))
+    step = _softmax_step(hidden, w, b, tl_local, stats, p, call, call.plan.folded, None, on_part)
+    grads = chunk_loop(hidden, w, b, chunk, call, step)
     st = RankStats.cat(parts, int(lp.mean_logits), int(lp.entropy), hidden.new_empty(0, dtype=torch.float32),
                        lp.log_sum_sq, lp.top1)
     return st, rows, grads
