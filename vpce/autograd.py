@@ -87,7 +87,7 @@ def cross_entropy_grads(hidden, weight, bias, target, token_weight, rows: RowSta
     scale = tg.row_scale(g if scaling is None else g * scaling)
     coef = ce_coefficients(scale, rows.lse, opts, call.shard.vocab_size, tg.class_rows(slice(None)))
     return backend_module(call.plan.backend).recompute_grads(hidden, weight, bias, tg, rows, coef, call,
-                                                             call.plan.folded, main_weight)
+                                                             main_weight)
 
 
 
@@ -141,8 +141,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                                            class_rows)
 
                 *out, uniform = backend_module(call.plan.backend).speculative_grads(
-                    grads, hidden, weight, bias, tg, rows, g, coefficients, call, call.plan.folded,
-                    ctx.main_weight, ctx.dtypes)
+                    grads, hidden, weight, bias, tg, rows, g, coefficients, call, ctx.main_weight, ctx.dtypes)
                 if call.history is not None:
                     call.history.report(uniform)
                 return (*out, *none)
@@ -207,7 +206,7 @@ class LinearLogProbsFunction(torch.autograd.Function):
             dx, dw, db, uniform = backend_module(call.plan.backend).speculative_grads(
                 grads, hidden, weight, bias, tg, RowStats(m, log_s, q), torch.zeros_like(m) if g is None else g,
                 lambda r: logprob_coefficients(tg, r, None, None, call.plan.folded.inv_t, like=m), call,
-                call.plan.folded, None, ctx.dtypes)
+                None, ctx.dtypes)
             if call.history is not None:
                 call.history.report(uniform)
             return dx, dw, db, None, None, None
@@ -216,7 +215,7 @@ class LinearLogProbsFunction(torch.autograd.Function):
         report_uniform(call, g, tg.keep, g_ent)
         coef = logprob_coefficients(tg, g_logp, g_ent, centred, call.plan.folded.inv_t, like=m)
         grads = backend_module(call.plan.backend).recompute_grads(hidden, weight, bias, tg, RowStats(m, log_s, q),
-                                                                  coef, call, call.plan.folded)
+                                                                  coef, call)
         return (*grads, None, None, None)
 
 
@@ -292,7 +291,7 @@ class LogProbLossFunction(torch.autograd.Function):
             loss, grads = ev.value, None
             if any(call.needs_grad):
                 coef = loss_fn_coefficients(tg, everything, ev, st, call.plan.folded.inv_t)
-                grads = backend.recompute_grads(hidden, weight, bias, tg, RowStats.of(st), coef, call, call.plan.folded)
+                grads = backend.recompute_grads(hidden, weight, bias, tg, RowStats.of(st), coef, call)
         ctx.grads, ctx.rows = grads, weight.shape[0]
         ctx.fast, ctx.backend = call.plan.route == "fast", call.plan.backend
         ent = torch.zeros_like(logp) if ent is None else ent

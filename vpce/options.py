@@ -212,11 +212,11 @@ class LogProbLossOptions:
         same ``memory_budget`` (the logits are the plan's, ``Plan.folded``)."""
         return LossOptions(memory_budget=self.memory_budget, reduction="sum")
 
-    def stats_beyond_lse(self, sharded: bool) -> bool:
+    def stats_beyond_lse(self) -> bool:
         """Whether the loss needs statistics that the logits GEMM's epilogue does not take (it takes the log-sum-exp
         and the target logit): the entropy for ``loss_fn``, the argmax test, the mean logit; an entropy that is only
-        an output comes from the gradient pass instead, in one process (under a group its sum is over the ranks)."""
-        return self.entropy or self.top1 or self.mean_logits or (self.entropy_stats and sharded)
+        an output comes from the gradient pass instead (under a group each rank's share, summed over the ranks)."""
+        return self.entropy or self.top1 or self.mean_logits
 
     def stats_options(self) -> LogProbOptions:
         """The options of the statistics pass (``log_probs``) of the two-pass form."""

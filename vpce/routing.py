@@ -231,7 +231,8 @@ def finish_fast(plan: Plan, opts: LossOptions, tokens: int, d: int, dtype: torch
     statistics come from the logits GEMM's epilogue where ``extra.epilogue``, with no ``bias``, ``P``'s rows 16-byte
     aligned in bf16, the options needing of the statistics only the log-sum-exp, the target logit and (smoothing)
     the sum of the logits (``stats_only``: False where the loss needs more before its gradient pass), a logit scale
-    only beside a soft cap, and under a group no metrics (their sums are over the ranks). Deferred GEMMs on the fast
+    only beside a soft cap, and under a group no argmax test (``token_accuracy``: its maxima are over the ranks;
+    the entropy, an output only, comes from the gradient pass on every rank there). Deferred GEMMs on the fast
     route only (the speculative route's backward adds to the accumulator) and not into ``main_grad``."""
     formed = plan.route in ("fast", "speculative")
     if not formed or valid_rows == 0:
@@ -239,7 +240,8 @@ def finish_fast(plan: Plan, opts: LossOptions, tokens: int, d: int, dtype: torch
     folded = plan.folded
     quack = extra.gemms and (valid_rows * dtype.itemsize) % 16 == 0
     epilogue = (extra.epilogue and stats_only and not bias and valid_rows % 8 == 0
-                and (folded.softcap is not None or folded.inv_t == 1.0) and not (opts.metrics and sharded))
+                and (folded.softcap is not None or folded.inv_t == 1.0)
+                and not (sharded and "token_accuracy" in opts.metrics))
     defer = plan.route == "fast" and not main_grad and quack
     one_dw = one_weight_grad_gemm(plan, opts, tokens, d, dtype, quack,
                                   plan.route == "fast" and not main_grad and needs[1])

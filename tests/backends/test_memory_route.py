@@ -406,7 +406,8 @@ def test_the_fast_routes_finish_is_decided_once_in_the_plan():
     # quack reads P only where its rows are 16-byte aligned (TMA): V_local a multiple of 8 in bf16
     assert not _finish(rows=128257).defer_dw and _finish(rows=128264).defer_dw
     # the statistics in the epilogue: the extra's fact, no bias, P's rows aligned, no statistic the loss needs first
-    # (``linear_log_prob_loss`` with the entropy), a logit scale only beside a soft cap, no metric under a group
+    # (``linear_log_prob_loss`` with the entropy), a logit scale only beside a soft cap, under a group no argmax
+    # test (its maxima are over the ranks; the entropy comes from the gradient pass there)
     assert not _finish(epilogue=False).epilogue
     assert not _finish(bias=True).epilogue and _finish(bias=True).defer_dw
     assert not _finish(rows=128252).epilogue
@@ -414,7 +415,9 @@ def test_the_fast_routes_finish_is_decided_once_in_the_plan():
     assert not _finish(opts=LossOptions(logit_scale=0.5)).epilogue
     assert _finish(opts=LossOptions(logit_scale=0.5, softcap=30.0)).epilogue
     assert _finish(opts=LossOptions(metrics=("entropy",))).epilogue
-    assert not _finish(opts=LossOptions(metrics=("entropy",)), sharded=True).epilogue
+    assert _finish(opts=LossOptions(metrics=("entropy",)), sharded=True).epilogue
+    assert _finish(opts=LossOptions(metrics=("token_accuracy",))).epilogue
+    assert not _finish(opts=LossOptions(metrics=("entropy", "token_accuracy")), sharded=True).epilogue
 
 
 @cpu_triton

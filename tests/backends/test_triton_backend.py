@@ -501,11 +501,25 @@ def _epilogue_under_group_main(rank, world, only_rank=None):
     errs = [rel_err(loss, ref.loss), rel_err(h.grad, ref.dhidden),
             rel_err(w.grad, ref.dweight[start:start + sizes[rank]])]
     got = list(calls)
-    # the metrics under a group keep the statistics pass (their sums are over the ranks)
+    # the entropy, an output only, from the gradient pass on every rank (each rank's share summed over the group),
+    # beside the epilogue or the statistics pass alike
     out = vpce.linear_cross_entropy(h, w, p.target, group=dist.group.WORLD, backend="triton", reduction="sum",
                                     return_entropy=True)
-    want = reference_metrics(p.hidden, p.weight, p.target)["entropy"][p.target != -100].sum()
-    errs.append(rel_err(out.entropy, want))
+    keep = p.target != -100
+    ent_ref = reference_metrics(p.hidden, p.weight, p.target)["entropy"]
+    errs.append(rel_err(out.entropy, ent_ref[keep].sum()))
+    # GRPO's entropy metric the same way, its loss and gradients as one process's (the stand-in there too)
+    hg, wg = leaf(p.hidden.view(6, 100, -1)), leaf(p.weight[start:start + sizes[rank]])
+    adv = torch.linspace(-1.0, 1.0, 6, dtype=torch.float32)
+    target = p.target.view(6, 100)
+    grpo = vpce.linear_grpo_loss(hg, wg, target, adv, group=dist.group.WORLD, backend="triton")
+    grpo.loss.backward()
+    h1, w1 = leaf(p.hidden.view(6, 100, -1)), leaf(p.weight)
+    one = vpce.linear_grpo_loss(h1, w1, target, adv, backend="triton")
+    one.loss.backward()
+    ent_mean = ent_ref.view(6, 100)[keep.view(6, 100)].mean()
+    errs += [rel_err(grpo.entropy, ent_mean), rel_err(grpo.loss, one.loss), rel_err(hg.grad, h1.grad),
+             rel_err(wg.grad, w1.grad[start:start + sizes[rank]])]
     return got, calls[len(got):], gathers, *errs
 
 
@@ -515,14 +529,21 @@ def test_statistics_epilogue_under_a_group(only_rank):
     """Under a group each rank's logits GEMM takes its shard's statistics in the epilogue, the whole chunk in one
     launch, and the exact loss and gradients come out. Its statistics go out in the same exchanges, of the same
     sizes, as the statistics pass's two halves, so ranks that differ in the epilogue (a rank-local fact: the
-    extra's import, the GPU, the shard's width) finish together (a mismatch would hang until the timeout)."""
+    extra's import, the GPU, the shard's width) finish together (a mismatch would hang until the timeout). The
+    entropy, where it is an output only (the cross-entropy's metric, GRPO's), comes from the gradient pass on every
+    rank, beside the epilogue or the statistics pass alike, its shares summed over the group: exact, and the
+    exchanges the same on every rank."""
     got = run_ranks(_epilogue_under_group_main, 2, only_rank, timeout=180.0)
     for rank, (calls, with_metrics, gathers, *errs) in enumerate(got):
-        assert with_metrics == [], (rank, with_metrics)
         epilogue = only_rank is None or rank == only_rank
         assert calls == ([(600, [48, 40][rank])] if epilogue else []), (rank, calls)
+        shard = [48, 40][rank]
+        assert with_metrics == ([(600, shard), (600, shard), (600, 88)] if epilogue else []), (rank, with_metrics)
         assert max(errs) < 2e-5, (rank, errs)
-    assert got[0][2] == got[1][2] and (4, 256) in got[0][2] and (4, 344) in got[0][2], (got[0][2], got[1][2])
+    # every call: the agreement, the two halves' statistics (max, sum of exp, target logit: no entropy row), and
+    # after the loop the entropy's shares (the metrics call and GRPO's)
+    call = [(124,), (3, 256), (3, 344)]
+    assert got[0][2] == got[1][2] == call + call + [(600,)] + call + [(600,)], (got[0][2], got[1][2])
 
 
 @pytest.mark.skipif(not _hopper_here(), reason="needs an sm_90 GPU and the hopper extra (quack-kernels)")

@@ -173,9 +173,9 @@ def _recompute_loop(hidden, weight, bias, call: Call, chunk: int, acc: torch.dty
 
 
 def recompute_grads(hidden, weight, bias, tg: TokenTargets, rows: RowStats, coef: Coefficients, call: Call,
-                    folded: Folded, main_weight=None):
-    """dX, dW, db from logits recomputed chunk by chunk (any per-token coefficients)."""
-    shard = call.shard
+                    main_weight=None):
+    """dX, dW, db from logits recomputed chunk by chunk (any per-token coefficients; the logits: ``Plan.folded``)."""
+    shard, folded = call.shard, call.plan.folded
     acc, v = rows.m.dtype, shard.valid_rows
     w = weight[:v]
     b = None if bias is None else bias[:v]

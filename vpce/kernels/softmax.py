@@ -411,12 +411,12 @@ def _target_out_of_lse_kernel(LSE, ZT, S, ZS, C, softcap, inv_t, SOFTCAP: tl.con
 
 @triton.jit
 def _grad_metrics_kernel(TEZ, TM, TMB, LSE, ZT, ZS, ENT, TOP, C, T, ENTROPY: tl.constexpr, TOP1: tl.constexpr,
-                         BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr):
+                         PARTIAL: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr):
     """Per row, over the gradient pass's ``T`` tiles: ``ENT = lse - sum_j p_j z_j`` (the tiles' sums, every column
-    but the target's, plus the target's exact term ``p_t zt``), and ``TOP`` 1.0 where the target's logit as stored
-    is the argmax with ties to the lowest id (``>=`` every other column's max, ``>`` the max before it), else 0.0,
-    all of them the logits as stored (before the cap and scale, which keep the order): the formulas of
-    ``combine_rank_stats`` for one process."""
+    but the target's, plus the target's exact term ``p_t zt``; with ``PARTIAL`` that sum alone), and ``TOP`` 1.0
+    where the target's logit as stored is the argmax with ties to the lowest id (``>=`` every other column's max,
+    ``>`` the max before it), else 0.0, all of them the logits as stored (before the cap and scale, which keep the
+    order): the formulas of ``combine_rank_stats`` for one process."""
     rows = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     ok = rows < C
     base = rows.to(tl.int64) * T
@@ -436,7 +436,11 @@ def _grad_metrics_kernel(TEZ, TM, TMB, LSE, ZT, ZS, ENT, TOP, C, T, ENTROPY: tl.
     if ENTROPY:
         zt = tl.load(ZT + rows, mask=ok, other=float("-inf"))
         e_t = _exp(zt - lse)
-        tl.store(ENT + rows, lse - (tl.sum(ez, 1) + tl.where(e_t == 0.0, 0.0, e_t * zt)), mask=ok)
+        pz = tl.sum(ez, 1) + tl.where(e_t == 0.0, 0.0, e_t * zt)
+        if PARTIAL:
+            tl.store(ENT + rows, pz, mask=ok)
+        else:
+            tl.store(ENT + rows, lse - pz, mask=ok)
     if TOP1:  # a NaN LSE (the agreement's poison) gives 0, as the combine's compare with a poisoned max does
         zs = tl.load(ZS + rows, mask=ok, other=float("-inf"))
         hit = (zs >= tl.max(mx, 1)) & (zs > tl.max(mb, 1)) & (lse == lse)
@@ -725,11 +729,13 @@ def target_out_of_lse(lse, zt, s, stored_dtype, *, folded=Folded(), zs=None):
         TEMPERATURE=inv_t != 1.0, ROUND=rnd, STORED=zs is not None, BLOCK=block, num_warps=4)
 
 
-def grad_metrics(lse, zt, *, tile_ez=None, tile_m=None, tile_mb=None, zs=None):
+def grad_metrics(lse, zt, *, tile_ez=None, tile_m=None, tile_mb=None, zs=None, partial=False):
     """The entropy ``[C]`` (with ``tile_ez``) and the argmax indicator ``[C]`` (with ``tile_m``, ``tile_mb``,
-    ``zs``) of rows whose statistics the logits GEMM's epilogue took, from the tiles ``stored_logits``' gradient
-    pass filled (its ``tile_ez``, ``tile_m``, ``tile_mb``, ``before``), the final ``lse`` and the exact target
-    logit ``zt``; None for what is not asked. One launch, one process (the sums are this rank's)."""
+    ``zs``) of rows whose metrics the gradient pass took, from the tiles ``stored_logits``' gradient pass filled
+    (its ``tile_ez``, ``tile_m``, ``tile_mb``, ``before``), the final ``lse`` and the exact target logit ``zt``;
+    None for what is not asked. One launch; the sums are this rank's: under a group ``partial`` gives, in place of
+    the entropy, this rank's share of ``sum_j p_j z_j``, which the caller sums over the ranks (the argmax test is
+    one process's only)."""
     c = lse.shape[0]
     ent = torch.empty(c, dtype=torch.float32, device=lse.device) if tile_ez is not None else None
     top = torch.empty(c, dtype=torch.float32, device=lse.device) if tile_mb is not None else None
@@ -739,7 +745,8 @@ def grad_metrics(lse, zt, *, tile_ez=None, tile_m=None, tile_mb=None, zs=None):
         pick = lambda x: some if x is None else x  # noqa: E731
         _grad_metrics_kernel[(triton.cdiv(c, block_c),)](
             pick(tile_ez), pick(tile_m), pick(tile_mb), lse, zt, pick(zs), pick(ent), pick(top), c, some.shape[1],
-            ENTROPY=tile_ez is not None, TOP1=tile_mb is not None, BLOCK_C=block_c, BLOCK_T=32, num_warps=4)
+            ENTROPY=tile_ez is not None, TOP1=tile_mb is not None, PARTIAL=partial, BLOCK_C=block_c, BLOCK_T=32,
+            num_warps=4)
     return ent, top
 
 

@@ -52,7 +52,7 @@ from ...formulas.softmax import (Coefficients, RowStats, ce_coefficients, ce_tok
                                  logprob_coefficients, logprob_part_outputs, loss_fn_coefficients,
                                  loss_fn_metric_outputs, store_metric_outputs)
 from ...options import Folded, LogProbLossOptions, LogProbOptions, LossOptions
-from ...parallel import PendingStats, gather_sequence, start_stats_exchange
+from ...parallel import PendingStats, gather_sequence, start_stats_exchange, sum_over_ranks
 from ...rank_stats import RankStats
 from ...routing import ROW_ALIGN, Call, plan_finish, round_to
 from ...speculation import block_flags, split_upstream
@@ -74,7 +74,8 @@ class _ChunkStats:
     """
 
     def __init__(self, rows: int, v: int, x: torch.Tensor, sum_z: bool, sum_ez: bool, class_weight=None,
-                 sum_sq: bool = False, before: torch.Tensor | None = None, epilogue: bool = False):
+                 sum_sq: bool = False, before: torch.Tensor | None = None, epilogue: bool = False,
+                 group_entropy: bool = False):
         n_tiles = max(1, math.ceil(v / kernels.tile_n(x)))
         f32 = dict(dtype=torch.float32, device=x.device)
         # ``epilogue``: the fast route's logits GEMM takes the statistics itself
@@ -82,8 +83,14 @@ class _ChunkStats:
         # outside the target column (``kernels.target_out_of_lse``), which the reduction takes as one tile
         self.epilogue = epilogue
         # there the entropy's sum and the argmax test's maxima come per tile from the gradient pass instead
-        # (``grad_outputs``, then ``kernels.grad_metrics``): one process only (the sums are this rank's)
-        self.late = epilogue and (sum_ez or before is not None)
+        # (``grad_outputs``, then ``kernels.grad_metrics``), in one process. Under a group the entropy, where it is
+        # an output only, comes from that pass on every rank, epilogue or not (``group_entropy``, a fact of the
+        # options and the route that every rank shares): each rank's share of sum_j p_j z_j, summed over the group
+        # once the chunks are done (``_GroupEntropy``), so that the ranks exchange the same statistics whichever of
+        # them takes the epilogue; the argmax test stays one process's
+        self.group_entropy = group_entropy
+        self.late_ez = sum_ez and (epilogue or group_entropy)
+        self.late = self.late_ez or (epilogue and before is not None)
         self.m = torch.empty(rows, n_tiles, **f32) if not epilogue or before is not None else None
         self.s = torch.empty(rows, 1 if epilogue else n_tiles, **f32)
         self.z = torch.empty(rows, 1 if epilogue else n_tiles, **f32) if sum_z else None
@@ -113,8 +120,9 @@ class _ChunkStats:
             return kernels.reduce_tiles(lse[:, None], self.s[r], None if sum_z is None else sum_z[:, None], None, zt)
         if call.shard.valid_rows > 0:
             zt, zs = self.zt[r], None
+            ez = None if self.late_ez else cut(self.ez)
             stats = dict(folded=folded, tile_m=self.m[r], tile_s=self.s[r], tile_z=cut(self.z),
-                         tile_ez=cut(self.ez), zt=zt, class_weight=self.class_weight, tile_sq=cut(self.sq),
+                         tile_ez=ez, zt=zt, class_weight=self.class_weight, tile_sq=cut(self.sq),
                          tile_mb=cut(self.mb), before=None if self.before is None else self.before[sl])
             if p is not None:
                 # the fast route: cuBLAS writes the logits into P (the bias added before the one rounding, as
@@ -127,11 +135,11 @@ class _ChunkStats:
             else:
                 zt.fill_(-math.inf)  # stored by the tile that holds the target, if any
                 kernels.logits_tiles(h[sl], w, b, tl_local[sl], **stats)
-            packed = kernels.reduce_tiles(self.m[r], self.s[r], cut(self.z), cut(self.ez), zt, cut(self.sq),
-                                          cut(self.mb), zs)
+            packed = kernels.reduce_tiles(self.m[r], self.s[r], cut(self.z), ez, zt, cut(self.sq), cut(self.mb), zs)
         else:  # this rank's rows are all padding: no max, no target, every sum 0
             top1 = 2 * (self.mb is not None)  # max before the target, the target logit
-            packed = torch.zeros(3 + n_sums + (self.ez is not None) + (self.sq is not None) + top1,
+            exchanged_ez = self.ez is not None and not self.late_ez
+            packed = torch.zeros(3 + n_sums + exchanged_ez + (self.sq is not None) + top1,
                                  sl.stop - sl.start, dtype=torch.float32, device=h.device)
             packed[0] = packed[2] = -math.inf
             if top1:
@@ -151,16 +159,17 @@ class _ChunkStats:
         (``late``): per tile the entropy's sum and the argmax test's maxima; else nothing."""
         if not self.late:
             return {}
-        cut = lambda t: None if t is None else t[r]  # noqa: E731
-        return dict(tile_ez=cut(self.ez), tile_m=cut(self.m), tile_mb=cut(self.mb),
-                    before=None if self.before is None else self.before[part])
+        cut = lambda t: None if t is None or not self.epilogue else t[r]  # noqa: E731 - the argmax test's
+        return dict(tile_ez=self.ez[r] if self.late_ez else None, tile_m=cut(self.m), tile_mb=cut(self.mb),
+                    before=None if self.before is None or not self.epilogue else self.before[part])
 
     def grad_metrics(self, r: slice, st: RankStats):
         """``(entropy, argmax indicator)`` of buffer rows ``r`` after their gradient pass (``late``), None for
-        what is not asked."""
-        cut = lambda t: None if t is None else t[r]  # noqa: E731
-        return kernels.grad_metrics(st.lse, self.zt[r], tile_ez=cut(self.ez), tile_m=cut(self.m),
-                                    tile_mb=cut(self.mb), zs=cut(self.zs))  # ``m`` is held only for the argmax
+        what is not asked; under a group (``group_entropy``) this rank's share of the entropy's sum in its place."""
+        cut = lambda t: None if t is None or not self.epilogue else t[r]  # noqa: E731
+        return kernels.grad_metrics(st.lse, self.zt[r], tile_ez=self.ez[r] if self.late_ez else None,
+                                    tile_m=cut(self.m) if self.mb is not None else None, tile_mb=cut(self.mb),
+                                    zs=cut(self.zs), partial=self.group_entropy)
 
     @staticmethod
     def _cuts(c: int, call: Call) -> list[int]:
@@ -203,6 +212,22 @@ class _ChunkStats:
             yield part, r, pend.wait()
 
 
+class _GroupEntropy:
+    """The entropy of every token under a group where it is an output only and the gradient pass takes it
+    (``_ChunkStats.group_entropy``): each part's ``lse`` as it comes (every rank) and this rank's share of
+    ``sum_j p_j z_j`` after its gradient pass (0 on an all-padding shard, which has none); ``total()`` sums the
+    shares over the group once the chunks are done (one all-gather of ``[N]`` fp32, summed in rank order:
+    ``parallel.sum_over_ranks``), so that every rank gets the same bytes: ``lse - sum``. Every rank of a group
+    takes this path or none (it depends only on the options, the route and the group)."""
+
+    def __init__(self, n: int, device):
+        self.lse = torch.empty(n, dtype=torch.float32, device=device)
+        self.share = torch.zeros(n, dtype=torch.float32, device=device)
+
+    def total(self, shard) -> torch.Tensor:
+        return self.lse - sum_over_ranks(self.share, shard)
+
+
 class _SoftmaxBlocks:
     """The softmax losses' block step: the fused GEMM in grad mode (``kernels.logits_tiles``) recomputes a block's
     logits and writes their gradient for the per-token ``coef`` into one ``[N_b, V_b]`` buffer."""
@@ -234,11 +259,11 @@ class _SoftmaxBlocks:
 
 
 def recompute_grads(hidden, weight, bias, tg: TokenTargets, rows: RowStats, coef: Coefficients, call: Call,
-                    folded: Folded, main_weight=None):
+                    main_weight=None):
     """dX, dW and db of the softmax losses from the logits recomputed in blocks (grad mode) for any per-token
     ``coef`` (``engine.block_loop``); ``main_weight``: add dW in fp32 into its ``main_grad`` instead of returning it."""
     hidden = hidden.contiguous()
-    step = _SoftmaxBlocks(hidden, weight, bias, tg, rows, coef, folded)
+    step = _SoftmaxBlocks(hidden, weight, bias, tg, rows, coef, call.plan.folded)
     return block_loop(hidden, weight, bias, call, step, main_weight)
 
 
@@ -314,9 +339,10 @@ def cross_entropy(hidden, weight, bias, tg: TokenTargets, opts: LossOptions, cal
     smooth = opts.label_smoothing > 0
     # how the gradients are finished, decided once (``routing.plan_finish``) from this call's facts: whether the
     # hopper extra takes P's GEMMs, and the statistics in the logits GEMM's epilogue. With one process the entropy
-    # and the argmax test then come from the gradient pass (``_ChunkStats.late``). Under a group the epilogue's GEMM
-    # starts after the set-up (it needs the targets), not before it as cuBLAS's first GEMM does; the statistics
-    # exchanged are the same tensor either way, so the choice is no collective's.
+    # and the argmax test then come from the gradient pass (``_ChunkStats.late``); under a group the entropy does on
+    # the fast route on every rank, epilogue or not (``_GroupEntropy``). Under a group the epilogue's GEMM starts
+    # after the set-up (it needs the targets), not before it as cuBLAS's first GEMM does; the statistics exchanged
+    # are the same tensor either way, so the choice is no collective's.
     folded = call.plan.folded
     fin = plan_finish(call, opts, hidden, w, b is not None)
     epilogue, one_dw = fin.epilogue, fin.one_dw
@@ -337,10 +363,14 @@ def cross_entropy(hidden, weight, bias, tg: TokenTargets, opts: LossOptions, cal
     if fin.fold_mean:  # dX in the hidden's dtype in forward: backward's scale is the upstream gradient alone
         unit = unit / tg.denominator(torch.float32)
 
-    late = ("entropy", "token_accuracy") if epilogue else ()  # from the gradient pass (``on_grad``)
+    group = _GroupEntropy(n, dev) if entropy and plan.route == "fast" and shard.sharded else None
+    # from the gradient pass (``on_grad``)
+    late = ("entropy", "token_accuracy") if epilogue else ("entropy",) if group is not None else ()
 
     def on_part(part, st):
         ce_token_outputs(st, opts, shard.vocab_size, tg, part, loss_tok, metrics, skip=late)
+        if group is not None:
+            group.lse[part] = st.lse
         if keep:
             rows.store(part, st)
         if not formed:
@@ -350,16 +380,23 @@ def cross_entropy(hidden, weight, bias, tg: TokenTargets, opts: LossOptions, cal
 
     if not formed:  # stats-only launches
         p, chunk = None, min(max(n, 1), plan.sizes.chunk)
-    stats = _ChunkStats(chunk, v, hidden, smooth, entropy, cw, before=before, epilogue=epilogue)
+    stats = _ChunkStats(chunk, v, hidden, smooth, entropy, cw, before=before, epilogue=epilogue,
+                        group_entropy=group is not None)
 
     def on_grad(part, r, st):
-        for k, value in zip(("entropy", "token_accuracy"), stats.grad_metrics(r, st)):
-            if value is not None:
-                metrics[k][part] = tg.metric(value, part)
+        ent, top = stats.grad_metrics(r, st)
+        if group is not None:
+            group.share[part] = ent
+        elif ent is not None:
+            metrics["entropy"][part] = tg.metric(ent, part)
+        if top is not None:
+            metrics["token_accuracy"][part] = tg.metric(top, part)
 
     step = _softmax_step(hidden, w, b, tl_local, stats, p, call, folded, cw, on_part,
                          on_grad=on_grad if stats.late else None)
     grads = chunk_loop(hidden, w, b, chunk, call, step, form=formed, finish=fin, whole_p=p if one_dw else None)
+    if group is not None:
+        metrics["entropy"] = tg.metric(group.total(shard), slice(None))
     return loss_tok, rows, None if grads is None else grads._replace(mean_folded=fin.fold_mean)
 
 
@@ -427,24 +464,32 @@ def log_prob_loss(hidden, weight, bias, tg: TokenTargets, o: LogProbLossOptions,
     v = shard.valid_rows
     # finished as the cross-entropy's fast route is (``routing.plan_finish``); the statistics in the logits GEMM's
     # epilogue only where the loss needs no other statistic before its gradient pass (an entropy that is only an
-    # output then comes from that pass, ``_ChunkStats.late``: one process only)
-    fin = plan_finish(call, o.finish_options(), hidden, w, b is not None, not o.stats_beyond_lse(shard.sharded))
+    # output then comes from that pass, ``_ChunkStats.late``; under a group on every rank, ``_GroupEntropy``)
+    fin = plan_finish(call, o.finish_options(), hidden, w, b is not None, not o.stats_beyond_lse())
     p, chunk = _first_chunk(hidden, w, b, call, early=not fin.epilogue, every_token=fin.one_dw)
     logp = torch.zeros(n, dtype=torch.float32, device=dev)
     ent = torch.zeros(n, dtype=torch.float32, device=dev) if o.entropy_stats else None
     fn_ent = (lambda sl: ent[sl]) if o.entropy else (lambda sl: None)  # what loss_fn gets
+    group = _GroupEntropy(n, dev) if o.entropy_stats and not o.entropy and shard.sharded else None
+    late_ent = fin.epilogue or group is not None  # the entropy from the gradient pass (``on_grad``)
     total = []
 
     metrics = loss_fn_metric_outputs(o, n, dev)
 
     def outputs(part, st):
-        logp[part], en = logprob_part_outputs(tg, st, part, o.entropy_stats and not fin.epilogue)
+        logp[part], en = logprob_part_outputs(tg, st, part, o.entropy_stats and not late_ent)
         if en is not None:
             ent[part] = en
+        if group is not None:
+            group.lse[part] = st.lse
         store_metric_outputs(metrics, tg, st, part, shard.vocab_size)
 
-    def on_grad(part, r, st):  # the entropy beside the epilogue: from the gradient pass
-        ent[part] = tg.token_loss(stats.grad_metrics(r, st)[0], part)
+    def on_grad(part, r, st):
+        value = stats.grad_metrics(r, st)[0]
+        if group is not None:
+            group.share[part] = value
+        else:
+            ent[part] = tg.token_loss(value, part)
 
     def on_part(part, st):
         outputs(part, st)
@@ -461,16 +506,19 @@ def log_prob_loss(hidden, weight, bias, tg: TokenTargets, o: LogProbLossOptions,
                                      call.plan.folded.inv_t) for part, _, st in got]
 
     stats = _ChunkStats(chunk, v, hidden, o.mean_logits, o.entropy_stats,
-                        before=tg.before.to(torch.int32) if o.top1 else None, epilogue=fin.epilogue)
+                        before=tg.before.to(torch.int32) if o.top1 else None, epilogue=fin.epilogue,
+                        group_entropy=group is not None)
     step = _softmax_step(hidden, w, b, tg.local_columns(), stats, p, call, call.plan.folded, None, on_part,
                          on_chunk=on_chunk if o.scope == "sequence" else None, on_grad=on_grad if stats.late else None)
     grads = chunk_loop(hidden, w, b, chunk, call, step, finish=fin, whole_p=p if fin.one_dw else None)
+    if group is not None:
+        ent = tg.token_loss(group.total(shard), slice(None))
     loss = torch.stack(total).sum() if total else torch.zeros((), dtype=torch.float32, device=dev)
     return loss, logp, ent, grads, metrics
 
 
 def speculative_grads(held: FastGrads, hidden, weight, bias, tg: TokenTargets, rows: RowStats, g: torch.Tensor,
-                      coefficients, call: Call, folded: Folded, main_weight=None, dtypes=None):
+                      coefficients, call: Call, main_weight=None, dtypes=None):
     """The speculative route's backward (``vpce.speculation``): the held unit-scale gradients finished for the
     per-token upstream gradient ``g [N]`` (fp32), exact for any ``g``, with no host sync.
 
@@ -503,7 +551,7 @@ def speculative_grads(held: FastGrads, hidden, weight, bias, tg: TokenTargets, r
                 if acc is not None:
                     kernels.gated_scale_(acc, zero, mispredicted)  # NaN in dW_unit stays NaN, as the lean route's
             _gated_recompute(hidden.contiguous(), weight[:v], None if bias is None else bias[:v], tg, rows,
-                             coefficients(r), flags, chunk, folded, dw, db)
+                             coefficients(r), flags, chunk, call.plan.folded, dw, db)
     if main_weight is not None and dw is not None:
         dw = weight_grad_to_main(main_weight, dw, last)
     elif dw is not None:
