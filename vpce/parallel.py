@@ -485,6 +485,29 @@ def exchange_softmax_stats(packed: torch.Tensor, n_sums: int, shard: VocabShard,
     return start_stats_exchange(packed, n_sums, shard, poison, sum_sq=sum_sq, max_before=max_before).wait()
 
 
+class PendingSum:
+    """``start_sum_over_ranks``'s all-gather in flight: ``wait()`` orders the current stream after it (that collective
+    alone, not the ones queued after it) and returns the sum in rank order."""
+
+    def __init__(self, every: torch.Tensor, world: int, work=None):
+        self.every, self.world, self.work = every, world, work
+
+    def wait(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        return self.every.view(self.world, -1).sum(0)
+
+
+def start_sum_over_ranks(local: torch.Tensor, shard: VocabShard) -> PendingSum:
+    """``sum_over_ranks`` started asynchronously: one all-gather of ``local`` (1-D, the same length on every rank)
+    that runs beside what is queued before ``wait()``."""
+    if not shard.sharded:
+        return PendingSum(local, 1)
+    out = local.new_empty(shard.world * local.numel())
+    return PendingSum(out, shard.world, all_gather_tensor(out, local.contiguous(), group=shard.group, async_op=True))
+
+
 def sum_over_ranks(local: torch.Tensor, shard: VocabShard) -> torch.Tensor:
     """The sum over the group of every rank's 1-D ``local`` (the same length on every rank): one all-gather, then
     a sum in rank order, so that every rank gets the same bytes (a reduction inside the collective need not).

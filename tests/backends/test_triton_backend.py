@@ -541,9 +541,39 @@ def test_statistics_epilogue_under_a_group(only_rank):
         assert with_metrics == ([(600, shard), (600, shard), (600, 88)] if epilogue else []), (rank, with_metrics)
         assert max(errs) < 2e-5, (rank, errs)
     # every call: the agreement, the two halves' statistics (max, sum of exp, target logit: no entropy row), and
-    # after the loop the entropy's shares (the metrics call and GRPO's)
-    call = [(124,), (3, 256), (3, 344)]
-    assert got[0][2] == got[1][2] == call + call + [(600,)] + call + [(600,)], (got[0][2], got[1][2])
+    # after each half's gradient pass its entropy shares (the metrics call and GRPO's)
+    call, shares = [(124,), (3, 256), (3, 344)], [(256,), (344,)]
+    assert got[0][2] == got[1][2] == call + call + shares + call + shares, (got[0][2], got[1][2])
+
+
+def _entropy_with_a_padding_rank_main(rank, world):
+    import torch.distributed as dist
+
+    sizes, vocab = [24, 16, 8], 40  # the last rank's rows are all padding
+    start, rows = sum(sizes[:rank]), sizes[rank]
+    p = make_problem((4, 50), 16, sum(sizes), vocab_size=vocab, dtype=torch.float32, ignore_frac=0.2, seed=6)
+    h, w = leaf(p.hidden), leaf(p.weight[start:start + rows])
+    out = vpce.linear_cross_entropy(h, w, p.target, group=dist.group.WORLD, vocab_size=vocab, backend="triton",
+                                    return_entropy=True)
+    out.loss.backward()
+    keep = p.target != -100
+    ent = reference_metrics(p.hidden.reshape(-1, 16), p.weight[:vocab], p.target.reshape(-1))["entropy"]
+    errs = [rel_err(out.entropy, ent[keep.reshape(-1)].mean())]
+    adv = torch.linspace(-1.0, 1.0, 4, dtype=torch.float32)
+    grpo = vpce.linear_grpo_loss(leaf(p.hidden), leaf(p.weight[start:start + rows]), p.target, adv, vocab_size=vocab,
+                                 group=dist.group.WORLD, backend="triton")
+    grpo.loss.backward()
+    errs.append(rel_err(grpo.entropy, ent[keep.reshape(-1)].mean()))
+    return errs
+
+
+@pytest.mark.skipif(CUDA, reason="the gloo runs use the CPU interpreter; NCCL runs are in launch/")
+def test_entropy_under_a_group_with_an_all_padding_rank():
+    """The entropy's shares go round every rank after each part's gradient pass, a rank whose rows are all padding
+    (no gradient pass) too, with zeros: the same collectives on every rank (a missing one would hang until the
+    timeout), and the cross-entropy's and GRPO's entropy against the float64 oracle."""
+    for rank, errs in enumerate(run_ranks(_entropy_with_a_padding_rank_main, 3, timeout=180.0)):
+        assert max(errs) < 2e-5, (rank, errs)
 
 
 @pytest.mark.skipif(not _hopper_here(), reason="needs an sm_90 GPU and the hopper extra (quack-kernels)")

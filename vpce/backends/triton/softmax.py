@@ -52,7 +52,7 @@ from ...formulas.softmax import (Coefficients, RowStats, ce_coefficients, ce_tok
                                  logprob_coefficients, logprob_part_outputs, loss_fn_coefficients,
                                  loss_fn_metric_outputs, store_metric_outputs)
 from ...options import Folded, LogProbLossOptions, LogProbOptions, LossOptions
-from ...parallel import PendingStats, gather_sequence, start_stats_exchange, sum_over_ranks
+from ...parallel import PendingStats, gather_sequence, start_stats_exchange, start_sum_over_ranks
 from ...rank_stats import RankStats
 from ...routing import ROW_ALIGN, Call, plan_finish, round_to
 from ...speculation import block_flags, split_upstream
@@ -89,6 +89,7 @@ class _ChunkStats:
         # once the chunks are done (``_GroupEntropy``), so that the ranks exchange the same statistics whichever of
         # them takes the epilogue; the argmax test stays one process's
         self.group_entropy = group_entropy
+        self.padding = v == 0  # this rank's rows are all padding
         self.late_ez = sum_ez and (epilogue or group_entropy)
         self.late = self.late_ez or (epilogue and before is not None)
         self.m = torch.empty(rows, n_tiles, **f32) if not epilogue or before is not None else None
@@ -166,6 +167,8 @@ class _ChunkStats:
     def grad_metrics(self, r: slice, st: RankStats):
         """``(entropy, argmax indicator)`` of buffer rows ``r`` after their gradient pass (``late``), None for
         what is not asked; under a group (``group_entropy``) this rank's share of the entropy's sum in its place."""
+        if self.padding:  # no gradient pass: no share of the sums (only under a group, ``group_entropy``)
+            return torch.zeros(r.stop - r.start, dtype=torch.float32, device=self.zt.device), None
         cut = lambda t: None if t is None or not self.epilogue else t[r]  # noqa: E731
         return kernels.grad_metrics(st.lse, self.zt[r], tile_ez=self.ez[r] if self.late_ez else None,
                                     tile_m=cut(self.m) if self.mb is not None else None, tile_mb=cut(self.mb),
@@ -214,18 +217,27 @@ class _ChunkStats:
 
 class _GroupEntropy:
     """The entropy of every token under a group where it is an output only and the gradient pass takes it
-    (``_ChunkStats.group_entropy``): each part's ``lse`` as it comes (every rank) and this rank's share of
-    ``sum_j p_j z_j`` after its gradient pass (0 on an all-padding shard, which has none); ``total()`` sums the
-    shares over the group once the chunks are done (one all-gather of ``[N]`` fp32, summed in rank order:
-    ``parallel.sum_over_ranks``), so that every rank gets the same bytes: ``lse - sum``. Every rank of a group
-    takes this path or none (it depends only on the options, the route and the group)."""
+    (``_ChunkStats.group_entropy``): each part's ``lse`` as its statistics come, and after the part's gradient pass
+    this rank's share of ``sum_j p_j z_j`` (0 on an all-padding shard, which has none) starts on its way to every
+    rank (``add``: one async all-gather of the part's ``[C]`` fp32 on every rank, in the parts' order, the same
+    collectives whichever rank takes the epilogue). ``total(keep)`` waits for them once the chunks are done and
+    sums each part's shares in rank order (``parallel.start_sum_over_ranks``: the same bytes on every rank):
+    ``lse - sum``. A part's all-gather is queued before its dX sum, so waiting for it never waits for dX's. Every
+    rank of a group takes this path or none (it depends only on the options, the route and the group)."""
 
-    def __init__(self, n: int, device):
+    def __init__(self, n: int, device, shard):
         self.lse = torch.empty(n, dtype=torch.float32, device=device)
-        self.share = torch.zeros(n, dtype=torch.float32, device=device)
+        self.shard, self.pending = shard, []
 
-    def total(self, shard) -> torch.Tensor:
-        return self.lse - sum_over_ranks(self.share, shard)
+    def add(self, part: slice, share: torch.Tensor):
+        self.pending.append((part, start_sum_over_ranks(share, self.shard)))
+
+    def total(self) -> torch.Tensor:
+        ent = torch.empty_like(self.lse)
+        for part, pending in self.pending:
+            ent[part] = self.lse[part] - pending.wait()
+        self.pending = []
+        return ent
 
 
 class _SoftmaxBlocks:
@@ -278,7 +290,7 @@ def _softmax_step(hidden, w, b, tl_local, stats: _ChunkStats, p, call: Call, fol
     rows of tokens, such as a sequence-level importance ratio). Without ``p`` (the lean route's and the no-grad
     forward's stats-only launches: ``engine.chunk_loop`` without ``form``), the fused GEMM takes the statistics and
     ``on_part`` only stores the outputs. ``on_grad(part, rows, stats)``: after each part's gradient pass (the
-    outputs that pass gives, ``_ChunkStats.grad_outputs``)."""
+    outputs that pass gives, ``_ChunkStats.grad_outputs``; on an all-padding shard too, which has no such pass)."""
 
     def step(sl: slice, first: bool):
         # the chunk's rows of P: its own rows where P holds every token (``routing.one_weight_grad_gemm``), else the
@@ -295,8 +307,8 @@ def _softmax_step(hidden, w, b, tl_local, stats: _ChunkStats, p, call: Call, fol
                 kernels.stored_logits(pc[r], None, tl_local[part], folded=folded,
                                       rows=(st.m, st.lse, st.q), coef=co, class_weight=cw,
                                       **stats.grad_outputs(part, r))  # in place
-                if on_grad is not None:
-                    on_grad(part, r, st)
+            if on_grad is not None:  # every rank, an all-padding shard too (``_GroupEntropy`` exchanges there)
+                on_grad(part, r, st)
         return pc
     return step
 
@@ -363,7 +375,7 @@ def cross_entropy(hidden, weight, bias, tg: TokenTargets, opts: LossOptions, cal
     if fin.fold_mean:  # dX in the hidden's dtype in forward: backward's scale is the upstream gradient alone
         unit = unit / tg.denominator(torch.float32)
 
-    group = _GroupEntropy(n, dev) if entropy and plan.route == "fast" and shard.sharded else None
+    group = _GroupEntropy(n, dev, shard) if entropy and plan.route == "fast" and shard.sharded else None
     # from the gradient pass (``on_grad``)
     late = ("entropy", "token_accuracy") if epilogue else ("entropy",) if group is not None else ()
 
@@ -386,7 +398,7 @@ def cross_entropy(hidden, weight, bias, tg: TokenTargets, opts: LossOptions, cal
     def on_grad(part, r, st):
         ent, top = stats.grad_metrics(r, st)
         if group is not None:
-            group.share[part] = ent
+            group.add(part, ent)
         elif ent is not None:
             metrics["entropy"][part] = tg.metric(ent, part)
         if top is not None:
@@ -396,7 +408,7 @@ def cross_entropy(hidden, weight, bias, tg: TokenTargets, opts: LossOptions, cal
                          on_grad=on_grad if stats.late else None)
     grads = chunk_loop(hidden, w, b, chunk, call, step, form=formed, finish=fin, whole_p=p if one_dw else None)
     if group is not None:
-        metrics["entropy"] = tg.metric(group.total(shard), slice(None))
+        metrics["entropy"] = tg.metric(group.total(), slice(None))
     return loss_tok, rows, None if grads is None else grads._replace(mean_folded=fin.fold_mean)
 
 
@@ -470,7 +482,7 @@ def log_prob_loss(hidden, weight, bias, tg: TokenTargets, o: LogProbLossOptions,
     logp = torch.zeros(n, dtype=torch.float32, device=dev)
     ent = torch.zeros(n, dtype=torch.float32, device=dev) if o.entropy_stats else None
     fn_ent = (lambda sl: ent[sl]) if o.entropy else (lambda sl: None)  # what loss_fn gets
-    group = _GroupEntropy(n, dev) if o.entropy_stats and not o.entropy and shard.sharded else None
+    group = _GroupEntropy(n, dev, shard) if o.entropy_stats and not o.entropy and shard.sharded else None
     late_ent = fin.epilogue or group is not None  # the entropy from the gradient pass (``on_grad``)
     total = []
 
@@ -487,7 +499,7 @@ def log_prob_loss(hidden, weight, bias, tg: TokenTargets, o: LogProbLossOptions,
     def on_grad(part, r, st):
         value = stats.grad_metrics(r, st)[0]
         if group is not None:
-            group.share[part] = value
+            group.add(part, value)
         else:
             ent[part] = tg.token_loss(value, part)
 
@@ -512,7 +524,7 @@ def log_prob_loss(hidden, weight, bias, tg: TokenTargets, o: LogProbLossOptions,
                          on_chunk=on_chunk if o.scope == "sequence" else None, on_grad=on_grad if stats.late else None)
     grads = chunk_loop(hidden, w, b, chunk, call, step, finish=fin, whole_p=p if fin.one_dw else None)
     if group is not None:
-        ent = tg.token_loss(group.total(shard), slice(None))
+        ent = tg.token_loss(group.total(), slice(None))
     loss = torch.stack(total).sum() if total else torch.zeros((), dtype=torch.float32, device=dev)
     return loss, logp, ent, grads, metrics
 
