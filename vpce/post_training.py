@@ -215,7 +215,7 @@ class LogProbLossEntry(Entry):
 
     def memory(self, p, h, rows, needs, world):
         return settle_by_memory(p, h, rows, needs, self.options.chunk_options(), world,
-                                self.weight_cast)
+                                self.weight_cast, whole_ok=True)
 
     def size(self, plan, shard, d, dtype):
         return size_log_prob_loss(plan, self.options, shard, d, dtype, self.weight_cast)

@@ -11,8 +11,9 @@ chunk and buffer sizes the backends read (they size nothing themselves).
   that is weighed only for long calls (fp32 dX of at least ``AUTO_CHECK_BYTES``): every rank sends whether the
   fast route fits in the agreement's fingerprint, the agreement is then read on the host (one sync), and every rank
   takes the fast route only if it fits on all of them. Shorter calls take the fast route with no reading.
-  Where free memory allows more, the cross-entropy's fast route takes every token in one chunk (``Plan.whole``,
-  ``settle_by_memory``): no fp32 dW accumulator is read and rewritten chunk after chunk. Where the fast route does
+  Where free memory allows more, the fast route (the cross-entropy's, ``linear_log_prob_loss``'s) takes every
+  token in one chunk (``Plan.whole``, ``settle_by_memory``): no fp32 dW accumulator is read and rewritten chunk
+  after chunk. Where the fast route does
   not fit, its compact form (``Plan.compact``: smaller ``P`` chunks, each freed in forward) before the lean route.
   Under a group that too is decided only where the agreement is read, as the smallest of every rank's fit
   (``vpce.parallel.agree``). In one process the fast route writes dX in the hidden's dtype chunk by chunk
@@ -136,8 +137,8 @@ class Plan:
     """``vpce.speculation.Record`` of a call site eligible for the speculative route (whichever route it takes): its
     backward reports there whether the upstream gradient was uniform (``Call.history``). None otherwise."""
     whole: bool = False
-    """The cross-entropy's fast route in one chunk of every token (``FIT_WHOLE``): ``memory_budget="auto"`` where
-    free memory allows (``settle_by_memory``)."""
+    """The fast route in one chunk of every token (``FIT_WHOLE``; the cross-entropy's, ``linear_log_prob_loss``'s):
+    ``memory_budget="auto"`` where free memory allows (``settle_by_memory``)."""
     compact: bool = False
     """The compact fast route (``FIT_COMPACT``: ``memory_budget="auto"`` where the fast route does not fit, and a
     numeric ``memory_budget``): smaller ``P`` chunks (``Sizing.compact_p_gib``), each freed in forward
@@ -424,7 +425,8 @@ def _fast_route_fits(hidden: torch.Tensor, tokens: int, rows: int, needs: tuple[
 def _fit(hidden: torch.Tensor, tokens: int, rows: int, needs: tuple[bool, bool, bool], opts: LossOptions,
          weight_cast: bool, whole_ok: bool, single: bool = False) -> int:
     """What fits in this device's free memory, the fastest first: ``FIT_WHOLE``, ``FIT_FAST``, ``FIT_COMPACT`` or
-    ``FIT_LEAN``. ``whole_ok``: the cross-entropy's fast route, whose chunk may hold every token; the compact route
+    ``FIT_LEAN``. ``whole_ok``: a fast route whose chunk may hold every token (the cross-entropy's,
+    ``linear_log_prob_loss``'s); the compact route
     only with dW needed (else the chunks hold no accumulator and gain nothing from freeing ``P``). One chunk is
     weighed only where it replaces chunks that each read and rewrite the fp32 dW accumulator (dW needed, more tokens
     than the default chunk) and its ``P`` holds at most the default ``P`` plus that accumulator: at most about two
@@ -459,7 +461,7 @@ def settle_by_memory(plan: Plan, hidden: torch.Tensor, rows: int, needs: tuple[b
     over the ranks. The speculative route (one process) holds what the fast route holds, plus three fp32 statistics
     per token: with ``memory_budget="auto"`` it becomes the lean route where that does not fit. ``weight_cast``:
     the Function casts the weight under autocast (``fast_route_bytes`` counts that copy; ``_fast_chunk``).
-    ``whole_ok``: the cross-entropy's fast route, which may take every token in one chunk (``_fit``)."""
+    ``whole_ok``: a fast route that may take every token in one chunk (``_fit``)."""
     # nothing to weigh (CPU interpreter), or no host calls wanted (compiling, or capturing a CUDA graph)
     weigh = not (torch.compiler.is_compiling() or not hidden.is_cuda or torch.cuda.is_current_stream_capturing())
     tokens, d = hidden.numel() // hidden.shape[-1], hidden.shape[-1]
@@ -620,12 +622,14 @@ def size_log_probs(plan: Plan, lp: LogProbOptions, shard: VocabShard, d: int, dt
 
 def size_log_prob_loss(plan: Plan, o: LogProbLossOptions, shard: VocabShard, d: int, dtype: torch.dtype,
                        weight_cast: bool = False) -> Plan:
-    """``linear_log_prob_loss``'s plan with its sizes: the fast route's ``P`` and finish as the cross-entropy's
-    (scope ``"sequence"``: whole rows, at least one), else the two-pass form's statistics launches and recompute
+    """``linear_log_prob_loss``'s plan with its sizes: the fast route's ``P`` (every token with ``Plan.whole``) and
+    finish as the cross-entropy's (scope ``"sequence"``: whole rows, at least one), else the two-pass form's statistics launches and recompute
     blocks, as ``linear_log_probs``' lean route."""
     if plan.backend == "triton" and plan.route == "fast":
         finish = _finish(plan, o.chunk_options(), shard, dtype, False)
         chunk = _fast_chunk(o.chunk_options(), shard.columns_per_rank, dtype, d, weight_cast, finish["compact"])
+        if plan.whole:
+            chunk = WHOLE_CHUNK
         if o.scope == "sequence":
             chunk = max(o.row, (chunk // o.row) * o.row)
         return dataclasses.replace(plan, sizes=Sizes(chunk, SIZING.lean_token_block, SIZING.lean_block_gib),

@@ -158,6 +158,24 @@ def test_auto_takes_what_fits_the_fastest_first(monkeypatch, case):
     assert chunk == want_chunk or case == "none-fit", (case, chunk)
 
 
+@pytest.mark.parametrize("scope", ["token", "sequence"])
+def test_the_fused_forms_plan_takes_one_chunk_where_it_fits(scope):
+    """``linear_log_prob_loss`` (GRPO, GSPO, DPO) sizes its fast route as the cross-entropy's: ``P`` of every token
+    where ``"auto"`` found room for it (``Plan.whole``), whole rows of the sequence scope included; the default
+    chunk otherwise."""
+    from vpce.options import LogProbLossOptions
+
+    d, rows = 4096, 128256
+    o = LogProbLossOptions(loss_fn=lambda lp, ent: lp, scope=scope, row=2048)
+    plan = routing.plan_log_prob_loss(o, (True, True, False), "triton", False, False)
+    shard = parallel.VocabShard(None, 0, 1, 0, rows, rows)
+    whole = routing.size_log_prob_loss(routing.settle(plan, routing.FIT_WHOLE), o, shard, d, torch.bfloat16)
+    fast = routing.size_log_prob_loss(routing.settle(plan, routing.FIT_FAST), o, shard, d, torch.bfloat16)
+    assert whole.whole and whole.sizes.chunk >= routing.WHOLE_CHUNK - 2048, whole.sizes
+    assert whole.sizes.chunk % (2048 if scope == "sequence" else 1) == 0
+    assert not fast.whole and fast.sizes.chunk == 8192, fast.sizes
+
+
 def _gpu_scenario():
     """Run in a fresh process (a clean caching allocator: its reserved-but-unused memory counts as free)."""
     # one process: the compact fast route holds the fp32 dW accumulator (1.9 GiB) and a 1 GiB P chunk (three of
@@ -228,6 +246,20 @@ def test_gpu_auto_runs_one_chunk_where_it_fits(monkeypatch):
 
     whole, chunked = step("auto"), step("fast")
     assert chunks == [9000, 8320], chunks
+    # GRPO's fused form takes the same one chunk (``linear_log_prob_loss``)
+    adv = torch.linspace(-1.0, 1.0, 9, device="cuda")
+
+    def grpo(budget):
+        hh, ww = leaf(h.view(9, 1000, -1)), leaf(w)
+        out = vpce.linear_grpo_loss(hh, ww, t.view(9, 1000), adv, memory_budget=budget)
+        out.loss.backward()
+        return out.loss.detach(), hh.grad, ww.grad
+
+    g_whole, g_chunked = grpo("auto"), grpo("fast")
+    assert chunks[2:] == [9000, 8320], chunks
+    assert rel_err(g_whole[0], g_chunked[0]) < 1e-6
+    assert rel_err(g_whole[1], g_chunked[1]) < 2 ** -7 and rel_err(g_whole[2], g_chunked[2]) < 2 ** -7
+    del chunks[2:]
     assert rel_err(whole[0], chunked[0]) < 1e-6
     assert rel_err(whole[1], chunked[1]) < 2 ** -7 and rel_err(whole[2], chunked[2]) < 2 ** -7  # within a rounding
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
