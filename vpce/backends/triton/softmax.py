@@ -149,7 +149,8 @@ class _ChunkStats:
 
     def _exchange(self, packed: torch.Tensor, call: Call) -> PendingStats:
         """Start the exchange of ``_local``'s packed statistics. The epilogue's carry no metrics' rows (those come
-        from the gradient pass, ``late``; under a group the metrics keep the statistics pass)."""
+        from the gradient pass, ``late``; under a group the argmax test keeps the statistics pass, and the entropy,
+        where ``group_entropy``, is exchanged after the gradient pass instead, ``_GroupEntropy``)."""
         metrics = not self.epilogue
         return start_stats_exchange(packed, 1 if self.z is not None else 0, call.shard, call.poison,
                                     combine=kernels.combine_rank_stats, sum_sq=metrics and self.sq is not None,
