@@ -221,7 +221,7 @@ class _GroupEntropy:
     (``_ChunkStats.group_entropy``): each part's ``lse`` as its statistics come, and after the part's gradient pass
     this rank's share of ``sum_j p_j z_j`` (0 on an all-padding shard, which has none) starts on its way to every
     rank (``add``: one async all-gather of the part's ``[C]`` fp32 on every rank, in the parts' order, the same
-    collectives whichever rank takes the epilogue). ``total(keep)`` waits for them once the chunks are done and
+    collectives whichever rank takes the epilogue). ``total()`` waits for them once the chunks are done and
     sums each part's shares in rank order (``parallel.start_sum_over_ranks``: the same bytes on every rank):
     ``lse - sum``. A part's all-gather is queued before its dX sum, so waiting for it never waits for dX's. Every
     rank of a group takes this path or none (it depends only on the options, the route and the group)."""
