@@ -41,10 +41,11 @@ setup-test: setup
 # The suite in TEST_WORKERS pytest-xdist processes: 2 where there is no NVIDIA driver (the CPU machine CI runs on,
 # where the Triton interpreter keeps one core busy per test), 1 where there is one (the tests that weigh the GPU's
 # free memory want it to themselves; `bash launch/gpu_suite.sh` spreads a GPU machine's run over its GPUs).
+# worksteal: an idle worker takes tests queued on the other, so a few long tests at the end do not leave one idle.
 TEST_WORKERS ?= $(if $(shell command -v nvidia-smi 2>/dev/null),1,2)
 
 test: setup-test
-	$(PYTHON) -m pytest -q $(if $(filter-out 1,$(TEST_WORKERS)),-n $(TEST_WORKERS)) tests
+	$(PYTHON) -m pytest -q $(if $(filter-out 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist worksteal) tests
 
 # `make demo` installs vpce (editable) only when $(PYTHON) does not already import it from this checkout, so a second
 # run starts at once; a fresh venv (CI: `make demo PYTHON=<venv>/bin/python`) still gets torch and the install.

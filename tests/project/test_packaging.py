@@ -135,7 +135,7 @@ def test_wheel_in_fresh_venv_runs_sharded_example(dists, tmp_path):
 
 #: vpce's extras and what each must pin (README.md's install table says the same; test_readme_lists_every_extra).
 EXTRAS = {
-    "test": {"pytest>=8", "pytest-timeout>=2", "pytest-xdist>=3", "numpy", "triton>=3.2", "megatron-core==0.16.1",
+    "test": {"pytest>=8", "pytest-timeout>=2", "pytest-xdist>=3.2", "numpy", "triton>=3.2", "megatron-core==0.16.1",
              "transformers<6,>=4.57", "build", "matplotlib", "accelerate>=1.1", "peft==0.18.1"},
     "bench": {"matplotlib", "numpy"},
     "megatron": {"megatron-core>=0.12"},
