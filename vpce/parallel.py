@@ -496,7 +496,7 @@ class PendingSum:
         if self.work is not None:
             self.work.wait()
             self.work = None
-        return self.every.view(self.world, -1).sum(0)
+        return self.every if self.world == 1 else self.every.view(self.world, -1).sum(0)
 
 
 def start_sum_over_ranks(local: torch.Tensor, shard: VocabShard) -> PendingSum:
@@ -512,11 +512,7 @@ def sum_over_ranks(local: torch.Tensor, shard: VocabShard) -> torch.Tensor:
     """The sum over the group of every rank's 1-D ``local`` (the same length on every rank): one all-gather, then
     a sum in rank order, so that every rank gets the same bytes (a reduction inside the collective need not).
     Used once per call for the class weights' per-token target weights and their total."""
-    if not shard.sharded:
-        return local
-    out = local.new_empty(shard.world * local.numel())
-    all_gather_tensor(out, local, group=shard.group)
-    return out.view(shard.world, -1).sum(0)
+    return start_sum_over_ranks(local, shard).wait()
 
 
 # ------------------------------------------------------------------------------------------------------------

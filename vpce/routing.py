@@ -13,8 +13,8 @@ chunk and buffer sizes the backends read (they size nothing themselves).
   takes the fast route only if it fits on all of them. Shorter calls take the fast route with no reading.
   Where free memory allows more, the fast route (the cross-entropy's, ``linear_log_prob_loss``'s) takes every
   token in one chunk (``Plan.whole``, ``settle_by_memory``): no fp32 dW accumulator is read and rewritten chunk
-  after chunk. Where the fast route does
-  not fit, its compact form (``Plan.compact``: smaller ``P`` chunks, each freed in forward) before the lean route.
+  after chunk. Where the fast route does not fit, its compact form (``Plan.compact``: smaller ``P`` chunks, each
+  freed in forward) before the lean route.
   Under a group that too is decided only where the agreement is read, as the smallest of every rank's fit
   (``vpce.parallel.agree``). In one process the fast route writes dX in the hidden's dtype chunk by chunk
   (``Plan.dx_in_forward``).
@@ -227,8 +227,8 @@ def finish_fast(plan: Plan, opts: LossOptions, tokens: int, d: int, dtype: torch
                 stats_only: bool = True) -> Finish:
     """The fast route's ``Finish`` for ``tokens`` tokens (all of them under sequence parallelism) and this rank's
     ``valid_rows``: the cross-entropy's, and ``linear_log_prob_loss``'s from its ``finish_options()`` (the logits:
-    ``Plan.folded``). quack
-    finishes dX and dW where ``extra.gemms`` and ``P``'s rows (``valid_rows`` apart) are 16-byte aligned. The
+    ``Plan.folded``). quack finishes dX and dW where ``extra.gemms`` and ``P``'s rows (``valid_rows`` apart) are
+    16-byte aligned. The
     statistics come from the logits GEMM's epilogue where ``extra.epilogue``, with no ``bias``, ``P``'s rows 16-byte
     aligned in bf16, the options needing of the statistics only the log-sum-exp, the target logit and (smoothing)
     the sum of the logits (``stats_only``: False where the loss needs more before its gradient pass), a logit scale
@@ -426,16 +426,15 @@ def _fit(hidden: torch.Tensor, tokens: int, rows: int, needs: tuple[bool, bool, 
          weight_cast: bool, whole_ok: bool, single: bool = False) -> int:
     """What fits in this device's free memory, the fastest first: ``FIT_WHOLE``, ``FIT_FAST``, ``FIT_COMPACT`` or
     ``FIT_LEAN``. ``whole_ok``: a fast route whose chunk may hold every token (the cross-entropy's,
-    ``linear_log_prob_loss``'s); the compact route
-    only with dW needed (else the chunks hold no accumulator and gain nothing from freeing ``P``). One chunk is
-    weighed only where it replaces chunks that each read and rewrite the fp32 dW accumulator (dW needed, more tokens
-    than the default chunk) and its ``P`` holds at most the default ``P`` plus that accumulator: at most about two
-    default chunks. Where the ``hopper`` extra finishes dW (``backends.gemm``) one chunk allocates no fp32
-    accumulator, but ``P`` then stays live into backward beside the 16-bit dW. Not under
-    ``torch.use_deterministic_algorithms(True)``: the chunking (dW's summation order) must not depend on free memory
-    there. One chunk is faster where it saves the accumulator's traffic, for the memory of the larger ``P``; the
-    compact route is slower than the fast one by that traffic, and faster than the lean route's recompute
-    (docs/benchmarks.md)."""
+    ``linear_log_prob_loss``'s); the compact route only with dW needed (else the chunks hold no accumulator and
+    gain nothing from freeing ``P``). One chunk is weighed only where it replaces chunks that each read and rewrite
+    the fp32 dW accumulator (dW needed, more tokens than the default chunk) and its ``P`` holds at most the default
+    ``P`` plus that accumulator: at most about two default chunks. Where the ``hopper`` extra finishes dW
+    (``backends.gemm``) one chunk allocates no fp32 accumulator, but ``P`` then stays live into backward beside the
+    16-bit dW. Not under ``torch.use_deterministic_algorithms(True)``: the chunking (dW's summation order) must not
+    depend on free memory there. One chunk is faster where it saves the accumulator's traffic, for the memory of
+    the larger ``P``; the compact route is slower than the fast one by that traffic, and faster than the lean
+    route's recompute (docs/benchmarks.md)."""
     d = hidden.shape[-1]
     if not _fast_route_fits(hidden, tokens, rows, needs, opts, 0, weight_cast, single=single):
         if needs[1] and _fast_route_fits(hidden, tokens, rows, needs, opts, 0, weight_cast,
@@ -623,8 +622,8 @@ def size_log_probs(plan: Plan, lp: LogProbOptions, shard: VocabShard, d: int, dt
 def size_log_prob_loss(plan: Plan, o: LogProbLossOptions, shard: VocabShard, d: int, dtype: torch.dtype,
                        weight_cast: bool = False) -> Plan:
     """``linear_log_prob_loss``'s plan with its sizes: the fast route's ``P`` (every token with ``Plan.whole``) and
-    finish as the cross-entropy's (scope ``"sequence"``: whole rows, at least one), else the two-pass form's statistics launches and recompute
-    blocks, as ``linear_log_probs``' lean route."""
+    finish as the cross-entropy's (scope ``"sequence"``: whole rows, at least one), else the two-pass form's
+    statistics launches and recompute blocks, as ``linear_log_probs``' lean route."""
     if plan.backend == "triton" and plan.route == "fast":
         finish = _finish(plan, o.chunk_options(), shard, dtype, False)
         chunk = _fast_chunk(o.chunk_options(), shard.columns_per_rank, dtype, d, weight_cast, finish["compact"])

@@ -214,9 +214,9 @@ def logits_with_stats(p: torch.Tensor, h: torch.Tensor, w: torch.Tensor, t_local
     """``p = h @ w.T`` (bf16) in one quack GEMM whose epilogue also takes the row statistics
     (``vpce.routing.finish_fast`` decides where), without reading ``p`` again. Returns per row the log-sum-exp
     ``[C]`` fp32 of all of ``p``'s logits as ``p`` holds them (soft-capped and scaled by ``folded``, where it has a
-    soft cap), and (``sum_z``: label smoothing) the sum of those logits times ``class_weight`` (ones where None), else None;
-    writes the target column's raw fp32 logit into ``zt`` (-inf where the target is not among these columns:
-    ``t_local`` -1). ``kernels.target_out_of_lse`` turns these into the statistics pass's."""
+    soft cap), and (``sum_z``: label smoothing) the sum of those logits times ``class_weight`` (ones where None),
+    else None; writes the target column's raw fp32 logit into ``zt`` (-inf where the target is not among these
+    columns: ``t_local`` -1). ``kernels.target_out_of_lse`` turns these into the statistics pass's."""
     zt.fill_(-math.inf)  # quack's select writes only the rows whose target is here
     v = p.shape[1]
     ops = dict(target=t_local, target_logit=zt)  # the select's buffer as an operand: quack writes into it

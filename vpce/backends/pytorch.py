@@ -198,6 +198,7 @@ def cross_entropy(hidden, weight, bias, tg: TokenTargets, opts: LossOptions, cal
     w = weight[:v]
     b = None if bias is None else bias[:v]
     smooth = opts.label_smoothing > 0
+    folded = call.plan.folded
     chunk = call.plan.sizes.chunk
     fast = call.plan.route == "fast"
     grads = None
@@ -215,7 +216,7 @@ def cross_entropy(hidden, weight, bias, tg: TokenTargets, opts: LossOptions, cal
         tg.scaling = torch.empty(n, dtype=acc, device=hidden.device)
 
     def step(sl):
-        z, st = _chunk_stats(hidden, w, b, tg, sl, call, call.plan.folded, acc, sum_z=smooth, class_weight=cw,
+        z, st = _chunk_stats(hidden, w, b, tg, sl, call, folded, acc, sum_z=smooth, class_weight=cw,
                              sum_ez="entropy" in opts.metrics, top1="token_accuracy" in opts.metrics)
         ce_token_outputs(st, opts, shard.vocab_size, tg, sl, loss_tok, metrics)
         if keep:
@@ -224,7 +225,6 @@ def cross_entropy(hidden, weight, bias, tg: TokenTargets, opts: LossOptions, cal
             return None
         scale = unit[sl] if tg.scaling is None else unit[sl] * tg.scaling[sl]
         co = ce_coefficients(scale, st.lse, opts, shard.vocab_size, tg.class_rows(sl))
-        folded = call.plan.folded
         return _logit_grad_(z, RowStats.of(st), co, tg.idx[sl], tg.in_shard[sl], folded, cw)
 
     _chunk_loop(hidden, w, chunk, step, grads)

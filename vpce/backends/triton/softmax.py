@@ -161,19 +161,21 @@ class _ChunkStats:
         (``late``): per tile the entropy's sum and the argmax test's maxima; else nothing."""
         if not self.late:
             return {}
-        cut = lambda t: None if t is None or not self.epilogue else t[r]  # noqa: E731 - the argmax test's
-        return dict(tile_ez=self.ez[r] if self.late_ez else None, tile_m=cut(self.m), tile_mb=cut(self.mb),
-                    before=None if self.before is None or not self.epilogue else self.before[part])
+        return dict(tile_ez=self.ez[r] if self.late_ez else None, tile_m=self._top1(self.m, r),
+                    tile_mb=self._top1(self.mb, r), before=self._top1(self.before, part))
+
+    def _top1(self, t, r):
+        """Rows ``r`` of an argmax-test buffer where the gradient pass takes that test (beside the epilogue)."""
+        return None if t is None or not self.epilogue else t[r]
 
     def grad_metrics(self, r: slice, st: RankStats):
         """``(entropy, argmax indicator)`` of buffer rows ``r`` after their gradient pass (``late``), None for
         what is not asked; under a group (``group_entropy``) this rank's share of the entropy's sum in its place."""
         if self.padding:  # no gradient pass: no share of the sums (only under a group, ``group_entropy``)
             return torch.zeros(r.stop - r.start, dtype=torch.float32, device=self.zt.device), None
-        cut = lambda t: None if t is None or not self.epilogue else t[r]  # noqa: E731
         return kernels.grad_metrics(st.lse, self.zt[r], tile_ez=self.ez[r] if self.late_ez else None,
-                                    tile_m=cut(self.m) if self.mb is not None else None, tile_mb=cut(self.mb),
-                                    zs=cut(self.zs), partial=self.group_entropy)
+                                    tile_m=self._top1(self.m, r), tile_mb=self._top1(self.mb, r),
+                                    zs=self._top1(self.zs, r), partial=self.group_entropy)
 
     @staticmethod
     def _cuts(c: int, call: Call) -> list[int]:
