@@ -26,6 +26,17 @@ if not torch.cuda.is_available():
     torch.set_num_threads(1)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def hopper_kernels():
+    """On an sm_90 GPU with the hopper extra, its kernels built before the first test (``vpce.build_hopper_kernels``:
+    a process's first calls would otherwise run without them while they build), so that the GPU tests check the
+    route that uses them from their first call."""
+    if torch.cuda.is_available():
+        from distributed import ready_hopper_kernels
+
+        ready_hopper_kernels()
+
+
 @pytest.fixture
 def sizing(monkeypatch):
     """Other chunk and block sizes for one test: ``sizing(lean_token_block=48, fast_p_gib=1e-9, ...)`` replaces

@@ -34,6 +34,15 @@ cpu_triton = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                        "tests cover it)")
 
 
+def ready_hopper_kernels():
+    """On an sm_90 GPU with the hopper extra, its kernels ready before the first call (``vpce.build_hopper_kernels``,
+    which the test process has run into the shared cache): the GPU tests check the route that uses them."""
+    import vpce
+
+    for dtype in (torch.bfloat16, torch.float16):
+        vpce.build_hopper_kernels(dtype=dtype)
+
+
 def _entry(fn, rank, world, port, out, args, backend, preloaded):
     for name, where in preloaded.items():  # the forkserver's imports must be the test process's own modules
         got = getattr(sys.modules.get(name), "__file__", where)
@@ -47,6 +56,7 @@ def _entry(fn, rank, world, port, out, args, backend, preloaded):
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
+            ready_hopper_kernels()
         dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=90))
         out.put((rank, True, fn(rank, world, *args)))
     except BaseException:  # noqa: BLE001 - everything goes back to the parent

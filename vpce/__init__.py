@@ -15,10 +15,11 @@ statistics exchange, autograd-aware collectives), ``reference`` (the float64 ref
 from . import nn
 from .api import CrossEntropyOutput, LinearCrossEntropy, linear_cross_entropy, linear_log_probs
 from .backends.gemm import HopperExtraWarning
+from .backends.hopper import build as build_hopper_kernels
 from .options import LossOptions
 
 __all__ = ["linear_cross_entropy", "linear_log_probs", "LinearCrossEntropy", "LossOptions", "CrossEntropyOutput", "nn",
-           "HopperExtraWarning"]
+           "HopperExtraWarning", "build_hopper_kernels"]
 
 from .distill import linear_distillation_loss  # noqa: E402
 

@@ -302,9 +302,9 @@ def test_statistics_kernels_match_the_torch_combine(sum_z, sum_ez, world, poison
 
 
 def _hopper_here() -> bool:
-    from vpce.backends import gemm
+    from vpce.backends import hopper
 
-    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9 and gemm._quack() is not None
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9 and hopper.quack() is not None
 
 
 @pytest.mark.skipif(not _hopper_here(), reason="needs an sm_90 GPU and the hopper extra (quack-kernels)")

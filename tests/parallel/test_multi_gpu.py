@@ -65,9 +65,9 @@ def _one_dw_gemm_main(rank, world):
 
 
 def test_nccl_one_dw_gemm_over_every_token():
-    from vpce.backends import gemm
+    from vpce.backends import hopper
 
-    if torch.cuda.get_device_capability(0)[0] != 9 or gemm._quack() is None:
+    if torch.cuda.get_device_capability(0)[0] != 9 or hopper.quack() is None:
         pytest.skip("needs the hopper extra on sm_90")
     tol = _check_module().TOLERANCE
     for rank, out in enumerate(run_ranks(_one_dw_gemm_main, 2, backend="nccl")):

@@ -5,6 +5,8 @@
 * ``pytorch``: the same functions in plain PyTorch, the CPU path;
 * ``gemm``: the GEMM dispatch both use (cuBLAS with an fp32 result, the upcast fallback, the ``hopper`` extra's
   quack GEMMs);
+* ``hopper`` (and ``hopper_child``, its child process): the ``hopper`` extra's kernels, compiled without a GPU in a
+  child process while a process's first calls run without them (``vpce.build_hopper_kernels`` waits for them);
 * ``grads``: how a backend hands its gradients back (the fast route's held gradients finished in backward,
   ``main_grad``).
 

@@ -23,6 +23,7 @@ import warnings
 import torch
 
 from ..options import Folded
+from . import hopper
 
 __all__ = ["HopperExtraWarning", "mm_out", "mm_into", "addmm_out_", "add_product", "logits_into", "has_mixed_gemm",
            "hopper_dw_ready", "scaled_weight_grad", "scaled_hidden_grad", "logits_with_stats"]
@@ -94,21 +95,6 @@ def logits_into(out: torch.Tensor, h: torch.Tensor, w: torch.Tensor, b: torch.Te
     return torch.addmm(b, h, w.t(), out=out)
 
 
-@functools.cache
-def _quack():
-    """quack-kernels' GEMM interface (the optional ``hopper`` extra), or None where it is not installed. An install
-    that fails to import is named once, then left alone."""
-    try:
-        from quack import gemm_interface
-    except ImportError:
-        return None
-    except Exception as e:  # noqa: BLE001 - a broken optional extra must not stop the loss
-        warnings.warn(f"vpce: the hopper extra (quack-kernels) failed to import, dW uses cuBLAS and a cast pass: {e!r}",
-                      stacklevel=2)
-        return None
-    return gemm_interface
-
-
 class HopperExtraWarning(UserWarning):
     """Said once per process on an sm_90 GPU (H100, H200) where the ``hopper`` extra is not installed: the fast
     route then runs on cuBLAS with a statistics pass and a cast pass. Turn it off with
@@ -126,14 +112,17 @@ def _suggest_hopper_extra() -> None:
 
 def hopper_dw_ready(g: torch.Tensor, x: torch.Tensor) -> bool:
     """Whether ``scaled_weight_grad(acc, g, x, ...)`` (and ``scaled_hidden_grad(g, x, ...)``, ``x`` then the weight
-    ``[V, D]``) can run as one quack GEMM: an sm_90 GPU, the ``hopper`` extra, 16-bit row-major ``g`` and ``x`` of
-    one dtype, 16-byte aligned (TMA)."""
+    ``[V, D]``) can run as one quack GEMM: an sm_90 GPU, the ``hopper`` extra with its kernels built
+    (``backends.hopper.ready``: False while they build, without waiting), 16-bit row-major ``g`` and ``x`` of one
+    dtype, 16-byte aligned (TMA)."""
     if not (g.is_cuda and g.dtype in (torch.float16, torch.bfloat16) and x.dtype == g.dtype):
         return False
     if torch.cuda.get_device_capability(g.device)[0] != 9:
         return False
-    if _quack() is None:
+    if not hopper.installed():
         _suggest_hopper_extra()
+        return False
+    if not hopper.ready(g.device, g.dtype):  # the kernels still building (vpce.backends.hopper), or a broken extra
         return False
     return all(t.dim() == 2 and t.stride(1) == 1 and t.stride(0) % 8 == 0 and t.data_ptr() % 16 == 0 for t in (g, x))
 
@@ -150,10 +139,14 @@ DX_TILE = DW_ADD_TILE
 DX_TILE_H200 = DW_TILE
 
 
+def dx_tile(device_name: str) -> dict:
+    """The pinned dX config for the GPU named ``device_name`` (the H200's differs from the H100's)."""
+    return DX_TILE_H200 if "H200" in device_name else DX_TILE
+
+
 @functools.lru_cache(maxsize=None)
 def _dx_tile(device_index: int) -> dict:
-    """The pinned dX config for the GPU ``device_index`` (by its name: the H200's differs from the H100's)."""
-    return DX_TILE_H200 if "H200" in torch.cuda.get_device_name(device_index) else DX_TILE
+    return dx_tile(torch.cuda.get_device_name(device_index))
 
 
 # Every quack GEMM here takes its output tiles from a counter in global memory (quack's dynamic persistent
@@ -179,7 +172,7 @@ def scaled_weight_grad(acc: torch.Tensor | None, g: torch.Tensor, x: torch.Tenso
     """``scale * (acc + g^T x)`` in the 16-bit ``dtype``, accumulated in fp32 and rounded once, in one quack GEMM
     (``hopper_dw_ready``): ``acc`` is the fp32 accumulator of the earlier chunks (None: there were none), ``scale``
     the 0-d upstream gradient."""
-    q = _quack()
+    q = hopper.quack()
     s = scale.detach().to(torch.float32).reshape(1).contiguous()  # read on the device: no host sync
     out = torch.empty(g.shape[1], x.shape[1], dtype=dtype, device=g.device)
     if acc is None:
@@ -189,14 +182,17 @@ def scaled_weight_grad(acc: torch.Tensor | None, g: torch.Tensor, x: torch.Tenso
     return out
 
 
-def scaled_hidden_grad(g: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def scaled_hidden_grad(g: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
+                       tile: dict | None = None) -> torch.Tensor:
     """``scale * (g @ w)`` in the 16-bit ``dtype``, accumulated in fp32 and rounded once, in one quack GEMM
     (``hopper_dw_ready(g, w)``): dX of a call whose gradient ``g [N, V]`` is one chunk, with no fp32 ``[N, D]``
-    buffer and no scale-and-cast pass; ``scale`` the 0-d upstream gradient."""
+    buffer and no scale-and-cast pass; ``scale`` the 0-d upstream gradient. ``tile``: the config (default: the
+    GPU's, ``dx_tile``)."""
     s = scale.detach().to(torch.float32).reshape(1).contiguous()  # read on the device: no host sync
     out = torch.empty(g.shape[0], w.shape[1], dtype=dtype, device=g.device)
-    tile = _dx_tile(g.device.index if g.device.index is not None else torch.cuda.current_device())
-    _quack().gemm_tuned.fn(g, w, out, alpha=s, config=_config(tile))
+    if tile is None:
+        tile = _dx_tile(g.device.index if g.device.index is not None else torch.cuda.current_device())
+    hopper.quack().gemm_tuned.fn(g, w, out, alpha=s, config=_config(tile))
     return out
 
 

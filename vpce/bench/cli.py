@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from .harness import Env, Settings, Shape
+from .harness import Env, Settings, Shape, ready_extra
 from .first_step import DEFAULT_METHODS as FIRST_STEP_METHODS, format_first_step, run_first_step
 from .meta import DTYPES, INPUTS, device_info, distill_settings, git_commit, now_utc, package_versions, timings_caveat
 from .methods import FLOOR, METHODS, default_methods, device_backend, method_names, quick_methods
@@ -308,6 +308,7 @@ def main(argv: list[str] | None = None) -> int:
             device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
     env = Env(device=device, dtype=DTYPES[args.dtype])
+    ready_extra(env)
     if args.profile:
         if caveat:
             print(caveat + "\n", flush=True)

@@ -148,6 +148,17 @@ class Timing:
         return min(self.samples)
 
 
+def ready_extra(env: Env) -> bool:
+    """Build the ``hopper`` extra's kernels for the bench's dtype and wait for them (``vpce.build_hopper_kernels``),
+    so that vpce's rows time the route they run in a steady state: a process's first calls run without them while
+    they build. False where there is no sm_90 GPU or no extra."""
+    if env.device.type != "cuda" or env.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    import vpce
+
+    return vpce.build_hopper_kernels(env.device, env.dtype)
+
+
 def synchronize(device: torch.device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -88,7 +88,8 @@ import torch
 import torch.distributed as dist
 
 from .. import parallel
-from .harness import GiB, Env, Problem, Settings, Shape, err_from_sq, free_memory, make_problem, measure
+from .harness import (GiB, Env, Problem, Settings, Shape, err_from_sq, free_memory, make_problem, measure,
+                      ready_extra)
 from .launch_env import RECORDED_ENV_KEYS, init_process_group
 from .meta import DTYPES, INPUTS, device_info, distill_settings, git_commit, now_utc, package_versions, timings_caveat
 from .methods import FLOOR, METHODS
@@ -124,6 +125,7 @@ def _init_group(args, dtype: torch.dtype) -> tuple[Env, bool]:
     group = dist.group.WORLD
     env = Env(device=device, dtype=dtype, group=group, tp=dist.get_world_size(group),
               rank=dist.get_rank(group), sequence_parallel=args.sp)
+    ready_extra(env)
     return env, owned
 
 
