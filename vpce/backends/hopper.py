@@ -6,25 +6,25 @@ by default a folder under the system's temporary directory). Compiling them and 
 (docs/benchmarks.md, "First step"), which a first training step would otherwise wait for. So, on an sm_90 GPU with the
 extra installed, the first call that could use them (``ready``) returns False at once and starts:
 
-1. a **child process that compiles them without the GPU** (``python -m vpce.backends.hopper_child``: ``CUDA_VISIBLE_DEVICES``
-   empty, the architecture given by ``QUACK_ARCH`` / ``CUTE_DSL_ARCH``): it calls the same functions of
-   ``backends.gemm`` that the fast route calls, on small CPU tensors of the call's dtype and layouts, so that quack
-   writes each kernel under the very key the GPU process will look up (the kernels are compiled for symbolic
-   shapes; the key holds the dtypes, the operands' majors, the tile and the epilogue). The launch that would follow
-   each compile cannot happen without a GPU and is skipped. No GPU memory, no CUDA context;
+1. a **child process that compiles them without the GPU** (``python -m vpce.backends.hopper_child``:
+   ``CUDA_VISIBLE_DEVICES`` empty, the architecture given by ``QUACK_ARCH`` / ``CUTE_DSL_ARCH``): it calls the same
+   functions of ``backends.gemm`` that the fast route calls, on small CPU tensors of the call's dtype and layouts,
+   so that quack writes each kernel under the very key the GPU process will look up (the kernels are compiled for
+   symbolic shapes; the key holds the dtypes, the operands' majors, the tile and the epilogue). The launch that
+   would follow each compile cannot happen without a GPU and is skipped. No GPU memory, no CUDA context;
 2. once the child has compiled the kernels of a plain call (it says so on stdout, then goes on with the
-   soft-capped and label-smoothing epilogues), **quack's import** here, at the next call (about 3 s, once; on the calling thread:
-   importing torch's and quack's modules from a second thread could meet the caller's own imports).
+   soft-capped and label-smoothing epilogues), **quack's import** here, at the next call (once, on the calling
+   thread: importing torch's and quack's modules from a second thread could meet the caller's own imports).
 
 Until both are done, ``ready`` is False and the calls take the fast route on cuBLAS and Triton (the route without
-the extra: the same results to rounding); from then on it is True and each quack call's first use loads its compiled
-kernel from the cache. Which library finishes a rank's gradients changes no collective, so
-ranks may switch at different steps.
+the extra: the same results to rounding); from then on it is True and each quack call's first use loads its
+compiled kernel from the cache. Which library finishes a rank's gradients changes no collective, so ranks may switch
+at different steps.
 
 ``build(wait=True)`` (``vpce.build_hopper_kernels``) waits for both, for code that wants the extra's kernels from
 its first step: a benchmark, a CUDA graph captured at the first step, a bitwise-reproducible run. With
-``torch.use_deterministic_algorithms(True)`` the first call waits as well (the old way: quack imported and each
-kernel compiled in this process on first use), so that every step runs the same kernels. With quack's cache turned
+``torch.use_deterministic_algorithms(True)`` the first call waits as well (quack imported and each kernel
+compiled in this process on first use), so that every step runs the same kernels. With quack's cache turned
 off (``QUACK_CACHE_ENABLED=0``) a child's kernels could not be found again, so the same holds there.
 
 A child that fails (it cannot start, or exits with an error) is named once in a warning; the kernels are then
@@ -89,7 +89,8 @@ def _device_of(device) -> torch.device:
 
 def child_command(dtype: torch.dtype, device_name: str) -> list[str]:
     """The child's command line: build the kernels of ``dtype`` for the GPU named ``device_name``."""
-    return [sys.executable, "-m", "vpce.backends.hopper_child", "--dtype", _dtype_name(dtype), "--device-name", device_name]
+    return [sys.executable, "-m", "vpce.backends.hopper_child", "--dtype", _dtype_name(dtype),
+            "--device-name", device_name]
 
 
 def child_env(capability: tuple[int, int]) -> dict:

@@ -48,7 +48,8 @@ def main(argv=None) -> int:
     logits = []
     if dtype == torch.bfloat16:  # the statistics epilogue runs on bf16 logits only
         t, zt, cw = torch.zeros(n, dtype=torch.int32), torch.zeros(n), torch.ones(v)
-        logits = [(Folded(softcap=cap), sum_z) for cap in (None, 30.0) for sum_z in (False, True)]
+        # the plain epilogue, then the soft-capped one before the label-smoothing ones
+        logits = [(Folded(softcap=cap), sum_z) for sum_z in (False, True) for cap in (None, 30.0)]
     first = [("dW", lambda: gemm.scaled_weight_grad(None, g, x, one, dtype)),
              ("dX", lambda: gemm.scaled_hidden_grad(g, w, one, dtype, tile=gemm.dx_tile(args.device_name))),
              ("dW after earlier chunks", lambda: gemm.scaled_weight_grad(torch.zeros(v, d), g, x, one, dtype))]
