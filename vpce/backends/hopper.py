@@ -87,6 +87,13 @@ def _device_of(device) -> torch.device:
     return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
 
 
+@functools.cache
+def _gpu(index: int) -> tuple[str, tuple[int, int]]:
+    """The name and compute capability of CUDA device ``index``, asked once per process (``ready`` runs every call
+    until the kernels are built)."""
+    return torch.cuda.get_device_name(index), torch.cuda.get_device_capability(index)
+
+
 def child_command(dtype: torch.dtype, device_name: str) -> list[str]:
     """The child's command line: build the kernels of ``dtype`` for the GPU named ``device_name``."""
     return [sys.executable, "-m", "vpce.backends.hopper_child", "--dtype", _dtype_name(dtype),
@@ -229,8 +236,7 @@ def ready(device: torch.device, dtype: torch.dtype) -> bool:
     installed) now; starts their build the first time and returns at once (module docstring)."""
     if _blocking():
         return quack() is not None
-    index = _device_of(device).index
-    return _BUILDS.ready(dtype, torch.cuda.get_device_name(index), torch.cuda.get_device_capability(index))
+    return _BUILDS.ready(dtype, *_gpu(_device_of(device).index))
 
 
 def build(device=None, dtype: torch.dtype = torch.bfloat16, *, wait: bool = True,
@@ -244,12 +250,11 @@ def build(device=None, dtype: torch.dtype = torch.bfloat16, *, wait: bool = True
     if not torch.cuda.is_available():
         return False
     device = _device_of(device)
-    capability = torch.cuda.get_device_capability(device.index)
+    gpu, capability = _gpu(device.index)
     if capability[0] != 9 or not installed():
         return False
     if _blocking():
         return ready(device, dtype)
-    gpu = torch.cuda.get_device_name(device.index)
     if wait:
         return _BUILDS.wait(dtype, gpu, capability, timeout)
     return _BUILDS.ready(dtype, gpu, capability)
