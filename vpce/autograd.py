@@ -37,9 +37,11 @@ __all__ = ["backend_module", "LinearCrossEntropyFunction", "LinearLogProbsFuncti
 
 def backend_module(name: str):
     """The backend's module: ``vpce.backends.triton`` or ``vpce.backends.pytorch`` (imported on first use: the
-    Triton backend loads Triton)."""
+    Triton backend loads Triton; ``kernels.launch.start`` gives a cold process's first compiles a head start)."""
     if name == "triton":
         from .backends import triton as triton_backend
+        from .kernels import launch
+        launch.start()
         return triton_backend
     from .backends import pytorch as torch_backend
     return torch_backend

@@ -1,0 +1,78 @@
+"""A cold process's first launch of each kernel (``vpce.kernels.launch``): where Triton builds a C launcher per kernel
+signature, the build runs on vpce's worker thread beside the kernel's compile, never on the launching thread; where
+it builds none (Triton 3.9, the interpreter), nothing is installed and nothing starts."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import vpce.kernels as kernels
+from vpce.kernels import launch
+
+KERNEL_MODULES = (kernels.softmax, kernels.gated, kernels.distill)
+
+
+def _hooked(module):
+    return {name for name, obj in vars(module).items()
+            if name.endswith("_kernel") and any(isinstance(h, launch._FirstLaunch)
+                                                for h in getattr(launch._jit_function(obj), "pre_run_hooks", []))}
+
+
+@pytest.mark.skipif(launch.builds_launchers(), reason="this Triton builds a C launcher per signature")
+def test_nothing_is_installed_or_started_where_triton_builds_no_launcher_per_signature():
+    assert launch.install(*KERNEL_MODULES) == 0
+    assert all(not _hooked(m) for m in KERNEL_MODULES)
+    launch.start()
+    assert launch._worker.cache_info().currsize == 0, "no worker thread where there is nothing to build"
+
+
+@pytest.mark.skipif(not launch.builds_launchers(), reason="this Triton builds no C launcher per signature")
+def test_every_kernel_gets_one_hook_and_installing_again_adds_none():
+    assert launch.install(*KERNEL_MODULES) == 0, "vpce.kernels installed them at import"
+    for module in KERNEL_MODULES:
+        for name, obj in vars(module).items():
+            fn = launch._jit_function(obj) if name.endswith("_kernel") else None
+            if fn is not None:
+                assert sum(isinstance(h, launch._FirstLaunch) for h in fn.pre_run_hooks) <= 1, name
+
+
+_COLD_STEP = r"""
+import json, os, sys, threading, torch
+import triton.runtime.build as build
+builds = []
+def _build(name, *a, **k):
+    builds.append((name, threading.current_thread().name))
+    return original(name, *a, **k)
+original, build._build = build._build, _build
+import vpce
+torch.manual_seed(0)
+n, d, v = 333, 256, 1000
+x = torch.randn(n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+w = (torch.randn(v, d, device="cuda") / d**0.5).to(torch.bfloat16).requires_grad_()
+y = torch.randint(0, v, (n,), device="cuda")
+y[::7] = -100
+loss = vpce.linear_cross_entropy(x, w, y, backend="triton")
+loss.backward()
+torch.cuda.synchronize()
+ref = torch.nn.functional.cross_entropy(x.detach().double() @ w.detach().double().T, y)
+print(json.dumps(dict(builds=builds, loss=loss.item(), ref=ref.item())))
+"""
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.skipif(not launch.builds_launchers(), reason="this Triton builds no C launcher per signature")
+def test_gpu_a_cold_processs_launchers_are_built_on_the_worker_beside_the_compiles(tmp_path):
+    env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path / "triton"), VPCE_OFFLINE="1")
+    out = subprocess.run([sys.executable, "-c", _COLD_STEP], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    launchers = [thread for name, thread in result["builds"] if name == "__triton_launcher"]
+    assert launchers, f"a cold process builds launchers: {result['builds']}"
+    on_caller = [t for t in launchers if not t.startswith("vpce-launcher")]
+    assert not on_caller, (f"launcher builds on the launching thread {on_caller} (of {launchers}): a launch's argument "
+                           "kinds differ from its kernel's first launch, or the prebuilt source is not Triton's")
+    assert abs(result["loss"] - result["ref"]) <= 2e-2 * abs(result["ref"]), result

@@ -1,0 +1,143 @@
+"""A process's first launch of each kernel, when Triton's cache is empty.
+
+Triton 3.6 and the releases before it build a small C extension, the kernel's *launcher*, with the system's C
+compiler the first time a kernel runs in a process whose Triton cache does not hold it. It does that after
+compiling the kernel itself, so a cold first step waits for the two one after the other, kernel by kernel. The
+launcher's source depends only on the kinds of the kernel's arguments (pointer, 32- or 64-bit integer, float,
+constant), which Triton knows before it compiles, and the compiler is a separate process. So:
+
+* ``install`` gives each of vpce's kernels a Triton pre-run hook that runs once per process: it takes the kinds of
+  this launch's arguments from the kernel's own binder, has a worker thread build the launcher from Triton's own
+  launcher source (into Triton's cache, under the key Triton computes), compiles the kernel on the calling thread
+  (``JITFunction.warmup``: compile only, no launch), and waits for the build. Triton's launch that follows finds
+  both in its caches. Nothing is guessed: a launch whose arguments differ later (another specialization) is
+  compiled by Triton as before;
+* ``start`` (the Triton backend's first call on a GPU) hashes Triton's own sources (``triton_key``, part of every
+  kernel's cache key) on that worker thread while the call's first GEMMs run.
+
+Neither changes what a kernel computes or when it is launched: it only moves Triton's host-side work. Where Triton
+builds no launcher per signature (3.9 launches every kernel through one entry point of its driver), or under the
+interpreter, both are no-ops. The measured effect is in docs/benchmarks.md ("The first step").
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from types import ModuleType
+
+from .common import INTERPRET
+
+__all__ = ["install", "start", "builds_launchers"]
+
+_log = logging.getLogger(__name__)
+
+
+@functools.cache
+def _launcher_api():
+    """``(nvidia driver module, compile_module_from_src)`` where this Triton builds a C launcher per kernel
+    signature with ``make_launcher(constants, signature, tensordesc_meta)``; else ``None``."""
+    if INTERPRET:
+        return None
+    try:
+        from triton.backends.nvidia import driver as nv
+        from triton.runtime.build import compile_module_from_src
+        from triton.runtime.jit import JITFunction
+    except ImportError:
+        return None
+    make = getattr(nv, "make_launcher", None)
+    if make is None or list(inspect.signature(make).parameters) != ["constants", "signature", "tensordesc_meta"]:
+        return None
+    if not all(hasattr(nv, n) for n in ("library_dirs", "include_dirs", "libraries")):
+        return None
+    if not hasattr(JITFunction, "warmup"):
+        return None
+    return nv, compile_module_from_src
+
+
+def builds_launchers() -> bool:
+    """Whether this Triton builds a C launcher per kernel signature (the case ``install`` and ``start`` act on)."""
+    return _launcher_api() is not None
+
+
+@functools.cache
+def _worker() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=2, thread_name_prefix="vpce-launcher")
+
+
+class _FirstLaunch:
+    """A kernel's pre-run hook for its first launch in this process (see the module docstring)."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.lock = threading.Lock()
+
+    def __call__(self, *args, **kwargs):
+        with self.lock:  # one thread prepares; another launching the same kernel meanwhile compiles as Triton does
+            if self not in self.fn.pre_run_hooks:
+                return
+            self.fn.pre_run_hooks.remove(self)
+        build = self._build_launcher(args, kwargs)
+        self.fn.warmup(*args, grid=(1,), **kwargs)  # a compile error is the kernel's, raised here as at its launch
+        if build is not None and build.exception() is not None:
+            # Triton builds the launcher itself at the launch and reports its own error there
+            _log.debug("vpce: launcher of %s not prebuilt: %r", self.fn, build.exception())
+
+    def _build_launcher(self, args, kwargs) -> Future | None:
+        nv, compile_module_from_src = _launcher_api()
+        try:
+            import triton
+
+            device = triton.runtime.driver.active.get_current_device()
+            binder = self.fn.device_caches[device][4]
+            _, specialization, _ = binder(*args, **kwargs)
+            kinds = [s[0] for s in specialization]
+            if any(isinstance(k, str) and k.startswith("tensordesc") for k in kinds):
+                return None  # a TMA descriptor's launcher also depends on the compiled kernel's metadata
+            src = nv.make_launcher({}, dict(enumerate(kinds)), None)
+            return _worker().submit(compile_module_from_src, src=src, name="__triton_launcher",
+                                    library_dirs=nv.library_dirs(), include_dirs=nv.include_dirs,
+                                    libraries=nv.libraries)
+        except Exception as e:  # noqa: BLE001 - only a head start: Triton builds the launcher at the launch anyway
+            _log.debug("vpce: launcher of %s not prebuilt: %r", self.fn, e)
+            return None
+
+
+def _jit_function(obj):
+    """The ``JITFunction`` under ``obj`` (through ``triton.heuristics`` / ``autotune`` wrappers), or ``None``."""
+    from triton.runtime.jit import JITFunction
+    while obj is not None and not isinstance(obj, JITFunction):
+        obj = getattr(obj, "fn", None)
+    return obj
+
+
+def install(*modules: ModuleType) -> int:
+    """Give every ``*_kernel`` of ``modules`` its first-launch hook; returns how many got one (0 where Triton
+    builds no C launcher)."""
+    if _launcher_api() is None:
+        return 0
+    count = 0
+    for module in modules:
+        for name, obj in vars(module).items():
+            fn = _jit_function(obj) if name.endswith("_kernel") else None
+            hooks = getattr(fn, "pre_run_hooks", None)
+            if isinstance(hooks, list) and not any(isinstance(h, _FirstLaunch) for h in hooks):
+                fn.pre_run_hooks.append(_FirstLaunch(fn))
+                count += 1
+    return count
+
+
+_started = threading.Event()
+
+
+def start() -> None:
+    """Hash Triton's sources on the worker thread, once per process, where kernels are about to be compiled for a
+    GPU; returns at once."""
+    if _started.is_set() or _launcher_api() is None:
+        return
+    _started.set()
+    from triton.runtime.cache import triton_key
+    _worker().submit(triton_key)
