@@ -167,15 +167,27 @@ def _ppo_loss(config, hidden, weight, target, old_log_probs, advantages, bias=No
             parts["kl_loss"], parts["kl_coef"] = kl_loss, config.kl_loss_coef
         return loss, parts
 
+    # verl's policy losses return their metrics as Python floats (``.item()``: the host waits for the GPU). Where
+    # vpce evaluates the loss once on every token (one chunk, or the two-pass form), that evaluation's metrics are
+    # the micro-batch's; else they are computed once more on the whole micro-batch
+    evaluations = []
+
+    def loss_fn(lp, en, **x):
+        loss, parts = terms(lp, en, **x)
+        evaluations.append((lp.numel(), parts))
+        return loss
+
     rng = torch.get_rng_state()  # (clip_cov draws a random subset: the metrics see the loss's draw)
     try:
         loss, logp, ent = vpce.linear_log_prob_loss(
-            hidden, weight, target, lambda lp, en, **x: terms(lp, en, **x)[0], bias, inputs=inputs, scope=scope,
-            use_entropy=use_entropy, temperature=temperature, softcap=softcap, ignore_index=ignore_index,
-            group=group, vocab_start=vocab_start, vocab_size=vocab_size, backend=backend,
-            memory_budget=memory_budget, validate=validate, return_outputs=True)
+            hidden, weight, target, loss_fn, bias, inputs=inputs, scope=scope, use_entropy=use_entropy,
+            temperature=temperature, softcap=softcap, ignore_index=ignore_index, group=group,
+            vocab_start=vocab_start, vocab_size=vocab_size, backend=backend, memory_budget=memory_budget,
+            validate=validate, return_outputs=True)
         parts = None
-        if metrics:
+        if metrics and len(evaluations) == 1 and evaluations[0][0] == target.numel():
+            parts = evaluations[0][1]
+        elif metrics:
             with torch.no_grad():  # verl's metrics, once, on the whole micro-batch
                 x = {k: v.detach().to(logp.device) for k, v in inputs.items()}
                 after = torch.get_rng_state()
