@@ -40,6 +40,24 @@ def test_every_kernel_gets_one_hook_and_installing_again_adds_none():
                 assert sum(isinstance(h, launch._FirstLaunch) for h in fn.pre_run_hooks) <= 1, name
 
 
+def test_a_forked_child_runs_its_own_worker():
+    launch._worker().submit(int).result(timeout=30)  # the parent's worker exists
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: the parent's worker thread is not here; a job must still run
+        os.close(r)
+        try:
+            ok = launch._worker().submit(lambda: 7).result(timeout=30) == 7
+        except BaseException:  # noqa: BLE001 - the parent reports it
+            ok = False
+        os.write(w, b"1" if ok else b"0")
+        os._exit(0)
+    os.close(w)
+    got = os.read(r, 1)
+    os.waitpid(pid, 0)
+    assert got == b"1", "a forked child's job ran on a worker of its own"
+
+
 _COLD_STEP = r"""
 import json, os, sys, threading, torch
 import triton.runtime.build as build

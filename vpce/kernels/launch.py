@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from types import ModuleType
@@ -66,6 +67,10 @@ def builds_launchers() -> bool:
 @functools.cache
 def _worker() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=2, thread_name_prefix="vpce-launcher")
+
+
+# a forked child has none of the parent's threads: it starts its own worker if it ever needs one
+os.register_at_fork(after_in_child=_worker.cache_clear)
 
 
 class _FirstLaunch:
