@@ -27,7 +27,7 @@ def test_nothing_is_installed_or_started_where_triton_builds_no_launcher_per_sig
     assert launch.install(*KERNEL_MODULES) == 0
     assert all(not _hooked(m) for m in KERNEL_MODULES)
     launch.start()
-    assert launch._worker.cache_info().currsize == 0, "no worker thread where there is nothing to build"
+    assert not launch._started.is_set(), "nothing hashed or built where there is nothing to build"
 
 
 @pytest.mark.skipif(not launch.builds_launchers(), reason="this Triton builds no C launcher per signature")

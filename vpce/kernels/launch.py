@@ -17,7 +17,7 @@ constant), which Triton knows before it compiles, and the compiler is a separate
 
 Neither changes what a kernel computes or when it is launched: it only moves Triton's host-side work. Where Triton
 builds no launcher per signature (3.9 launches every kernel through one entry point of its driver), or under the
-interpreter, both are no-ops. The measured effect is in docs/benchmarks.md ("The first step").
+interpreter, both are no-ops. The measured effect: docs/benchmarks.md, "A cold first step's launchers".
 """
 
 from __future__ import annotations
