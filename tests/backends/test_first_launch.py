@@ -1,6 +1,7 @@
 """A cold process's first launch of each kernel (``vpce.kernels.launch``): where Triton builds a C launcher per kernel
-signature, the build runs on vpce's worker thread beside the kernel's compile, never on the launching thread; where
-it builds none (Triton 3.9, the interpreter), nothing is installed and nothing starts."""
+signature, the build runs on vpce's worker thread beside the kernel's compile, never on the launching thread, and
+so does Triton's driver's; where it builds none (Triton 3.9, the interpreter), the kernels are Triton's own and
+nothing starts."""
 
 import json
 import os
@@ -16,28 +17,33 @@ from vpce.kernels import launch
 KERNEL_MODULES = (kernels.softmax, kernels.gated, kernels.distill)
 
 
-def _hooked(module):
-    return {name for name, obj in vars(module).items()
-            if name.endswith("_kernel") and any(isinstance(h, launch._FirstLaunch)
-                                                for h in getattr(launch._jit_function(obj), "pre_run_hooks", []))}
+def _kernels(module):
+    return {name: obj for name, obj in vars(module).items() if name.endswith("_kernel")}
+
+
+def _hooks(obj):
+    return [h for h in getattr(launch._jit_function(obj), "pre_run_hooks", []) if isinstance(h, launch._FirstLaunch)]
 
 
 @pytest.mark.skipif(launch.builds_launchers(), reason="this Triton builds a C launcher per signature")
-def test_nothing_is_installed_or_started_where_triton_builds_no_launcher_per_signature():
-    assert launch.install(*KERNEL_MODULES) == 0
-    assert all(not _hooked(m) for m in KERNEL_MODULES)
+def test_the_kernels_are_triton_s_own_and_nothing_starts_where_triton_builds_no_launcher_per_signature():
+    for module in KERNEL_MODULES:
+        for name, obj in _kernels(module).items():
+            assert not isinstance(obj, launch._Kernel) and not _hooks(obj), name
     launch.start()
-    assert not launch._started.is_set(), "nothing hashed or built where there is nothing to build"
+    assert not launch._started.is_set() and launch._driver is None, "nothing created, hashed or built"
 
 
 @pytest.mark.skipif(not launch.builds_launchers(), reason="this Triton builds no C launcher per signature")
-def test_every_kernel_gets_one_hook_and_installing_again_adds_none():
-    assert launch.install(*KERNEL_MODULES) == 0, "vpce.kernels installed them at import"
+def test_every_kernel_is_declared_first_launch_with_at_most_one_hook():
+    names = set()
     for module in KERNEL_MODULES:
-        for name, obj in vars(module).items():
-            fn = launch._jit_function(obj) if name.endswith("_kernel") else None
-            if fn is not None:
-                assert sum(isinstance(h, launch._FirstLaunch) for h in fn.pre_run_hooks) <= 1, name
+        for name, obj in _kernels(module).items():
+            assert isinstance(obj, launch._Kernel), f"{name}: expected @first_launch"
+            assert launch._jit_function(obj) is not None, name
+            assert len(_hooks(obj)) <= 1, name  # consumed at its first launch
+            names.add(name)
+    assert {"_stored_logits_kernel", "_scale_cast_kernel", "_distill_grad_kernel"} <= names
 
 
 def test_a_forked_child_runs_its_own_worker():
@@ -90,6 +96,8 @@ def test_gpu_a_cold_processs_launchers_are_built_on_the_worker_beside_the_compil
     result = json.loads(out.stdout.strip().splitlines()[-1])
     launchers = [thread for name, thread in result["builds"] if name == "__triton_launcher"]
     assert launchers, f"a cold process builds launchers: {result['builds']}"
+    utils = [thread for name, thread in result["builds"] if name == "cuda_utils"]
+    assert utils and all(t.startswith("vpce-launcher") for t in utils), f"Triton's driver built ahead: {utils}"
     on_caller = [t for t in launchers if not t.startswith("vpce-launcher")]
     assert not on_caller, (f"launcher builds on the launching thread {on_caller} (of {launchers}): a launch's argument "
                            "kinds differ from its kernel's first launch, or the prebuilt source is not Triton's")

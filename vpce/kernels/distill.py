@@ -27,6 +27,7 @@ import triton.language as tl
 
 from ..options import Folded
 from .common import INTERPRET, LN2, LOG2E, _exp, _program_tile, _softcap, _softcap_value, _tiles_max
+from .launch import first_launch
 
 __all__ = ["distill_stats", "combine_distill_heads", "distill_mixture", "distill_grad_", "distill_block_align"]
 
@@ -114,6 +115,7 @@ def _distill_load(Z, Y, rm, rn, mask, stride_zm, stride_ym, softcap, t_softcap, 
     return z1, z, y, dcap
 
 
+@first_launch
 @triton.heuristics({"EVEN_N": lambda a: a["V"] % a["BLOCK_N"] == 0})
 @triton.jit
 def _distill_stats_kernel(
@@ -196,6 +198,7 @@ def _tiles_sum(TS, base, ok, T, BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr):
     return tl.sum(s2, 1)
 
 
+@first_launch
 @triton.jit
 def _distill_reduce_kernel(TILES, OUT, C, T, plane, SUMS: tl.constexpr, KL: tl.constexpr, CE: tl.constexpr,
                            CE_AT: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr):
@@ -226,6 +229,7 @@ def _distill_reduce_kernel(TILES, OUT, C, T, plane, SUMS: tl.constexpr, KL: tl.c
             tl.store(OUT + (CE_AT + 1) * C + rows, s, mask=ok)
 
 
+@first_launch
 @triton.jit
 def _combine_distill_kernel(EVERY, OUT, POISON, C, W, R, KL: tl.constexpr, HAS_POISON: tl.constexpr,
                             BLOCK_C: tl.constexpr):
@@ -256,6 +260,7 @@ def _combine_distill_kernel(EVERY, OUT, POISON, C, W, R, KL: tl.constexpr, HAS_P
             tl.store(OUT + 4 * C + rows, e / s, mask=ok)
 
 
+@first_launch
 @triton.heuristics({"EVEN_N": lambda a: a["V"] % a["BLOCK_N"] == 0})
 @triton.jit
 def _distill_mixture_kernel(
@@ -289,6 +294,7 @@ def _distill_mixture_kernel(
     tl.store(TILES + plane + stat, tl.sum(p * s_m, axis=1) * LN2, mask=row_ok)
 
 
+@first_launch
 @triton.jit
 def _distill_grad_kernel(
     # pointers

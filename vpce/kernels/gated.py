@@ -15,10 +15,12 @@ import triton
 import triton.language as tl
 
 from .common import INTERPRET, _persistent
+from .launch import first_launch
 
 __all__ = ["scale_cast", "row_scale_cast", "gated_weight_grad_", "gated_scale_"]
 
 
+@first_launch
 @triton.jit
 def _scale_cast_kernel(SRC, DST, G, numel, BLOCK: tl.constexpr):
     """``DST = (SRC * G[0]).to(DST.dtype)``, the product in fp32: one pass (``DST`` may be ``SRC``)."""
@@ -29,6 +31,7 @@ def _scale_cast_kernel(SRC, DST, G, numel, BLOCK: tl.constexpr):
     tl.store(DST + offs, (x * g).to(DST.dtype.element_ty), mask=mask)
 
 
+@first_launch
 @triton.jit
 def _row_scale_cast_kernel(SRC, DST, G, N, D, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
     """``DST[i] = (SRC[i] * G[i]).to(DST.dtype)``: one pass over a contiguous fp32 ``[N, D]``."""
@@ -78,6 +81,7 @@ def _weight_grad_tile(pid_v, pid_d, P, X, DW, DB, K, V, D, stride_pk, stride_pv,
             tl.store(DB + rv, tl.load(DB + rv, mask=v_ok, other=0.0) + col, mask=v_ok)
 
 
+@first_launch
 @triton.jit
 def _gated_weight_grad_kernel(
     # pointers
@@ -101,6 +105,7 @@ def _gated_weight_grad_kernel(
                               stride_xd, stride_wv, stride_wd, HAS_DW, HAS_DB, IEEE, BLOCK_V, BLOCK_D, BLOCK_K)
 
 
+@first_launch
 @triton.jit
 def _gated_scale_kernel(X, S, FLAG, numel, BLOCK: tl.constexpr):
     """``X *= S[0]`` (fp32, contiguous, in place) where ``FLAG[0] != 0``; a persistent grid that returns at once

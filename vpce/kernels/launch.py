@@ -1,23 +1,25 @@
 """A process's first launch of each kernel, when Triton's cache is empty.
 
-Triton 3.6 and the releases before it build a small C extension, the kernel's *launcher*, with the system's C
-compiler the first time a kernel runs in a process whose Triton cache does not hold it. It does that after
-compiling the kernel itself, so a cold first step waits for the two one after the other, kernel by kernel. The
-launcher's source depends only on the kinds of the kernel's arguments (pointer, 32- or 64-bit integer, float,
-constant), which Triton knows before it compiles, and the compiler is a separate process. So:
+Triton 3.6 and the releases before it build small C extensions with the system's C compiler the first time a
+process whose Triton cache does not hold them needs them: its driver's utilities at the first kernel launch, then
+each kernel's *launcher*, after compiling the kernel itself. A cold first step waits for them one after the other,
+kernel by kernel. A launcher's source depends only on the kinds of the kernel's arguments (pointer, 32- or 64-bit
+integer, float, constant), which Triton knows before it compiles, and the compiler is a separate process. So every
+kernel of vpce is declared ``@first_launch``:
 
-* ``install`` gives each of vpce's kernels a Triton pre-run hook that runs once per process: it takes the kinds of
-  this launch's arguments from the kernel's own binder, has a worker thread build the launcher from Triton's own
-  launcher source (into Triton's cache, under the key Triton computes), compiles the kernel on the calling thread
-  (``JITFunction.warmup``: compile only, no launch), and waits for the build. Triton's launch that follows finds
-  both in its caches. Nothing is guessed: a launch whose arguments differ later (another specialization) is
-  compiled by Triton as before;
-* ``start`` (the Triton backend's first call on a GPU) hashes Triton's own sources (``triton_key``, part of every
-  kernel's cache key) on that worker thread while the call's first GEMMs run.
+* its first launch in a process runs a Triton pre-run hook: the kinds of this launch's arguments from the kernel's
+  own binder; a worker thread builds the launcher from Triton's own launcher source (into Triton's cache, under the
+  key Triton computes) while the calling thread compiles the kernel (``JITFunction.warmup``: compile only, no
+  launch), then waits for the build. Triton's launch that follows finds both in its caches. Nothing is guessed: a
+  launch whose arguments differ later (another specialization) is compiled by Triton as before;
+* ``start`` (the Triton backend's first call) has the worker create Triton's driver (its utilities' build) and hash
+  Triton's sources (``triton_key``, part of every kernel's cache key) while the call's first GEMMs run, and the
+  first launch of a ``@first_launch`` kernel waits for the driver (else the launch would build it a second time).
 
-Neither changes what a kernel computes or when it is launched: it only moves Triton's host-side work. Where Triton
-builds no launcher per signature (3.9 launches every kernel through one entry point of its driver), or under the
-interpreter, both are no-ops. The measured effect: docs/benchmarks.md, "A cold first step's launchers".
+None of this changes what a kernel computes or when it is launched: it only moves Triton's host-side work. Where
+Triton builds no launcher per signature (3.9 launches every kernel through one entry point of its driver), or under
+the interpreter, ``first_launch`` returns the kernel as it is and ``start`` does nothing. The measured effect:
+docs/benchmarks.md, "A cold first step's launchers".
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from types import ModuleType
 
 from .common import INTERPRET
 
-__all__ = ["install", "start", "builds_launchers"]
+__all__ = ["first_launch", "start", "builds_launchers"]
 
 _log = logging.getLogger(__name__)
 
@@ -60,7 +62,7 @@ def _launcher_api():
 
 
 def builds_launchers() -> bool:
-    """Whether this Triton builds a C launcher per kernel signature (the case ``install`` and ``start`` act on)."""
+    """Whether this Triton builds a C launcher per kernel signature (the case ``first_launch`` and ``start`` act on)."""
     return _launcher_api() is not None
 
 
@@ -112,37 +114,68 @@ class _FirstLaunch:
 
 
 def _jit_function(obj):
-    """The ``JITFunction`` under ``obj`` (through ``triton.heuristics`` / ``autotune`` wrappers), or ``None``."""
+    """The ``JITFunction`` under ``obj`` (through ``first_launch`` and ``triton.heuristics`` / ``autotune``
+    wrappers), or ``None``."""
     from triton.runtime.jit import JITFunction
+    if isinstance(obj, _Kernel):
+        obj = obj.kernel
     while obj is not None and not isinstance(obj, JITFunction):
         obj = getattr(obj, "fn", None)
     return obj
 
 
-def install(*modules: ModuleType) -> int:
-    """Give every ``*_kernel`` of ``modules`` its first-launch hook; returns how many got one (0 where Triton
-    builds no C launcher)."""
-    if _launcher_api() is None:
-        return 0
-    count = 0
-    for module in modules:
-        for name, obj in vars(module).items():
-            fn = _jit_function(obj) if name.endswith("_kernel") else None
-            hooks = getattr(fn, "pre_run_hooks", None)
-            if isinstance(hooks, list) and not any(isinstance(h, _FirstLaunch) for h in hooks):
-                fn.pre_run_hooks.append(_FirstLaunch(fn))
-                count += 1
-    return count
+class _Kernel:
+    """A ``@first_launch`` kernel as its launch sites use it: ``kernel[grid](...)`` waits for the driver ``start``
+    creates, once per process, then launches through Triton; every other attribute is the Triton kernel's."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def __getitem__(self, grid):
+        if _driver is not None:
+            _wait_for_driver()
+        return self.kernel[grid]
+
+    def __getattr__(self, name):
+        return getattr(self.kernel, name)
+
+
+def first_launch(kernel):
+    """Declare a Triton kernel (``@triton.jit``, under ``triton.heuristics`` where it has them) as one of vpce's:
+    its first launch in a process builds Triton's launcher beside its compile (see the module docstring). Returns
+    ``kernel`` itself where Triton builds no launcher per signature."""
+    fn = _jit_function(kernel) if _launcher_api() is not None else None
+    if fn is None:
+        return kernel
+    fn.pre_run_hooks.append(_FirstLaunch(fn))
+    return _Kernel(kernel)
 
 
 _started = threading.Event()
+_driver: Future | None = None  # Triton's driver, being created on the worker (``start``) until a launch has waited
+
+
+def _create_driver():
+    import triton
+    return triton.runtime.driver.active
+
+
+def _wait_for_driver():
+    global _driver
+    pending = _driver
+    if pending is not None:
+        if pending.exception() is not None:  # Triton creates it at the launch and reports its own error there
+            _log.debug("vpce: Triton's driver not created ahead: %r", pending.exception())
+        _driver = None
 
 
 def start() -> None:
-    """Hash Triton's sources on the worker thread, once per process, where kernels are about to be compiled for a
-    GPU; returns at once."""
+    """Once per process, where kernels are about to be compiled for a GPU: create Triton's driver and hash Triton's
+    sources on the worker thread; returns at once."""
+    global _driver
     if _started.is_set() or _launcher_api() is None:
         return
     _started.set()
     from triton.runtime.cache import triton_key
+    _driver = _worker().submit(_create_driver)
     _worker().submit(triton_key)

@@ -37,6 +37,7 @@ from ..options import Folded
 from ..rank_stats import RankStats
 from .common import (INTERPRET, _exp, _log1p, _persistent, _program_tile, _softcap_quarter_slope, _softcap_value,
                      _tiles_max)
+from .launch import first_launch
 
 try:  # host-side TMA descriptors (Triton >= 3.3)
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -231,6 +232,7 @@ def _epilogue(
 
 
 
+@first_launch
 @triton.heuristics({"EVEN_K": lambda a: a["D"] % a["BLOCK_K"] == 0,
                     "EVEN_N": lambda a: a["V"] % a["BLOCK_N"] == 0})
 @triton.jit
@@ -308,6 +310,7 @@ def _logits_tiles_kernel(
                   False)
 
 
+@first_launch
 @triton.heuristics({"EVEN_N": lambda a: a["V"] % a["BLOCK_N"] == 0})
 @triton.jit
 def _stored_logits_kernel(
@@ -335,6 +338,7 @@ def _stored_logits_kernel(
               True)
 
 
+@first_launch
 @triton.jit
 def _target_logits_kernel(X, W, BIAS, TL, ZT, L, ZS, M, D, stride_xm, stride_xk, stride_wv, stride_wk, stride_lm,
                           stride_ln, softcap, inv_t, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr,
@@ -376,6 +380,7 @@ def _target_logits_kernel(X, W, BIAS, TL, ZT, L, ZS, M, D, stride_xm, stride_xk,
     tl.store(ZT + rm, tl.where(mine, z, float("-inf")), mask=row_ok)
 
 
+@first_launch
 @triton.jit
 def _target_out_of_lse_kernel(LSE, ZT, S, ZS, C, softcap, inv_t, SOFTCAP: tl.constexpr, TEMPERATURE: tl.constexpr,
                               ROUND: tl.constexpr, STORED: tl.constexpr, BLOCK: tl.constexpr):
@@ -409,6 +414,7 @@ def _target_out_of_lse_kernel(LSE, ZT, S, ZS, C, softcap, inv_t, SOFTCAP: tl.con
     tl.store(ZT + rows, tl.where(here, z, float("-inf")), mask=ok)
 
 
+@first_launch
 @triton.jit
 def _grad_metrics_kernel(TEZ, TM, TMB, LSE, ZT, ZS, ENT, TOP, C, T, ENTROPY: tl.constexpr, TOP1: tl.constexpr,
                          PARTIAL: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr):
@@ -447,6 +453,7 @@ def _grad_metrics_kernel(TEZ, TM, TMB, LSE, ZT, ZS, ENT, TOP, C, T, ENTROPY: tl.
         tl.store(TOP + rows, tl.where(hit, 1.0, 0.0), mask=ok)
 
 
+@first_launch
 @triton.jit
 def _reduce_tiles_kernel(TM, TS, TZ, TEZ, ZT, OUT, C, T, SUM_Z: tl.constexpr, SUM_EZ: tl.constexpr,
                          BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr, TSQ, TMB, SUM_SQ: tl.constexpr,
@@ -498,6 +505,7 @@ def _reduce_tiles_kernel(TM, TS, TZ, TEZ, ZT, OUT, C, T, SUM_Z: tl.constexpr, SU
         tl.store(OUT + (ROW_MB + 1) * C + rows, tl.load(TTS + rows, mask=ok, other=0.0), mask=ok)
 
 
+@first_launch
 @triton.jit
 def _combine_rank_stats_kernel(EVERY, OUT, POISON, C, W, R, N_SUMS: tl.constexpr, N_W: tl.constexpr,
                                HAS_POISON: tl.constexpr, BLOCK_C: tl.constexpr, SUM_SQ: tl.constexpr,
