@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import Future
 
 import pytest
 import torch
@@ -46,14 +47,15 @@ def test_every_kernel_is_declared_first_launch_with_at_most_one_hook():
     assert {"_stored_logits_kernel", "_scale_cast_kernel", "_distill_grad_kernel"} <= names
 
 
-def test_a_forked_child_runs_its_own_worker():
+def test_a_forked_child_runs_its_own_worker_and_waits_for_no_driver_of_the_parent(monkeypatch):
     launch._worker().submit(int).result(timeout=30)  # the parent's worker exists
+    monkeypatch.setattr(launch, "_driver", Future())  # a driver the parent is still creating
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: the parent's worker thread is not here; a job must still run
         os.close(r)
         try:
-            ok = launch._worker().submit(lambda: 7).result(timeout=30) == 7
+            ok = launch._worker().submit(lambda: 7).result(timeout=30) == 7 and launch._driver is None
         except BaseException:  # noqa: BLE001 - the parent reports it
             ok = False
         os.write(w, b"1" if ok else b"0")
@@ -61,7 +63,7 @@ def test_a_forked_child_runs_its_own_worker():
     os.close(w)
     got = os.read(r, 1)
     os.waitpid(pid, 0)
-    assert got == b"1", "a forked child's job ran on a worker of its own"
+    assert got == b"1", "a forked child's job ran on a worker of its own, with no pending driver of the parent's"
 
 
 _COLD_STEP = r"""

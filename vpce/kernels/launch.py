@@ -30,7 +30,6 @@ import logging
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from types import ModuleType
 
 from .common import INTERPRET
 
@@ -71,8 +70,6 @@ def _worker() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=2, thread_name_prefix="vpce-launcher")
 
 
-# a forked child has none of the parent's threads: it starts its own worker if it ever needs one
-os.register_at_fork(after_in_child=_worker.cache_clear)
 
 
 class _FirstLaunch:
@@ -179,3 +176,15 @@ def start() -> None:
     from triton.runtime.cache import triton_key
     _driver = _worker().submit(_create_driver)
     _worker().submit(triton_key)
+
+
+def _after_fork_in_child():
+    """A forked child has none of the parent's threads: it starts its own worker and driver if it ever needs them
+    (a job the parent had queued would never run there)."""
+    global _driver
+    _worker.cache_clear()
+    _driver = None
+    _started.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
