@@ -446,14 +446,27 @@ def _is_verl_ppo_loss(loss_function):
             and not loss_function.args and set(loss_function.keywords) == {"config"})
 
 
+def _flag(micro_batch, key: str):
+    """A flag verl's engine puts on the micro-batch (False where it is absent)."""
+    from verl.utils import tensordict_utils as tu
+    return tu.get_non_tensor_data(data=micro_batch, key=key, default=False)
+
+
+def _in_step(step, forward_step, *args):
+    """verl's ``forward_step(*args)`` with ``step`` as the micro-batch's fused step (what the heads find)."""
+    token = _STEP.set(step)
+    try:
+        return forward_step(*args)
+    finally:
+        _STEP.reset(token)
+
+
 def _fused_step(engine, micro_batch, loss_function, forward_only):
     """The step to fuse for this micro-batch, or None where verl's own forward step runs (inference, another loss
     than verl's ``ppo_loss``, no fused head, sequence parallelism, distillation)."""
-    from verl.utils import tensordict_utils as tu
-
     if forward_only or not torch.is_grad_enabled() or not _is_verl_ppo_loss(loss_function):
         return None
-    get = lambda key: tu.get_non_tensor_data(data=micro_batch, key=key, default=False)  # noqa: E731
+    get = functools.partial(_flag, micro_batch)
     if not get("use_fused_kernels") or get("distillation_use_topk") or get("distillation_only"):
         return None
     if getattr(engine, "use_ulysses_sp", False) or getattr(engine, "pad_to_length", False):
@@ -469,11 +482,7 @@ def _fusing_forward_step(forward_step):
         step = _fused_step(self, micro_batch, loss_function, forward_only)
         if step is None:
             return forward_step(self, micro_batch, loss_function, forward_only)
-        token = _STEP.set(step)
-        try:
-            return forward_step(self, micro_batch, step, forward_only)
-        finally:
-            _STEP.reset(token)
+        return _in_step(step, forward_step, self, micro_batch, step, forward_only)
 
     wrapper._vpce_original = forward_step
     return wrapper
@@ -516,24 +525,18 @@ def _megatron_step(engine, model, postprocess):
 def _fusing_megatron_forward_step(forward_step):
     @functools.wraps(forward_step)
     def wrapper(self, batch_iter, model, logits_processor_func, postprocess_micro_batch_func):
-        from verl.utils import tensordict_utils as tu
-
         step = _megatron_step(self, model, postprocess_micro_batch_func)
         if step is None:
             return forward_step(self, batch_iter, model, logits_processor_func, postprocess_micro_batch_func)
         micro_batch = next(batch_iter)
-        get = lambda key: tu.get_non_tensor_data(data=micro_batch, key=key, default=False)  # noqa: E731
+        get = functools.partial(_flag, micro_batch)
         if get("distillation_use_topk") or get("distillation_only") or get("calculate_sum_pi_squared"):
             return forward_step(self, iter([micro_batch]), model, logits_processor_func,
                                 postprocess_micro_batch_func)
         step.micro_batch = micro_batch
         post = postprocess_micro_batch_func
         post = functools.partial(post.func, *post.args, **{**post.keywords, "loss_function": step})
-        token = _STEP.set(step)
-        try:
-            return forward_step(self, iter([micro_batch]), model, logits_processor_func, post)
-        finally:
-            _STEP.reset(token)
+        return _in_step(step, forward_step, self, iter([micro_batch]), model, logits_processor_func, post)
 
     wrapper._vpce_original = forward_step
     return wrapper
